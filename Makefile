@@ -1,0 +1,39 @@
+# kvserve — the two commands: `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test lint typecheck pytest bench clean
+
+# Create .venv and install kvserve with its test extras (all from PyPI, by name).
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# Runs the offline engine demo (later: the server with the bundled model).
+run: install
+	$(BIN)/kvserve demo
+
+lint: install
+	$(BIN)/ruff check service tests
+	$(BIN)/ruff format --check service tests
+
+typecheck: install
+	$(BIN)/mypy
+
+pytest: install
+	$(BIN)/python -m pytest
+
+# The whole suite: lint, types, tests.
+test: lint typecheck pytest
+
+bench: install
+	$(BIN)/kvserve bench offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

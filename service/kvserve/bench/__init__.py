@@ -1,0 +1,1 @@
+"""Benchmarks: commands that print figures measured side by side in one run."""

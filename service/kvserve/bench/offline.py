@@ -1,0 +1,207 @@
+"""``kvserve bench offline``: continuous batching vs transformers static batching.
+
+Both run the same workload, in the same process, in the same dtype, at the same
+concurrency: ``max_num_seqs`` requests at a time for kvserve; static batches of that
+size for transformers (left-padded, each batch runs until its longest request is done).
+Throughput counts only the output tokens each request asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.config import DTYPES
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class BenchResult:
+    model_params: int
+    num_prompts: int
+    prompt_tokens: int
+    output_tokens: int
+    kvserve_seconds: float
+    transformers_seconds: float
+    kvserve_output_tok_s: float
+    transformers_output_tok_s: float
+    ratio: float
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--max-num-seqs", type=int, default=16, help="concurrency for both sides")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--model-size",
+        choices=("30m", "tiny"),
+        default="30m",
+        help="30m: ~34M-parameter Llama (the reference workload); tiny: a smoke test",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+MODEL_SIZES = {
+    # ~33.6M parameters: 8 layers, GQA 8 query / 4 KV heads, untied 8192-token vocab.
+    "30m": dict(
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1536,
+        vocab_size=8192,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+    ),
+}
+
+
+def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_len))]
+        for _ in range(args.num_prompts)
+    ]
+    outs = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
+    return Workload(prompts, outs)
+
+
+def run_kvserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> float:
+    from kvserve import LLM, SamplingParams
+
+    max_len = max(map(len, work.prompts)) + max(work.output_lens)
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_len,
+        seed=args.seed,
+    )
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
+    ]
+    llm.generate(work.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == work.output_tokens, (produced, work.output_tokens)
+    return elapsed
+
+
+def run_transformers(model_dir: Path, work: Workload, args: argparse.Namespace) -> float:
+    import transformers
+
+    dtype = DTYPES[args.dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(args.device).eval()
+    pad = 0
+
+    def batch_generate(prompts: list[list[int]], max_new: int) -> None:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=args.device)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device
+        )
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+
+    batch_generate(work.prompts[:2], 4)  # warm-up
+    n = args.max_num_seqs
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), n):
+        batch_generate(work.prompts[i : i + n], max(work.output_lens[i : i + n]))
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.model.config import ModelConfig
+    from kvserve.testing.checkpoints import build_random_checkpoint
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
+        size = MODEL_SIZES[args.model_size]
+        say(f"building a random {args.model_size} Llama checkpoint ...")
+        model_dir = build_random_checkpoint(
+            Path(tmp) / "model",
+            "llama",
+            max_position_embeddings=1024,
+            seed=args.seed,
+            initializer_range=0.02,
+            **size,  # type: ignore[arg-type]
+        )
+        params = ModelConfig.from_file(model_dir).num_params()
+        work = make_workload(args, int(size["vocab_size"]))
+        prompt_tokens = sum(map(len, work.prompts))
+        say(
+            f"workload: {args.num_prompts} prompts, {prompt_tokens} prompt tokens, "
+            f"{work.output_tokens} output tokens, concurrency {args.max_num_seqs}, {args.dtype}"
+        )
+        say("running kvserve (continuous batching) ...")
+        t_kv = run_kvserve(model_dir, work, args)
+        say(f"  {t_kv:.2f} s")
+        say("running transformers generate (static batches) ...")
+        t_hf = run_transformers(model_dir, work, args)
+        say(f"  {t_hf:.2f} s")
+
+    res = BenchResult(
+        model_params=params,
+        num_prompts=args.num_prompts,
+        prompt_tokens=prompt_tokens,
+        output_tokens=work.output_tokens,
+        kvserve_seconds=round(t_kv, 3),
+        transformers_seconds=round(t_hf, 3),
+        kvserve_output_tok_s=round(work.output_tokens / t_kv, 1),
+        transformers_output_tok_s=round(work.output_tokens / t_hf, 1),
+        ratio=round(t_hf / t_kv, 2),
+    )
+    if args.json:
+        print(json.dumps(asdict(res)))
+    else:
+        print(f"model: random Llama, {params / 1e6:.1f}M parameters, {args.dtype}, {args.device}")
+        print(f"{'engine':<34}{'seconds':>9}{'output tok/s':>14}")
+        print(f"{'kvserve (continuous batching)':<34}{t_kv:>9.2f}{res.kvserve_output_tok_s:>14.1f}")
+        print(
+            f"{'transformers (static batches)':<34}{t_hf:>9.2f}"
+            f"{res.transformers_output_tok_s:>14.1f}"
+        )
+        print(f"ratio (kvserve / transformers): {res.ratio:.2f}x")
+    return 0

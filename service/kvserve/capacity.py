@@ -1,0 +1,315 @@
+"""Capacity calculator: weights, KV cache, blocks and a memory-bound decode time.
+
+Formulas are the fixed ones in DESIGN.md §3:
+
+- KV bytes per token = 2 × layers × kv_heads × head_dim × bytes_per_element
+- KV for requests = KV bytes per token × Σ Tᵢ
+- blocks = Σ ceil(Tᵢ / block_size); slots = block_size × blocks
+- decode lower bound per step = bytes read (weights + KV of the batch) / bandwidth
+
+``num_kv_blocks`` is the single definition of how many KV blocks fit in a byte
+budget; the engine's block pool sizing uses it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvserve.model.config import ModelConfig, blocks_for
+
+DTYPE_BYTES: dict[str, int] = {
+    "fp32": 4,
+    "float32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "fp8": 1,
+}
+
+GIB = 2**30
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element for a dtype name such as ``bf16`` or ``torch.float16``."""
+    key = name.strip().lower().removeprefix("torch.")
+    try:
+        return DTYPE_BYTES[key]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class CapacityReport:
+    params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes: int
+    blocks: int
+    slots: int
+    decode_lower_bound_ms: float | None
+    max_kv_tokens: int | None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def estimate(
+    config: ModelConfig,
+    *,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    tokens: Sequence[int] = (),
+    block_size: int = 16,
+    bandwidth_gbps: float | None = None,
+    memory_gib: float | None = None,
+) -> CapacityReport:
+    """Size weights and KV cache for ``config``.
+
+    ``tokens`` are request lengths (prompt + output) sharing the KV cache.
+    ``bandwidth_gbps`` is memory bandwidth in GB/s (10⁹ bytes/s); ``memory_gib``
+    is the accelerator memory in GiB, giving how many KV tokens fit beside the
+    weights.
+    """
+    weight_elem = dtype_bytes(dtype)
+    kv_elem = dtype_bytes(kv_dtype if kv_dtype is not None else dtype)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1 (got {block_size!r})")
+    token_list = list(tokens)
+    for t in token_list:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"tokens must all be integers >= 1 (got {t!r})")
+    if bandwidth_gbps is not None and not bandwidth_gbps > 0:
+        raise ValueError(f"bandwidth_gbps must be > 0 (got {bandwidth_gbps!r})")
+    if memory_gib is not None and not memory_gib > 0:
+        raise ValueError(f"memory_gib must be > 0 (got {memory_gib!r})")
+
+    params = config.num_params()
+    weight_bytes = params * weight_elem
+    kv_per_token = config.kv_bytes_per_token(kv_elem)
+    if kv_per_token <= 0:
+        raise ValueError(f"config gives {kv_per_token} KV bytes per token; expected > 0")
+    kv_bytes = kv_per_token * sum(token_list)
+    blocks = blocks_for(token_list, block_size)
+
+    decode_ms: float | None = None
+    if bandwidth_gbps is not None:
+        # One decode step reads every weight once plus the KV of the whole batch.
+        decode_ms = (weight_bytes + kv_bytes) / (bandwidth_gbps * 1e9) * 1000.0
+
+    max_kv_tokens: int | None = None
+    if memory_gib is not None:
+        free = memory_gib * GIB - weight_bytes
+        if free < 0:
+            raise ValueError(
+                f"weights alone do not fit: {weight_bytes / GIB:.2f} GiB of weights "
+                f"({dtype}) > {memory_gib:g} GiB of memory"
+            )
+        max_kv_tokens = math.floor(free / kv_per_token)
+
+    return CapacityReport(
+        params=params,
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_per_token,
+        kv_bytes=kv_bytes,
+        blocks=blocks,
+        slots=block_size * blocks,
+        decode_lower_bound_ms=decode_ms,
+        max_kv_tokens=max_kv_tokens,
+    )
+
+
+def num_kv_blocks(
+    config: ModelConfig,
+    kv_cache_memory_bytes: int,
+    block_size: int,
+    kv_bytes_per_element: int,
+) -> int:
+    """KV blocks that fit in a byte budget: floor(budget / (kv_bytes_per_token × block_size))."""
+    if kv_cache_memory_bytes < 0:
+        raise ValueError(f"kv_cache_memory_bytes must be >= 0 (got {kv_cache_memory_bytes})")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    if kv_bytes_per_element < 1:
+        raise ValueError(f"kv_bytes_per_element must be >= 1 (got {kv_bytes_per_element})")
+    block_bytes = config.kv_bytes_per_token(kv_bytes_per_element) * block_size
+    if block_bytes <= 0:
+        raise ValueError(f"config gives {block_bytes} KV bytes per block; expected > 0")
+    return int(kv_cache_memory_bytes) // block_bytes
+
+
+# ---- command line -------------------------------------------------------------------
+
+
+def add_calc_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        required=True,
+        metavar="PATH",
+        help="a config.json file, or a checkpoint directory containing one",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="weight dtype (default: bf16)",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=("bf16", "fp16", "fp32", "fp8"),
+        default=None,
+        help="KV cache dtype (default: same as --dtype)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="request lengths in tokens (prompt + output), one per request",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block (default: 16)"
+    )
+    parser.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        default=None,
+        metavar="B",
+        help="memory bandwidth in GB/s, for the memory-bound decode time per step",
+    )
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        metavar="M",
+        help="accelerator memory in GiB, for how many KV tokens fit beside the weights",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _error(message: str) -> int:
+    print(f"kvserve calc: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_calc(args: argparse.Namespace) -> int:
+    try:
+        config = ModelConfig.from_file(args.config)
+    except (OSError, ValueError) as e:  # includes UnsupportedModelError, bad JSON
+        return _error(str(e))
+    except (TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
+        return _error(f"malformed config {args.config}: {type(e).__name__}: {e}")
+
+    dtype: str = args.dtype
+    kv_dtype: str = args.kv_dtype or dtype
+    tokens: list[int] = list(args.tokens or [])
+    try:
+        report = estimate(
+            config,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            tokens=tokens,
+            block_size=args.block_size,
+            bandwidth_gbps=args.bandwidth_gbps,
+            memory_gib=args.memory_gib,
+        )
+    except ValueError as e:
+        return _error(str(e))
+
+    if args.json:
+        print(json.dumps(report.to_json_dict()))
+    else:
+        print(
+            _table(
+                config,
+                report,
+                dtype=dtype,
+                kv_dtype=kv_dtype,
+                tokens=tokens,
+                block_size=args.block_size,
+                bandwidth_gbps=args.bandwidth_gbps,
+                memory_gib=args.memory_gib,
+            )
+        )
+    return 0
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:g} B"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
+def _table(
+    config: ModelConfig,
+    report: CapacityReport,
+    *,
+    dtype: str,
+    kv_dtype: str,
+    tokens: list[int],
+    block_size: int,
+    bandwidth_gbps: float | None,
+    memory_gib: float | None,
+) -> str:
+    rows: list[tuple[str, str]] = [
+        (
+            "model",
+            f"{config.architecture}: {config.num_layers} layers, hidden {config.hidden_size}, "
+            f"{config.num_heads} heads, {config.num_kv_heads} KV heads, "
+            f"head_dim {config.head_dim}",
+        ),
+        ("params", f"{_count(report.params)} params ({report.params:,})"),
+        (
+            f"weights ({dtype})",
+            f"{_bytes(report.weight_bytes)} ({report.weight_bytes:,} bytes)",
+        ),
+        (
+            f"KV per token ({kv_dtype})",
+            f"{_bytes(report.kv_bytes_per_token)} ({report.kv_bytes_per_token:,} bytes)",
+        ),
+    ]
+    if tokens:
+        total = sum(tokens)
+        rows += [
+            ("requests", f"{len(tokens)} ({total:,} tokens)"),
+            ("KV for requests", f"{_bytes(report.kv_bytes)} ({report.kv_bytes:,} bytes)"),
+            ("blocks", f"{report.blocks:,} (block size {block_size})"),
+            ("slots", f"{report.slots:,} ({report.slots - total:,} unused)"),
+        ]
+    else:
+        rows.append(("requests", "none (pass --tokens N [N ...] for KV, blocks and slots)"))
+    if report.decode_lower_bound_ms is not None and bandwidth_gbps is not None:
+        read = "weights + KV of the batch" if tokens else "weights"
+        rows.append(
+            (
+                "decode lower bound",
+                f"{report.decode_lower_bound_ms:.2f} ms/step at {bandwidth_gbps:g} GB/s "
+                f"(reads {read} once)",
+            )
+        )
+    if report.max_kv_tokens is not None and memory_gib is not None:
+        free = memory_gib * GIB - report.weight_bytes
+        rows.append(
+            (
+                "max KV tokens",
+                f"{report.max_kv_tokens:,} ({_bytes(free)} free of {memory_gib:g} GiB "
+                "after weights)",
+            )
+        )
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,54 @@
+"""The ``kvserve`` command line: one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvserve import __version__, capacity, demo
+    from kvserve.bench import offline as bench_offline
+
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="kvserve: paged-KV LLM inference engine and tools"
+    )
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    calc = sub.add_parser(
+        "calc",
+        help="size weights, KV cache and blocks for a model config",
+        description="Capacity calculator: parameters, weight bytes, KV bytes per token, "
+        "blocks and slots for given request lengths, and memory-bound decode time.",
+    )
+    capacity.add_calc_arguments(calc)
+    calc.set_defaults(func=capacity.run_calc)
+
+    demo_p = sub.add_parser(
+        "demo",
+        help="run the offline engine on a small model and show what it does",
+    )
+    demo.add_arguments(demo_p)
+    demo_p.set_defaults(func=demo.run)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    off = bench_sub.add_parser(
+        "offline",
+        help="continuous batching vs transformers static batching, one process",
+    )
+    bench_offline.add_arguments(off)
+    off.set_defaults(func=bench_offline.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""The step-level engine: request state, KV block pool, scheduler, model runner."""

@@ -1,0 +1,85 @@
+"""The pool of fixed-size KV cache blocks, with reference counts and a prefix cache.
+
+A block is *free* when no request references it. Free blocks wait in ``free_queue`` in
+LRU order (the front is evicted first) and keep their hash, so a later request with the
+same prefix can take them back without recomputing. Allocating a fresh block pops the
+front of the queue and forgets whatever it cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None  # set while the block holds a cached full block
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self.cached: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks referenced by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks (a prefix-cache hit)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} KV blocks but only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:  # evict its cached content
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks nobody holds join the LRU tail."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Register a block that now holds a full, computed block of tokens."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return  # already cached, or an identical block is (keep the first)
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()

@@ -1,0 +1,314 @@
+"""The step-level engine: add requests, call ``step()``, read outputs.
+
+``LLM`` (offline) and the server's async engine both drive this class. One ``step()``
+schedules a batch, runs one forward pass, samples, detokenizes, applies stop rules and
+frees the blocks of finished requests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.capacity import num_kv_blocks
+from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.model.config import ModelConfig
+from kvserve.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(
+                f"model directory {config.model!r} does not exist (pass a local Hugging Face "
+                "checkpoint directory; nothing is downloaded)"
+            )
+        self.model_config = ModelConfig.from_file(model_dir)
+        self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
+        max_pos = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or max_pos
+        if self.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={max_pos}"
+            )
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.model_config.torch_dtype)
+        self.eos_token_ids = _eos_token_ids(model_dir, self.model_config, self.tokenizer)
+
+        self.runner = ModelRunner(
+            model_dir,
+            self.model_config,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            seed=config.seed,
+        )
+        self.num_kv_blocks = self._size_kv_pool()
+        self.runner.allocate_kv_cache(self.num_kv_blocks)
+        self.kv = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            clock=clock,
+        )
+        self.requests: dict[str, Request] = {}
+        self.last_schedule: SchedulerOutput | None = None  # for stats and tests
+
+    # ---- sizing ----------------------------------------------------------------------
+    def _size_kv_pool(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        if c.kv_cache_memory is not None:
+            budget = c.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(c.gpu_memory_utilization * total) - (total - free)
+        else:
+            full = c.max_num_seqs * -(-self.max_model_len // c.block_size)
+            budget = min(
+                DEFAULT_CPU_KV_CACHE_MEMORY,
+                full * c.block_size * self.model_config.kv_bytes_per_token(elem),
+            )
+        blocks = num_kv_blocks(self.model_config, budget, c.block_size, elem)
+        if blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds no block of "
+                f"{c.block_size} tokens; raise kv_cache_memory or gpu_memory_utilization"
+            )
+        return blocks
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queue a request. Raises ValueError (with the numbers) if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            token_ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        else:
+            token_ids, text = list(prompt), None
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len={self.max_model_len}"
+            )
+        if not self.kv.can_fit(total):
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens need {self.kv.blocks_needed(total)} KV "
+                f"blocks but the whole pool has {self.num_kv_blocks} "
+                f"(block_size={self.config.block_size})"
+            )
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            metrics=RequestMetrics(
+                arrival_time=self.clock() if arrival_time is None else arrival_time
+            ),
+            prompt=text,
+            cache_salt=cache_salt,
+            eos_token_ids=frozenset(() if params.ignore_eos else self.eos_token_ids),
+        )
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        if params.seed is not None:
+            req.generator = self.runner.sampler.request_generator(params.seed)
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Remove requests wherever they are and free their blocks; unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outs = []
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, "abort")
+                outs.append(self._output(req, "", []))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_kv_blocks=self.num_kv_blocks,
+            prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
+            prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.last_schedule = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        tables = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in sched.scheduled}
+        sampled_reqs, sampled = self.runner.execute(sched.scheduled, tables)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+        now = self.clock()
+        outputs = []
+        for req, token, logprob in zip(
+            sampled_reqs, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            req.append_output_token(token)
+            req.metrics.token_times.append(now)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if req.logprobs is not None and logprob is not None:
+                req.logprobs.append(logprob)
+            reason: FinishReason | None = None
+            if token in req.eos_token_ids:
+                reason = "stop"
+            elif token in req.params.stop_token_ids:
+                reason, req.stop_reason = "stop", token
+            elif (
+                req.num_output_tokens >= req.params.max_tokens
+                or req.num_tokens >= self.max_model_len
+            ):
+                reason = "length"
+            delta_text = ""
+            if req.detokenizer is not None:
+                stop_str = req.detokenizer.update([token], finished=reason is not None)
+                if stop_str is not None:
+                    reason, req.stop_reason = "stop", stop_str
+                delta_text = req.detokenizer.delta_text
+            if reason is not None:
+                self._finish(req, reason)
+            elif self.config.recompute_every_step:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+            outputs.append(self._output(req, delta_text, [token]))
+        return outputs
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        req.metrics.finished_time = self.clock()
+        self.scheduler.finish(req)
+        del self.requests[req.request_id]
+
+    def _output(self, req: Request, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+        text = req.detokenizer.text if req.detokenizer is not None else ""
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=text,
+                    token_ids=list(req.output_token_ids),
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                    logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                )
+            ],
+            finished=req.is_finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=req.metrics,
+        )
+
+    # ---- evaluation helpers ----------------------------------------------------------
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced log-softmax at every position, float32 [T, vocab].
+
+        Uses free KV blocks temporarily; call it while no requests are running.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("prompt_logprobs needs an idle engine")
+        probe = Request(
+            "__score__", list(token_ids), SamplingParams(max_tokens=1), RequestMetrics(0.0)
+        )
+        if not self.kv.allocate_slots(probe, len(token_ids)):
+            raise ValueError(f"{len(token_ids)} tokens do not fit in the KV pool")
+        try:
+            return self.runner.prompt_logprobs(token_ids, self.kv.block_ids(probe.request_id))
+        finally:
+            self.kv.free(probe)
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((p / name).exists() for name in names):
+        return None
+    return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+
+
+def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> set[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {int(eos)}
+    if config.eos_token_ids:
+        return set(config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return {int(tokenizer.eos_token_id)}
+    return set()

@@ -1,0 +1,155 @@
+"""Turns a scheduled batch into one forward pass and samples the next tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.engine.request import Request
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import load_model
+from kvserve.model.rope import RotaryEmbedding
+from kvserve.outputs import RequestMetrics
+from kvserve.sample.sampler import Sampler, SamplerOutput
+from kvserve.sampling_params import SamplingParams
+
+_SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0)
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
+    sample_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        max_model_len: int,
+        seed: int,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.model = load_model(model_dir, config, dtype, device)
+        self.rope = RotaryEmbedding(config, max_model_len, device)
+        self.sampler = Sampler(device, seed)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim]."""
+        c = self.config
+        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        # Zeroed, not empty: masked-out cache slots still meet the attention weights (as 0),
+        # and 0 × NaN from uninitialised memory would poison the output.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(c.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: Sequence[tuple[Request, int]], block_tables: Mapping[str, list[int]]
+    ) -> tuple[list[Request], SamplerOutput]:
+        """Run the batch; returns the requests that sampled a token, and their tokens."""
+        inp = self.prepare(batch, block_tables)
+        hidden = self._forward(inp)
+        if not inp.sample_requests:
+            return [], SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_indices))
+        return inp.sample_requests, self.sampler(logits, inp.sample_requests)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: Sequence[int], block_ids: list[int]) -> torch.Tensor:
+        """Log-softmax at every position of ``token_ids`` (teacher forcing), float32 [T, V]."""
+        req = Request("score", list(token_ids), _SCORE_PARAMS, RequestMetrics(arrival_time=0.0))
+        inp = self.prepare([(req, len(token_ids))], {"score": block_ids})
+        hidden = self._forward(inp)
+        return torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
+        cos, sin = self.rope.lookup(inp.positions, self.dtype)
+        return self.model(inp.input_ids, cos, sin, self.kv_caches, inp.meta)  # type: ignore[no-any-return]
+
+    def prepare(
+        self, batch: Sequence[tuple[Request, int]], block_tables: Mapping[str, list[int]]
+    ) -> ModelInput:
+        bs = self.block_size
+        decodes = [(r, n) for r, n in batch if n == 1]
+        prefills = [(r, n) for r, n in batch if n > 1]
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_indices: list[int] = []
+        sample_requests: list[Request] = []
+        for req, n in decodes + prefills:
+            start = req.num_computed_tokens
+            table = block_tables[req.request_id]
+            tokens.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if start + n == req.num_tokens:  # caught up: this step yields its next token
+                sample_indices.append(len(tokens) - 1)
+                sample_requests.append(req)
+
+        meta = AttentionMetadata(slot_mapping=self._long(slots), num_decodes=len(decodes))
+        if decodes:
+            ctx = [r.num_computed_tokens + 1 for r, _ in decodes]
+            meta.decode_block_tables = self._block_table_tensor(
+                [block_tables[r.request_id] for r, _ in decodes], max(ctx)
+            )
+            keys = torch.arange(meta.decode_block_tables.shape[1] * bs, device=self.device)
+            meta.decode_mask = (keys[None, :] < self._long(ctx)[:, None])[:, None, None, :]
+        if prefills:
+            first = prefills[0][0]
+            meta.num_prefills = len(prefills)
+            meta.max_query_len = qmax = max(n for _, n in prefills)
+            meta.single_fresh_prefill = len(prefills) == 1 and first.num_computed_tokens == 0
+            if not meta.single_fresh_prefill:
+                ends = [r.num_computed_tokens + n for r, n in prefills]
+                meta.prefill_block_tables = self._block_table_tensor(
+                    [block_tables[r.request_id] for r, _ in prefills], max(ends)
+                )
+                dest: list[int] = []
+                qpos = torch.zeros(len(prefills), qmax, dtype=torch.long)
+                for b, (req, n) in enumerate(prefills):
+                    dest.extend(range(b * qmax, b * qmax + n))
+                    qpos[b, :n] = torch.arange(req.num_computed_tokens, req.num_computed_tokens + n)
+                meta.prefill_dest = self._long(dest)
+                keys = torch.arange(meta.prefill_block_tables.shape[1] * bs, device=self.device)
+                # Causal from each chunk's offset; padded query rows see key 0 only.
+                meta.prefill_mask = (keys[None, None, :] <= qpos.to(self.device)[:, :, None])[
+                    :, None
+                ]
+        return ModelInput(
+            input_ids=self._long(tokens),
+            positions=self._long(positions),
+            meta=meta,
+            sample_indices=self._long(sample_indices),
+            sample_requests=sample_requests,
+        )
+
+    def _block_table_tensor(self, tables: list[list[int]], max_tokens: int) -> torch.Tensor:
+        width = -(-max_tokens // self.block_size)
+        rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        return self._long(rows)
+
+    def _long(self, data: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)

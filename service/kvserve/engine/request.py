@@ -1,0 +1,75 @@
+"""One generation request as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvserve.outputs import FinishReason, RequestMetrics, TokenLogprob
+from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Token state of one request.
+
+    The scheduler's one rule: give each request tokens until ``num_computed_tokens``
+    catches up with ``num_tokens`` (prompt + generated so far); when it has caught up,
+    the step samples a new token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    prompt: str | None = None
+    cache_salt: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache, set when admitted
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
+    logprobs: list[TokenLogprob] | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

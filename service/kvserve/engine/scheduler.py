@@ -1,0 +1,131 @@
+"""Continuous batching: which requests run this step, and how many tokens each gets.
+
+Each step spends a token budget (``max_num_batched_tokens``): first on running requests
+that decode (one token each), then on running requests still prefilling, then on waiting
+requests in arrival order. A prompt longer than what is left of the budget is prefilled
+in chunks over several steps. When the KV pool runs dry, the most recently admitted
+running request is preempted: its blocks are freed and it goes back to the head of the
+queue, to be recomputed later (its cached blocks often survive and make that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of new tokens to compute), in the order chosen.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+
+        # Running requests: decodes first, then those still prefilling.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                scheduled[req.request_id] = num_new
+                budget -= num_new
+
+        # Waiting requests, first come first served. After a preemption the pool is
+        # short, so admit nobody new this step.
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
+                req.num_cached_tokens = num_hit_tokens
+                self.kv.record_prefix_lookup(req.num_prompt_tokens, num_hit_tokens)
+                req.metrics.first_scheduled_time = self.clock()
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        by_id = {r.request_id: r for r in self.running}
+        out.scheduled = [(by_id[rid], n) for rid, n in scheduled.items()]
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request wherever it is and free its blocks."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED

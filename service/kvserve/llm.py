@@ -1,0 +1,157 @@
+"""The offline API: generate for a list of prompts and get the outputs back in order."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+PROGRESS_BAR_MIN_PROMPTS = 32
+
+
+class LLM:
+    """Run a Hugging Face checkpoint directory with continuous batching, offline.
+
+    >>> llm = LLM(model="path/to/hf_dir", dtype="bfloat16")
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        recompute_every_step: bool = False,
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=str(model),
+                tokenizer=tokenizer,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
+                seed=seed,
+                recompute_every_step=recompute_every_step,
+            )
+        )
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        ``prompts``: a string, a list of token ids, or a list of either.
+        ``sampling_params``: one for all prompts, or one per prompt.
+        """
+        batch = _as_prompt_list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(batch):
+                raise ValueError(
+                    f"got {len(sampling_params)} sampling_params for {len(batch)} prompts"
+                )
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(batch)
+
+        ids = [f"offline-{next(self._ids)}" for _ in batch]
+        try:
+            for rid, prompt, p in zip(ids, batch, params, strict=True):
+                self.engine.add_request(rid, prompt, p, cache_salt=cache_salt)
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        conversations: list[list[Message]] = (
+            [messages]  # type: ignore[list-item]
+            if messages and isinstance(messages[0], dict)
+            else messages  # type: ignore[assignment]
+        )
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        show = len(ids) >= PROGRESS_BAR_MIN_PROMPTS if use_tqdm is None else use_tqdm
+        bar = None
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req", file=sys.stderr)
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests() and len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # type: ignore[list-item]
+    for p in items:
+        if not isinstance(p, str | list):
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p)}")
+    return items  # type: ignore[return-value]

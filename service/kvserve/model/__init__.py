@@ -1,0 +1,1 @@
+"""Model definitions (our own forward pass over the paged KV cache) and weight loading."""

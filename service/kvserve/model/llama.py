@@ -1,0 +1,139 @@
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3 checkpoints.
+
+The differences between those families are flags in ``ModelConfig``: q/k/v bias
+(Qwen2), per-head q/k RMSNorm (Qwen3), explicit ``head_dim``, Llama 3 RoPE scaling and
+tied embeddings. Q/K/V and gate/up projections are fused into one matmul each; the
+loader fills them from the checkpoint's separate Hugging Face tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.config import ModelConfig
+from kvserve.model.rope import apply_rotary
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32, then back: the same arithmetic as the reference implementation.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Linear(nn.Module):
+    def __init__(self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(n_out, n_in, dtype=dtype)
+        self.bias = _param(n_out, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.scale = c.head_dim**-0.5
+        self.qkv_proj = Linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias, dtype)
+        self.o_proj = Linear(c.q_size, c.hidden_size, c.o_bias, dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out)  # type: ignore[no-any-return]
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = c.intermediate_size
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, dtype)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = Attention(c, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = MLP(c, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,55 @@
+"""What the engine returns for each request, step by step and at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class RequestMetrics:
+    """The request's timeline, in seconds of the engine's monotonic clock.
+
+    ``token_times[i]`` is when output token ``i`` was produced. Latency figures (TTFT,
+    TPOT, ITL, queue time) are derived from this timeline by ``kvserve.telemetry``.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the N most likely tokens → log-probability
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[TokenLogprob] | None = None
+    # What this step added (for streaming):
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics

@@ -1,0 +1,120 @@
+"""Pick the next token for every request in the batch at once.
+
+Order: penalties on the raw logits, then temperature, then top-k / top-p / min-p
+filters, then sampling. Sampling uses the exponential-race trick (argmax of p / q with
+q ~ Exp(1)), which draws from p exactly and lets a seeded request take its noise from
+its own generator: its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.request import Request
+from kvserve.outputs import TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def request_generator(self, seed: int) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """``logits``: float32 [len(requests), vocab]."""
+        params = [r.params for r in requests]
+        raw = logits
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
+
+        logits = self._apply_penalties(logits, requests)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests)
+        token_list: list[int] = tokens.tolist()
+
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            max_n = max(p.logprobs or 0 for p in params)
+            top_vals, top_ids = raw_logprobs.topk(max(max_n, 1), dim=-1)
+            chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+            for i, p in enumerate(params):
+                if p.logprobs is not None:
+                    n = p.logprobs
+                    logprobs[i] = TokenLogprob(
+                        token_id=token_list[i],
+                        logprob=chosen[i],
+                        top=dict(zip(top_ids_l[i][:n], top_vals_l[i][:n], strict=True)),
+                    )
+        return SamplerOutput(token_list, logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        rows = [
+            i
+            for i, r in enumerate(requests)
+            if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids
+        ]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:  # one bincount per penalised request; outputs differ in length
+            p = requests[i].params
+            ids = torch.tensor(requests[i].output_token_ids, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        dev = logits.device
+        temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        greedy_tokens = logits.argmax(dim=-1)
+        logits = logits / temps.unsqueeze(1)
+
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            vocab = logits.shape[1]
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+            top_p = torch.tensor([p.top_p for p in params])
+            logits = _top_k_top_p(logits, top_k.to(dev), top_p.to(dev))
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0)
+
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, req in enumerate(requests):
+            if req.generator is not None and not params[i].greedy:
+                noise[i].exponential_(generator=req.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    remove = ranks >= top_k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (keeps ≥ 1).
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

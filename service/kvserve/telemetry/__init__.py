@@ -1,0 +1,1 @@
+"""Request telemetry: the fixed latency and goodput definitions."""

@@ -1,0 +1,1 @@
+"""Offline test helpers (tiny tokenizers etc.) for tests, demos and benchmarks."""

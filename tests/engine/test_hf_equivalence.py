@@ -1,0 +1,82 @@
+"""Greedy fp32 output equals Hugging Face transformers, token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import CHECKPOINTS, make_prompts
+
+MAX_TOKENS = 12
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outs = []
+    for ids in prompts:
+        gen = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outs.append(gen[0, len(ids) :].tolist())
+    return outs
+
+
+# Each engine setup stresses a different path through the scheduler and KV cache.
+ENGINE_SETUPS = {
+    "default": {},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    "preempt": {"block_size": 4, "num_kv_blocks": 40, "max_num_seqs": 16},
+    "chunked-prefill": {"max_num_batched_tokens": 16, "block_size": 8},
+    "recompute": {"recompute_every_step": True},
+}
+
+
+@pytest.fixture(scope="module")
+def hf_reference(checkpoint_dir):  # type: ignore[no-untyped-def]
+    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(name: str) -> tuple[list[list[int]], list[list[int]]]:
+        if name not in cache:
+            path = checkpoint_dir(name)
+            tok = transformers.AutoTokenizer.from_pretrained(path)
+            prompts = make_prompts(tok)
+            cache[name] = prompts, hf_greedy(path, prompts, MAX_TOKENS)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_matches_transformers_default_setup(name, checkpoint_dir, hf_reference):  # type: ignore[no-untyped-def]
+    prompts, expected = hf_reference(name)
+    llm = LLM(str(checkpoint_dir(name)), dtype="float32", device="cpu")
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    )
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("setup", [s for s in ENGINE_SETUPS if s != "default"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_matches_transformers_under_pressure(name, setup, checkpoint_dir, hf_reference):  # type: ignore[no-untyped-def]
+    prompts, expected = hf_reference(name)
+    llm = LLM(str(checkpoint_dir(name)), dtype="float32", device="cpu", **ENGINE_SETUPS[setup])
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    )
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.stats()
+    if setup == "preempt":
+        assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    if setup == "default":
+        assert stats.prefix_cache_hit_tokens > 0
+    assert stats.kv_cache_usage == 0.0

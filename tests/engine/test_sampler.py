@@ -1,0 +1,129 @@
+"""The sampler on real logits tensors and through the engine."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.request import Request
+from kvserve.outputs import RequestMetrics
+from kvserve.sample.sampler import Sampler
+
+VOCAB = 50
+
+
+def make_request(
+    params: SamplingParams, sampler: Sampler, outputs: list[int] | None = None
+) -> Request:
+    req = Request("r", [1, 2, 3], params, RequestMetrics(0.0))
+    if params.seed is not None:
+        req.generator = sampler.request_generator(params.seed)
+    for t in outputs or []:
+        req.append_output_token(t)
+    return req
+
+
+def test_top_k_1_equals_greedy() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(1))
+    reqs = [make_request(SamplingParams(temperature=1.3, top_k=1), sampler) for _ in range(8)]
+    assert sampler(logits, reqs).token_ids == logits.argmax(-1).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.9),
+    top_k=st.integers(0, VOCAB),
+    temperature=st.floats(0.2, 2.0),
+)
+def test_filters_never_pick_outside_allowed_set(seed, top_p, min_p, top_k, temperature) -> None:  # type: ignore[no-untyped-def]
+    sampler = Sampler(torch.device("cpu"), seed=seed)
+    logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    params = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    reqs = [make_request(params, sampler) for _ in range(16)]
+    tokens = sampler(logits, reqs).token_ids
+    for row, tok in zip(logits, tokens, strict=True):
+        probs = torch.softmax(row / temperature, -1)
+        order = probs.argsort(descending=True).tolist()
+        rank = order.index(tok)
+        if top_k > 0:
+            assert rank < top_k
+        mass_before = probs[order[:rank]].sum().item()
+        assert mass_before < top_p + 1e-5, "outside the top-p nucleus"
+        # min_p is relative to the most likely token (after top-k/top-p renormalisation,
+        # which keeps the ratio to the maximum).
+        assert probs[tok] >= min_p * probs.max() - 1e-6
+
+
+def test_seeded_sampling_reproducible_across_batch_mixes() -> None:
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    target = logits[2].clone()
+
+    def draw(
+        batch_logits: torch.Tensor, row: int, others_seeded: bool, steps: int = 5
+    ) -> list[int]:
+        sampler = Sampler(torch.device("cpu"), seed=123)
+        reqs = [
+            make_request(
+                SamplingParams(
+                    temperature=1.0, seed=(7 if i == row else (i if others_seeded else None))
+                ),
+                sampler,
+            )
+            for i in range(len(batch_logits))
+        ]
+        return [sampler(batch_logits, reqs).token_ids[row] for _ in range(steps)]
+
+    alone = draw(target.unsqueeze(0), 0, False)
+    in_batch = draw(logits, 2, False)
+    with_seeded_neighbours = draw(torch.cat([logits[3:], logits[:3]]), 5, True)
+    assert alone == in_batch == with_seeded_neighbours
+    assert len(set(alone)) > 1, "sampling at temperature 1 should vary across steps"
+
+
+def test_penalties_discourage_repeats() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5] = 1.0
+    logits[0, 6] = 0.9
+    plain = make_request(SamplingParams(temperature=0), sampler, outputs=[5, 5])
+    penalised = make_request(SamplingParams(temperature=0, frequency_penalty=0.1), sampler, [5, 5])
+    presence = make_request(SamplingParams(temperature=0, presence_penalty=0.2), sampler, [5])
+    out = sampler(logits.repeat(3, 1), [plain, penalised, presence]).token_ids
+    assert out == [5, 6, 6]
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    reqs = [
+        make_request(SamplingParams(temperature=0, logprobs=3), sampler),
+        make_request(SamplingParams(temperature=0.7), sampler),
+    ]
+    out = sampler(logits, reqs)
+    lp = out.logprobs[0]
+    assert lp is not None and out.logprobs[1] is None
+    ref = torch.log_softmax(logits[0], -1)
+    assert lp.token_id == int(ref.argmax())
+    assert abs(lp.logprob - ref.max().item()) < 1e-6
+    assert list(lp.top) == ref.topk(3).indices.tolist()
+
+
+def test_engine_seeded_requests_reproducible_regardless_of_batch(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(str(checkpoint_dir("llama")), dtype="float32", device="cpu")
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True)
+    other = SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True)
+    alone = llm.generate(["hello there"], seeded)[0].outputs[0].token_ids
+    mixed = llm.generate(["a", "hello there", "the cache keeps keys"], [other, seeded, other])
+    assert mixed[1].outputs[0].token_ids == alone
+    greedy = llm.generate(
+        ["hello there"], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )
+    top1 = llm.generate(
+        ["hello there"], SamplingParams(max_tokens=10, temperature=0.9, top_k=1, ignore_eos=True)
+    )
+    assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
