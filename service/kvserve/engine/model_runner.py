@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kvserve.engine.request import Request
-from kvserve.model.attention import AttentionMetadata
+from kvserve.model.attention import AttentionMetadata, DecodeGroup, allocate_kv_cache
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.rope import RotaryEmbedding
@@ -58,8 +58,8 @@ class ModelRunner:
         # and 0 × NaN from uninitialised memory would poison the output.
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                allocate_kv_cache(*shape, dtype=self.dtype, device=self.device),
+                allocate_kv_cache(*shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(c.num_layers)
         ]
@@ -92,7 +92,10 @@ class ModelRunner:
         self, batch: Sequence[tuple[Request, int]], block_tables: Mapping[str, list[int]]
     ) -> ModelInput:
         bs = self.block_size
-        decodes = [(r, n) for r, n in batch if n == 1]
+        # Decodes first, shortest context first (see _decode_groups), then prefill chunks.
+        decodes = sorted(
+            ((r, n) for r, n in batch if n == 1), key=lambda x: x[0].num_computed_tokens
+        )
         prefills = [(r, n) for r, n in batch if n > 1]
         tokens: list[int] = []
         positions: list[int] = []
@@ -112,11 +115,14 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=self._long(slots), num_decodes=len(decodes))
         if decodes:
             ctx = [r.num_computed_tokens + 1 for r, _ in decodes]
-            meta.decode_block_tables = self._block_table_tensor(
-                [block_tables[r.request_id] for r, _ in decodes], max(ctx)
-            )
-            keys = torch.arange(meta.decode_block_tables.shape[1] * bs, device=self.device)
-            meta.decode_mask = (keys[None, :] < self._long(ctx)[:, None])[:, None, None, :]
+            tables = [block_tables[r.request_id] for r, _ in decodes]
+            for lo, hi in _split_by_length(ctx, bs):
+                bt = self._block_table_tensor(tables[lo:hi], ctx[hi - 1])
+                keys = torch.arange(bt.shape[1] * bs, device=self.device)
+                visible = keys[None, :] < self._long(ctx[lo:hi])[:, None]
+                meta.decode_groups.append(
+                    DecodeGroup(lo, bt, self._additive(visible)[:, None, None, :])
+                )
         if prefills:
             first = prefills[0][0]
             meta.num_prefills = len(prefills)
@@ -135,9 +141,8 @@ class ModelRunner:
                 meta.prefill_dest = self._long(dest)
                 keys = torch.arange(meta.prefill_block_tables.shape[1] * bs, device=self.device)
                 # Causal from each chunk's offset; padded query rows see key 0 only.
-                meta.prefill_mask = (keys[None, None, :] <= qpos.to(self.device)[:, :, None])[
-                    :, None
-                ]
+                visible = keys[None, None, :] <= qpos.to(self.device)[:, :, None]
+                meta.prefill_mask = self._additive(visible)[:, None]
         return ModelInput(
             input_ids=self._long(tokens),
             positions=self._long(positions),
@@ -146,6 +151,10 @@ class ModelRunner:
             sample_requests=sample_requests,
         )
 
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~visible, float("-inf"))
+
     def _block_table_tensor(self, tables: list[list[int]], max_tokens: int) -> torch.Tensor:
         width = -(-max_tokens // self.block_size)
         rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
@@ -153,3 +162,19 @@ class ModelRunner:
 
     def _long(self, data: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _split_by_length(sorted_lens: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Split ascending context lengths into one or two groups, whichever gathers fewer
+    padded blocks (a second attention call costs about as much as ~20% padding)."""
+    n = len(sorted_lens)
+    blocks = [-(-t // block_size) for t in sorted_lens]
+    one = n * blocks[-1]
+    best, cut = one, n
+    for i in range(1, n):
+        area = i * blocks[i - 1] + (n - i) * blocks[-1]
+        if area < best:
+            best, cut = area, i
+    if cut == n or best > 0.8 * one:
+        return [(0, n)]
+    return [(0, cut), (cut, n)]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model import cpu_gemm
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.rope import apply_rotary
@@ -40,9 +41,17 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(n_out, n_in, dtype=dtype)
         self.bias = _param(n_out, dtype=dtype) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN layout, see cpu_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_gemm.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def prepack(self) -> None:
+        """Switch to the packed weight; the plain copy is released."""
+        self.packed = cpu_gemm.pack_weight(self.weight.data)
+        self.weight = _param(0, dtype=self.weight.dtype)
 
 
 class Attention(nn.Module):
@@ -120,6 +129,7 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else _param(config.vocab_size, config.hidden_size, dtype=dtype)
         )
+        self.packed_lm_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -135,5 +145,22 @@ class CausalLM(nn.Module):
         return self.norm(x)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return cpu_gemm.linear(hidden, self.packed_lm_head, None).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()
+
+    def prepack_cpu_weights(self) -> bool:
+        """Use oneDNN-packed weights for every matmul when this CPU build supports it."""
+        if self.embed_tokens.device.type != "cpu" or not cpu_gemm.prepacking_supported(
+            self.embed_tokens.dtype
+        ):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        self.packed_lm_head = cpu_gemm.pack_weight(head.data)
+        if self.lm_head is not None:
+            self.lm_head = _param(0, dtype=head.dtype)
+        return True

@@ -74,6 +74,7 @@ def load_model(
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ValueError(f"checkpoint in {model_dir} lacks weights: {shown}")
+    model.prepack_cpu_weights()
     return model.eval()
 
 

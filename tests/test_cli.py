@@ -1,0 +1,68 @@
+"""The kvserve command line, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_kvserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def test_help_lists_subcommands() -> None:
+    out = run_kvserve("--help")
+    assert out.returncode == 0
+    for cmd in ("calc", "demo", "bench"):
+        assert cmd in out.stdout
+
+
+def test_demo_runs_on_a_given_model(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    out = run_kvserve(
+        "demo",
+        "--model",
+        str(checkpoint_dir("llama")),
+        "--num-requests",
+        "4",
+        "--max-tokens",
+        "4",
+        "--dtype",
+        "float32",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "4 requests, 16 output tokens" in out.stdout
+    assert "prefix cache:" in out.stdout
+
+
+@pytest.mark.slow
+def test_demo_builds_its_default_model(tmp_path: Path) -> None:
+    out = run_kvserve(
+        "demo", "--num-requests", "2", "--max-tokens", "2", env={"KVSERVE_CACHE": str(tmp_path)}
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "demo-random-llama-v1" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_offline_benchmark_smoke() -> None:
+    out = run_kvserve(
+        "bench", "offline", "--model-size", "tiny", "--num-prompts", "6", "--rounds", "1", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["output_tokens"] > 0 and result["ratio"] > 0
+    assert result["kvserve_seconds"] > 0 and result["transformers_seconds"] > 0
