@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32, then back: the same arithmetic as the reference implementation.
+        if x.dtype == torch.float32:  # one fused kernel, same arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # In float32, then back, as the reference implementation rounds.
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -73,14 +75,18 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(qkv[:, : self.q_size].view(t, heads, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, d))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # rotate queries and keys in one go
+            qk = apply_rotary(
+                qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d), cos, sin
+            )
+            q, k = qk[:, :heads], qk[:, heads:]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out)  # type: ignore[no-any-return]
 
