@@ -10,6 +10,7 @@ from collections.abc import Sequence
 def build_parser() -> argparse.ArgumentParser:
     from kvserve import __version__, capacity, demo
     from kvserve.bench import offline as bench_offline
+    from kvserve.server import main as server_main
 
     parser = argparse.ArgumentParser(
         prog="kvserve", description="kvserve: paged-KV LLM inference engine and tools"
@@ -25,6 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     capacity.add_calc_arguments(calc)
     calc.set_defaults(func=capacity.run_calc)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI-compatible HTTP API",
+    )
+    server_main.add_arguments(serve)
+    serve.set_defaults(func=server_main.run)
 
     demo_p = sub.add_parser(
         "demo",

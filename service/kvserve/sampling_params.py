@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.errors import InvalidRequestError
+
 
 @dataclass
 class SamplingParams:
@@ -36,25 +38,33 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer ≥ 1, got {self.max_tokens!r}")
+            raise InvalidRequestError(
+                f"max_tokens must be an integer ≥ 1, got {self.max_tokens!r}", "max_tokens"
+            )
         if self.temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+            raise InvalidRequestError(
+                f"temperature must be ≥ 0, got {self.temperature}", "temperature"
+            )
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+            raise InvalidRequestError(f"top_k must be an integer, got {self.top_k!r}", "top_k")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise InvalidRequestError(
+                f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs"
+            )
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+            raise InvalidRequestError(
+                "stop_token_ids must be non-negative token ids", "stop_token_ids"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.errors import InvalidRequestError
 from kvserve.model.config import ModelConfig
 from kvserve.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -121,33 +122,59 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Queue a request. Raises ValueError (with the numbers) if it can never run."""
+        req = self.build_request(
+            request_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt
+        )
+        self.enqueue(req)
+        return req
+
+    def build_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Tokenize and validate a request without touching engine state.
+
+        Safe to call from another thread than the one stepping the engine (the async
+        server validates on its event loop, so bad input is answered before streaming).
+        """
         params = params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids")
+                raise InvalidRequestError(
+                    "this model has no tokenizer: pass prompt token ids", "prompt"
+                )
             token_ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
         if not token_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            raise InvalidRequestError(
+                f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt"
+            )
         total = len(token_ids) + params.max_tokens
+        # Blame the prompt when it alone leaves no room, else max_tokens.
+        param = "prompt" if len(token_ids) >= self.max_model_len else "max_tokens"
         if total > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds max_model_len={self.max_model_len}"
+                f"exceeds max_model_len={self.max_model_len}",
+                param,
             )
         if not self.kv.can_fit(total):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt + max_tokens = {total} tokens need {self.kv.blocks_needed(total)} KV "
                 f"blocks but the whole pool has {self.num_kv_blocks} "
-                f"(block_size={self.config.block_size})"
+                f"(block_size={self.config.block_size})",
+                param,
             )
         req = Request(
             request_id=request_id,
@@ -169,9 +196,14 @@ class LLMEngine:
             )
         if params.seed is not None:
             req.generator = self.runner.sampler.request_generator(params.seed)
-        self.requests[request_id] = req
-        self.scheduler.add_request(req)
         return req
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a request made by ``build_request``."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.scheduler.add_request(req)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Remove requests wherever they are and free their blocks; unknown ids are ignored."""

@@ -49,3 +49,13 @@ def whole_request_rate(s: float, e: float, num_output_tokens: int) -> float | No
 def queue_time(queued: float, first_scheduled: float) -> float:
     """Time waiting for the scheduler: first scheduled − queued."""
     return first_scheduled - queued
+
+
+def prefill_time(first_scheduled: float, f: float) -> float:
+    """Prefill phase: first token − first scheduled (includes chunking and preemption)."""
+    return f - first_scheduled
+
+
+def decode_time(f: float, e: float) -> float:
+    """Decode phase: last token − first token."""
+    return e - f

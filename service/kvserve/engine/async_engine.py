@@ -1,0 +1,241 @@
+"""The asyncio face of the engine.
+
+The engine's step loop runs in one dedicated thread, so the HTTP and gRPC servers'
+event loop never waits for a forward pass. The event loop talks to that thread through
+a command queue (add, abort); the thread hands each step's outputs back with one
+``call_soon_threadsafe`` per step. An abort is applied before the next step starts, so a
+cancelled request stops costing compute within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvserve.engine.llm_engine import EngineStats, LLMEngine
+from kvserve.engine.request import Request
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine; other requests carry on."""
+
+
+@dataclass
+class _Add:
+    request: Request
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class EngineHooks:
+    """Called from the engine thread (keep them quick and thread-safe)."""
+
+    on_finished: Callable[[RequestOutput], None] | None = None
+    on_failed: Callable[[Request], None] | None = None
+    on_stats: Callable[[EngineStats], None] | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, hooks: EngineHooks | None = None) -> None:
+        self.engine = engine
+        self.hooks = hooks or EngineHooks()
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is left and stop the engine thread."""
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- requests ----------------------------------------------------------------------
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Tokenize and validate; raises ValueError for bad input (before any streaming)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return self.engine.build_request(
+            request_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt
+        )
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """``async for out in engine.generate(...)``: ``make_request`` then ``stream``."""
+        req = self.make_request(
+            prompt, params, request_id, arrival_time=arrival_time, cache_salt=cache_salt
+        )
+        async for out in self.stream(req):
+            yield out
+
+    async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Yield an output every step the request makes progress, the last one finished.
+
+        If the consumer stops early (client gone, task cancelled), the request is aborted
+        in the engine before its next step.
+        """
+        rid = req.request_id
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[rid] = stream
+        self._commands.put(_Add(req))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(rid))
+            self._streams.pop(rid, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ---- the engine thread -------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                # Block only when there is nothing to step.
+                first = self._commands.get() if idle else None
+                commands = [first] if first is not None or idle else []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                if None in commands and self._stopping:
+                    self._abort_all()
+                    return
+                self._apply(c for c in commands if c is not None)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as exc:
+            log.exception("engine thread died")
+            self.dead = exc
+            self._deliver_all(EngineDeadError(f"the engine stopped: {exc}"))
+
+    def _apply(self, commands: object) -> None:
+        aborted: list[RequestOutput] = []
+        for cmd in commands:  # type: ignore[attr-defined]
+            if isinstance(cmd, _Add):
+                if cmd.request.request_id not in self._streams:
+                    continue  # the client left before the engine saw it
+                try:
+                    self.engine.enqueue(cmd.request)
+                except ValueError as exc:
+                    self._deliver(cmd.request.request_id, exc)
+            elif isinstance(cmd, _Abort):
+                aborted += self.engine.abort_request(cmd.request_id)
+        if aborted:
+            self._publish(aborted)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # A failure inside a batched step cannot be pinned on one request: fail the
+            # requests of that batch, keep the engine serving the others.
+            log.exception("engine step failed; failing the requests in that batch")
+            sched = self.engine.last_schedule
+            batch = [req for req, _ in sched.scheduled] if sched is not None else []
+            self.engine.abort_request([r.request_id for r in batch])
+            for req in batch:
+                if self.hooks.on_failed is not None:
+                    self.hooks.on_failed(req)
+                self._deliver(req.request_id, RequestFailedError(f"engine error: {exc}"))
+            self._report_stats()
+            return
+        self._publish(outputs)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if self.hooks.on_finished is not None:
+            for out in outputs:
+                if out.finished:
+                    self.hooks.on_finished(out)
+        self._report_stats()
+        if outputs and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _report_stats(self) -> None:
+        if self.hooks.on_stats is not None:
+            self.hooks.on_stats(self.engine.stats())
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:  # on the event loop
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _deliver(self, request_id: str, exc: BaseException) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._put_error, request_id, exc)
+
+    def _put_error(self, request_id: str, exc: BaseException) -> None:  # on the event loop
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)
+
+    def _deliver_all(self, exc: BaseException) -> None:
+        if self._loop is not None:
+            for rid in list(self._streams):
+                self._loop.call_soon_threadsafe(self._put_error, rid, exc)
+
+    def _abort_all(self) -> None:
+        outs = self.engine.abort_request(list(self.engine.requests))
+        if outs:
+            self._publish(outs)

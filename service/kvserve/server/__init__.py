@@ -1,0 +1,1 @@
+"""The per-pod engine server: OpenAI-compatible HTTP/SSE API, health and metrics."""

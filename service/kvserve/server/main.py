@@ -1,0 +1,106 @@
+"""``kvserve serve``: one engine behind the OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from kvserve.config import DTYPES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face checkpoint directory (required for now)")
+    p.add_argument(
+        "--served-model-name",
+        help='the name clients send as "model" (default: the model directory\'s name)',
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV cache")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to let in-flight requests finish on shutdown",
+    )
+    p.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.server.app import create_app
+    from kvserve.telemetry.prometheus import EngineMetrics
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    if not args.model:
+        print(
+            "kvserve serve: error: --model DIR is required (a local Hugging Face checkpoint "
+            "directory; a bundled demo model is planned)",
+            file=sys.stderr,
+        )
+        return 2
+    name = args.served_model_name or Path(args.model).resolve().name
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        engine = LLMEngine(
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                device=args.device,
+                block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len,
+                enable_prefix_caching=not args.no_prefix_caching,
+                num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory=args.kv_cache_memory,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                seed=args.seed,
+            )
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    bs = engine.config.block_size
+    print(
+        f"loaded in {time.perf_counter() - start:.1f} s on {engine.device} "
+        f"({str(engine.dtype).removeprefix('torch.')}); KV cache: {engine.num_kv_blocks} blocks "
+        f"of {bs} tokens = {engine.num_kv_blocks * bs:,} tokens; max_model_len "
+        f"{engine.max_model_len}",
+        file=sys.stderr,
+        flush=True,
+    )
+    app = create_app(engine, name, max_body_bytes=args.max_body_bytes, metrics=EngineMetrics(name))
+    print(
+        f"serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(args.drain_timeout),
+    )
+    return 0

@@ -1,0 +1,104 @@
+"""Pure ASGI middleware (it does not wrap the response stream, so handlers still see
+``http.disconnect`` when a client goes away)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.server.errors import error_body
+
+MAX_REQUEST_ID_LEN = 128
+
+
+def valid_request_id(value: str) -> bool:
+    return 0 < len(value) <= MAX_REQUEST_ID_LEN and value.isprintable() and value.isascii()
+
+
+class RequestContextMiddleware:
+    """Request ids (``x-request-id`` in, validated, echoed out) and the body size limit."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        given = headers.get("x-request-id")
+        if given is not None and not valid_request_id(given):
+            rid = uuid.uuid4().hex
+            await _send_error(
+                send,
+                400,
+                rid,
+                f"x-request-id must be 1-{MAX_REQUEST_ID_LEN} printable ASCII characters",
+                "x-request-id",
+            )
+            return
+        rid = given or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _send_error(
+                send,
+                413,
+                rid,
+                f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}",
+                None,
+            )
+            return
+
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, send_with_id)
+        except _BodyTooLarge:
+            await _send_error(
+                send,
+                413,
+                rid,
+                f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                None,
+            )
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _send_error(send: Send, status: int, rid: str, message: str, param: Any) -> None:
+    body = json.dumps(error_body(status, message, param)).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", rid.encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

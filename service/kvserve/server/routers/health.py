@@ -1,0 +1,35 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+
+from kvserve.server.errors import error_response
+from kvserve.server.state import State
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: State) -> JSONResponse:
+    """The process is alive and its engine thread is running."""
+    if state.engine.dead is not None:
+        return error_response(503, f"engine stopped: {state.engine.dead}")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(state: State) -> JSONResponse:
+    """The model is loaded and new requests are admitted."""
+    if state.engine.dead is not None or not state.admitting:
+        return error_response(503, "not admitting requests (draining or engine stopped)")
+    return JSONResponse({"status": "ready", "model": state.served_model_name})
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    if state.metrics is None:
+        return Response("", media_type="text/plain")
+    body, content_type = state.metrics.render()
+    return Response(body, media_type=content_type)

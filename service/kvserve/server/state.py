@@ -1,0 +1,34 @@
+"""What the routes share: the engine, the served model's name, telemetry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from kvserve.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str
+    metrics: Any | None = None  # kvserve.telemetry.prometheus.EngineMetrics
+    admitting: bool = True  # false while draining: readiness fails, new requests get 503
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.kvserve
+    return state
+
+
+State = Annotated[ServerState, Depends(get_state)]

@@ -1,0 +1,257 @@
+"""The OpenAI-compatible HTTP API against a real server on loopback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import MODEL, RunningServer, start_server, stop_server, wait_until
+
+GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
+
+
+def sse_events(response: httpx.Response) -> list[dict | str]:  # type: ignore[type-arg]
+    events: list[dict | str] = []  # type: ignore[type-arg]
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def metric(srv: RunningServer, name: str, **labels: str) -> float:
+    text = httpx.get(f"{srv.url}/metrics").text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def test_models_health_ready(server: RunningServer) -> None:
+    with server.client() as c:
+        assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
+        assert c.get("/health").status_code == 200
+        assert c.get("/ready").status_code == 200
+
+
+def test_completion_non_stream_and_stream_agree(server: RunningServer) -> None:
+    body = {**GREEDY, "prompt": "the cache keeps keys", "max_tokens": 8}
+    with server.client() as c:
+        full = c.post("/v1/completions", json=body)
+        assert full.status_code == 200, full.text
+        data = full.json()
+        assert data["object"] == "text_completion"
+        assert data["choices"][0]["finish_reason"] == "length"
+        assert data["usage"]["completion_tokens"] == 8
+        assert data["usage"]["total_tokens"] == data["usage"]["prompt_tokens"] + 8
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert (
+        isinstance(usage, dict)
+        and usage["choices"] == []
+        and usage["usage"]["completion_tokens"] == 8
+    )
+    chunks = [e for e in events[:-2] if isinstance(e, dict)]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == data["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_stream_roles_and_usage(server: RunningServer) -> None:
+    body = {**GREEDY, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+    with server.client() as c:
+        full = c.post("/v1/chat/completions", json=body).json()
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = sse_events(r)
+    assert full["object"] == "chat.completion"
+    assert full["choices"][0]["message"]["role"] == "assistant"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks)
+    assert text == full["choices"][0]["message"]["content"]
+    assert events[-1] == "[DONE]" and not any("usage" in ch for ch in chunks)
+
+
+def test_repeated_prompt_reports_cached_tokens(server: RunningServer) -> None:
+    body = {**GREEDY, "prompt": list(range(300, 323)), "max_tokens": 2}
+    with server.client() as c:
+        first = c.post("/v1/completions", json=body).json()
+        again = c.post("/v1/completions", json=body).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 20  # 5 blocks of 4
+
+
+def test_request_id_is_used_and_echoed(server: RunningServer) -> None:
+    body = {**GREEDY, "prompt": "hi", "max_tokens": 2}
+    with server.client() as c:
+        given = c.post("/v1/completions", json=body, headers={"x-request-id": "trace-me-42"})
+        generated = c.post("/v1/completions", json=body)
+        bad = c.post("/v1/completions", json=body, headers={"x-request-id": "x" * 129})
+    assert given.headers["x-request-id"] == "trace-me-42"
+    assert given.json()["id"] == "cmpl-trace-me-42"
+    assert len(generated.headers["x-request-id"]) == 32
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+    assert "x-request-id" in bad.headers
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "param", "fragment"),
+    [
+        ({"model": "nope", "prompt": "hi"}, 404, "model", "not served here"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "≥ 1"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "integer"),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "n=2"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of", "unsupported"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", ""),
+        (
+            {"model": MODEL, "prompt": [5] * 1030, "max_tokens": 4},
+            400,
+            "prompt",
+            "exceeds max_model_len=1024",
+        ),
+        (
+            {"model": MODEL, "prompt": "hi", "max_tokens": 5000},
+            400,
+            "max_tokens",
+            "max_tokens (5000)",
+        ),
+        ({"prompt": "hi"}, 400, "model", "Field required"),
+    ],
+)
+def test_bad_input_gets_openai_errors(
+    server: RunningServer, payload, status, param, fragment
+) -> None:  # type: ignore[no-untyped-def]
+    with server.client() as c:
+        r = c.post("/v1/completions", json=payload)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    assert fragment in err["message"]
+
+
+def test_invalid_json_and_oversized_body(server: RunningServer) -> None:
+    with server.client() as c:
+        r = c.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        big = c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 100_000})
+        assert big.status_code == 413 and "exceeds the limit" in big.json()["error"]["message"]
+
+
+def test_chat_without_template_is_refused(tmp_path: Path, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / "no-template"
+    shutil.copytree(checkpoint_dir("llama"), model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    srv = start_server(model)
+    try:
+        with srv.client() as c:
+            r = c.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            )
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+    finally:
+        stop_server(srv)
+
+
+def test_concurrent_streams_and_consistent_metrics(server: RunningServer) -> None:
+    ttft_before = metric(server, "kvserve_time_to_first_token_seconds_count")
+    gen_before = metric(server, "kvserve_generation_tokens_total")
+
+    def one(i: int) -> int:
+        body = {
+            **GREEDY,
+            "prompt": f"request {i} " * (1 + i % 5),
+            "max_tokens": 3 + i % 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with (
+            httpx.Client(base_url=server.url, timeout=120) as c,
+            c.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            events = sse_events(r)
+        usage = events[-2]
+        assert isinstance(usage, dict)
+        assert usage["usage"]["completion_tokens"] == 3 + i % 4
+        return int(usage["usage"]["completion_tokens"])
+
+    with ThreadPoolExecutor(32) as pool:
+        produced = list(pool.map(one, range(32)))
+    assert metric(server, "kvserve_time_to_first_token_seconds_count") - ttft_before == 32
+    assert metric(server, "kvserve_generation_tokens_total") - gen_before == sum(produced)
+    wait_until(lambda: metric(server, "kvserve_num_requests_running") == 0)
+
+
+def _open_stream(srv: RunningServer, body: dict) -> socket.socket:  # type: ignore[type-arg]
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return sock
+
+
+def test_client_disconnect_mid_stream_aborts(server: RunningServer) -> None:
+    aborts = metric(server, "kvserve_requests_finished_total", finished_reason="abort")
+    sock = _open_stream(
+        server, {**GREEDY, "prompt": "a long story", "max_tokens": 500, "stream": True}
+    )
+    received = b""
+    while received.count(b"data: ") < 3:  # a few chunks arrived: it is mid-stream
+        received += sock.recv(4096)
+    sock.close()
+    wait_until(
+        lambda: (
+            metric(server, "kvserve_requests_finished_total", finished_reason="abort") == aborts + 1
+        )
+    )
+    wait_until(lambda: metric(server, "kvserve_num_requests_running") == 0)
+    pool = server.engine.kv.pool
+    wait_until(lambda: pool.num_free_blocks == pool.num_blocks)
+
+
+def test_disconnect_while_queued_and_non_stream(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    srv = start_server(checkpoint_dir("llama"), max_num_seqs=1)
+    try:
+        busy = _open_stream(srv, {**GREEDY, "prompt": "occupy", "max_tokens": 800, "stream": True})
+        wait_until(lambda: metric(srv, "kvserve_num_requests_running") == 1)
+        queued = _open_stream(srv, {**GREEDY, "prompt": "wait", "max_tokens": 5})  # non-stream
+        wait_until(lambda: metric(srv, "kvserve_num_requests_waiting") == 1)
+        queued.close()
+        wait_until(
+            lambda: metric(srv, "kvserve_requests_finished_total", finished_reason="abort") == 1
+        )
+        assert metric(srv, "kvserve_num_requests_waiting") == 0
+        busy.close()
+        wait_until(
+            lambda: metric(srv, "kvserve_requests_finished_total", finished_reason="abort") == 2
+        )
+        pool = srv.engine.kv.pool
+        wait_until(lambda: pool.num_free_blocks == pool.num_blocks)
+    finally:
+        stop_server(srv)
