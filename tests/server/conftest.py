@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from opentelemetry.trace import TracerProvider
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
@@ -38,10 +39,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model_dir: Path, **engine_kw: object) -> RunningServer:
+def start_server(
+    model_dir: Path, tracer_provider: TracerProvider | None = None, **engine_kw: object
+) -> RunningServer:
     cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **engine_kw)  # type: ignore[arg-type]
     engine = LLMEngine(cfg)
-    app = create_app(engine, MODEL, max_body_bytes=64 * 1024, metrics=EngineMetrics(MODEL))
+    app = create_app(
+        engine,
+        MODEL,
+        max_body_bytes=64 * 1024,
+        metrics=EngineMetrics(MODEL),
+        tracer_provider=tracer_provider,
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

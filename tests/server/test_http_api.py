@@ -255,3 +255,51 @@ def test_disconnect_while_queued_and_non_stream(checkpoint_dir) -> None:  # type
         wait_until(lambda: pool.num_free_blocks == pool.num_blocks)
     finally:
         stop_server(srv)
+
+
+def test_logprobs_in_both_formats(server: RunningServer) -> None:
+    with server.client() as c:
+        comp = c.post(
+            "/v1/completions", json={**GREEDY, "prompt": "hello", "max_tokens": 3, "logprobs": 2}
+        ).json()
+        chat = c.post(
+            "/v1/chat/completions",
+            json={
+                **GREEDY,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        ).json()
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                **GREEDY,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "stream": True,
+            },
+        ) as r:
+            streamed = [e for e in sse_events(r) if isinstance(e, dict)]
+    lp = comp["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert all(len(top) <= 2 for top in lp["top_logprobs"])
+    assert all(v <= 0 for v in lp["token_logprobs"])  # greedy: the chosen token is the top one
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(x["top_logprobs"]) == 2 for x in content)
+    assert all(x["logprob"] == x["top_logprobs"][0]["logprob"] for x in content)
+    stream_content = [
+        x
+        for e in streamed
+        if e["choices"][0]["logprobs"]
+        for x in e["choices"][0]["logprobs"]["content"]
+    ]
+    # Same tokens; values equal up to float noise (the repeat hits the prefix cache).
+    assert [x["token"] for x in stream_content] == [x["token"] for x in content]
+    assert [x["logprob"] for x in stream_content] == pytest.approx(
+        [x["logprob"] for x in content], abs=1e-4
+    )

@@ -173,12 +173,16 @@ class AsyncEngine:
         aborted: list[RequestOutput] = []
         for cmd in commands:  # type: ignore[attr-defined]
             if isinstance(cmd, _Add):
-                if cmd.request.request_id not in self._streams:
-                    continue  # the client left before the engine saw it
+                rid = cmd.request.request_id
                 try:
                     self.engine.enqueue(cmd.request)
                 except ValueError as exc:
-                    self._deliver(cmd.request.request_id, exc)
+                    if self.hooks.on_failed is not None:
+                        self.hooks.on_failed(cmd.request)
+                    self._deliver(rid, exc)
+                    continue
+                if rid not in self._streams:  # the client left before the engine saw it
+                    aborted += self.engine.abort_request(rid)
             elif isinstance(cmd, _Abort):
                 aborted += self.engine.abort_request(cmd.request_id)
         if aborted:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
+from opentelemetry.trace import TracerProvider
 
 from kvserve.engine.async_engine import AsyncEngine, EngineHooks
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.request import Request
+from kvserve.outputs import RequestOutput
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.middleware import RequestContextMiddleware
 from kvserve.server.routers import health, openai
 from kvserve.server.state import ServerState
+from kvserve.telemetry.prometheus import EngineMetrics
+from kvserve.telemetry.tracing import RequestTelemetry, tracer_provider_from_env
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -23,19 +27,28 @@ def create_app(
     served_model_name: str,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    metrics: Any | None = None,
+    metrics: EngineMetrics | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
-    """The app owns the engine thread: it starts with the app and stops with it."""
-    hooks = EngineHooks()
-    if metrics is not None:
-        hooks = EngineHooks(
-            on_finished=metrics.observe_finished,
-            on_failed=lambda req: metrics.observe_error(req.num_prompt_tokens),
-            on_stats=metrics.observe_engine,
-        )
-        metrics.set_cache_info(engine.config.block_size, engine.num_kv_blocks)
+    """The app owns the engine thread: it starts with the app and stops with it.
+
+    ``tracer_provider`` defaults to OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    """
+    metrics = metrics or EngineMetrics(served_model_name)
+    metrics.set_cache_info(engine.config.block_size, engine.num_kv_blocks)
+    telemetry = RequestTelemetry(served_model_name, tracer_provider or tracer_provider_from_env())
+
+    def finished(out: RequestOutput) -> None:
+        metrics.observe_finished(out)
+        telemetry.finish(out)
+
+    def failed(req: Request) -> None:
+        metrics.observe_error(req.num_prompt_tokens)
+        telemetry.fail(req.request_id, "engine error")
+
+    hooks = EngineHooks(on_finished=finished, on_failed=failed, on_stats=metrics.observe_engine)
     async_engine = AsyncEngine(engine, hooks)
-    state = ServerState(async_engine, served_model_name, metrics=metrics)
+    state = ServerState(async_engine, served_model_name, metrics=metrics, telemetry=telemetry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

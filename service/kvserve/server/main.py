@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.config import EngineConfig
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.app import create_app
+    from kvserve.server.shutdown import DrainingServer
     from kvserve.telemetry.prometheus import EngineMetrics
 
     logging.basicConfig(
@@ -96,11 +97,8 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=int(args.drain_timeout),
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=1
     )
+    DrainingServer(config, app.state.kvserve, args.drain_timeout).run()
     return 0

@@ -8,13 +8,16 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.telemetry.prometheus import EngineMetrics
+from kvserve.telemetry.tracing import RequestTelemetry
 
 
 @dataclass
 class ServerState:
     engine: AsyncEngine
     served_model_name: str
-    metrics: Any | None = None  # kvserve.telemetry.prometheus.EngineMetrics
+    metrics: EngineMetrics
+    telemetry: RequestTelemetry
     admitting: bool = True  # false while draining: readiness fails, new requests get 503
 
     @property

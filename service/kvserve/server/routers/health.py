@@ -29,7 +29,5 @@ async def ready(state: State) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
-    if state.metrics is None:
-        return Response("", media_type="text/plain")
     body, content_type = state.metrics.render()
     return Response(body, media_type=content_type)

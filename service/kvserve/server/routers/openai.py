@@ -14,8 +14,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvserve.engine.request import Request as EngineRequest
 from kvserve.errors import InvalidRequestError
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.server.errors import OpenAIError
+from kvserve.server.logprobs import chat_logprobs, completion_logprobs
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from kvserve.server.state import ServerState, State
 
@@ -76,7 +77,7 @@ async def completions(
                     {
                         "index": 0,
                         "text": c.delta_text,
-                        "logprobs": None,
+                        "logprobs": _delta_logprobs(completion_logprobs, state, c),
                         "finish_reason": c.finish_reason,
                     }
                 ],
@@ -91,7 +92,14 @@ async def completions(
             **ids,
             "object": "text_completion",
             "choices": [
-                {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                {
+                    "index": 0,
+                    "text": c.text,
+                    "logprobs": (
+                        completion_logprobs(state.tokenizer, c.logprobs) if c.logprobs else None
+                    ),
+                    "finish_reason": c.finish_reason,
+                }
             ],
             "usage": _usage(out),
         }
@@ -120,7 +128,8 @@ async def chat_completions(
         raise OpenAIError(400, f"{param} must be ≥ 1, got {limit}", param=param)
     if limit is None:  # as much as the context allows
         limit = max(state.max_model_len - len(prompt_ids), 1)
-    req = _make_request(state, request, body, prompt_ids, limit, None, arrival)
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
+    req = _make_request(state, request, body, prompt_ids, limit, top_n, arrival)
     rid = req.request_id
     ids = {"id": f"chatcmpl-{rid}", "created": int(time.time()), "model": state.served_model_name}
 
@@ -138,7 +147,12 @@ async def chat_completions(
                 **ids,
                 "object": "chat.completion.chunk",
                 "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}
+                    {
+                        "index": 0,
+                        "delta": delta,
+                        "logprobs": _delta_logprobs(chat_logprobs, state, c),
+                        "finish_reason": c.finish_reason,
+                    }
                 ],
             }
 
@@ -154,7 +168,7 @@ async def chat_completions(
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None,
+                    "logprobs": chat_logprobs(state.tokenizer, c.logprobs) if c.logprobs else None,
                     "finish_reason": c.finish_reason,
                 }
             ],
@@ -190,13 +204,26 @@ def _make_request(
     rid: str = request.state.request_id
     try:
         params = body.sampling_params(max_tokens, logprobs)
-        return state.engine.make_request(prompt, params, rid, arrival_time=arrival)
+        req = state.engine.make_request(prompt, params, rid, arrival_time=arrival)
+        operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
+        state.telemetry.begin(rid, operation, params, request.headers, arrival)
+        return req
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
     except InvalidRequestError as exc:
         raise OpenAIError(400, str(exc), param=exc.param) from exc
     except ValueError as exc:  # a duplicate request id
         raise OpenAIError(400, str(exc), param="x-request-id") from exc
+
+
+def _delta_logprobs(
+    fmt: Callable[[Any, list[TokenLogprob]], dict[str, Any]],
+    state: ServerState,
+    c: CompletionOutput,
+) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    return fmt(state.tokenizer, c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :])
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
@@ -223,7 +250,7 @@ def _sse(
             async for out in engine.stream(req):
                 last = out
                 c = out.outputs[0]
-                if c.delta_text or c.finish_reason is not None:
+                if c.delta_text or c.finish_reason is not None or c.logprobs is not None:
                     yield f"data: {json.dumps(chunk(out), ensure_ascii=False)}\n\n"
         except (RequestFailedError, EngineDeadError) as exc:
             err = {

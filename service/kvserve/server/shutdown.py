@@ -1,0 +1,57 @@
+"""Graceful shutdown: drain in-flight requests before the server exits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from types import FrameType
+
+import uvicorn
+
+from kvserve.server.state import ServerState
+
+log = logging.getLogger("kvserve.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: stop admitting (readiness fails, new requests get 503), let
+    in-flight requests finish for up to ``drain_timeout`` seconds, then shut down (what
+    is left is aborted) and exit 0. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded as a captured signal: uvicorn would re-raise it after shutdown,
+        # and the process would die by the signal instead of exiting 0.
+        if self._draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._draining
+            return
+        self._draining = True
+        self.state.admitting = False
+        log.info(
+            "signal %d: draining %d in-flight requests (up to %.0f s)",
+            sig,
+            self.state.engine.num_in_flight,
+            self.drain_timeout,
+        )
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while self.state.engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # poll the in-flight count until the deadline
+        if self.state.engine.num_in_flight:
+            log.warning("drain timeout: aborting %d requests", self.state.engine.num_in_flight)
+        self.should_exit = True

@@ -1,0 +1,127 @@
+"""One OpenTelemetry span and one JSON log line per request.
+
+The span starts when the server receives the request (continuing the caller's W3C
+``traceparent``) and ends when the engine reports the request finished — also when it
+was aborted because the client left. Attributes follow the GenAI semantic conventions;
+the timeline instants become span events. Spans go over OTLP when the standard
+``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; otherwise tracing is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.telemetry.request_log import log_request
+
+log = logging.getLogger(__name__)
+
+
+def tracer_provider_from_env(service_name: str = "kvserve-engine") -> trace.TracerProvider:
+    """An OTLP-exporting provider when OTEL_EXPORTER_OTLP_ENDPOINT is set, else no-op."""
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return trace.NoOpTracerProvider()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider
+
+
+def _epoch_ns(monotonic_s: float) -> int:
+    """Engine timeline instants are monotonic; spans want wall-clock nanoseconds."""
+    return time.time_ns() - time.monotonic_ns() + int(monotonic_s * 1e9)
+
+
+@dataclass
+class _InFlight:
+    span: Span
+    trace_id: str | None
+
+
+class RequestTelemetry:
+    """Begin a request's span on the event loop; finish it from the engine thread."""
+
+    def __init__(self, model: str, provider: trace.TracerProvider | None = None) -> None:
+        self.model = model
+        self.tracer = (provider or trace.NoOpTracerProvider()).get_tracer("kvserve")
+        self._inflight: dict[str, _InFlight] = {}
+        self._lock = threading.Lock()
+
+    def begin(
+        self,
+        request_id: str,
+        operation: str,  # "chat" | "text_completion"
+        params: SamplingParams,
+        headers: Mapping[str, str],
+        arrival: float,
+    ) -> str | None:
+        """Start the span (child of the caller's traceparent); returns the trace id."""
+        span = self.tracer.start_span(
+            f"{operation} {self.model}",
+            context=extract(dict(headers)),
+            kind=SpanKind.SERVER,
+            start_time=_epoch_ns(arrival),
+            attributes={
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": self.model,
+                "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.request.temperature": params.temperature,
+                "gen_ai.request.top_p": params.top_p,
+                "kvserve.request_id": request_id,
+            },
+        )
+        ctx = span.get_span_context()
+        trace_id = format(ctx.trace_id, "032x") if ctx.is_valid else None
+        with self._lock:
+            self._inflight[request_id] = _InFlight(span, trace_id)
+        return trace_id
+
+    def trace_id(self, request_id: str) -> str | None:
+        with self._lock:
+            entry = self._inflight.get(request_id)
+        return entry.trace_id if entry else None
+
+    def finish(self, out: RequestOutput) -> None:
+        """The engine finished (or aborted) the request: close its span, log its line."""
+        with self._lock:
+            entry = self._inflight.pop(out.request_id, None)
+        trace_id = entry.trace_id if entry else None
+        log_request(out, self.model, trace_id)
+        if entry is None:
+            return
+        span, m, c = entry.span, out.metrics, out.outputs[0]
+        span.set_attribute("gen_ai.response.finish_reasons", [c.finish_reason or "unknown"])
+        span.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
+        span.set_attribute("gen_ai.usage.output_tokens", len(c.token_ids))
+        span.set_attribute("gen_ai.usage.cache_read.input_tokens", out.num_cached_tokens)
+        span.set_attribute("kvserve.num_preemptions", m.num_preemptions)
+        span.add_event("queued", timestamp=_epoch_ns(m.arrival_time))
+        if m.first_scheduled_time is not None:
+            span.add_event("scheduled", timestamp=_epoch_ns(m.first_scheduled_time))
+        if m.first_token_time is not None:
+            span.add_event("first_token", timestamp=_epoch_ns(m.first_token_time))
+        end = m.token_times[-1] if m.token_times else (m.finished_time or time.monotonic())
+        span.end(end_time=_epoch_ns(max(end, m.finished_time or end)))
+
+    def fail(self, request_id: str, message: str) -> None:
+        """The request never finished normally (rejected or failed in the engine)."""
+        with self._lock:
+            entry = self._inflight.pop(request_id, None)
+        if entry is not None:
+            entry.span.set_status(Status(StatusCode.ERROR, message))
+            entry.span.set_attribute("error.type", "request_failed")
+            entry.span.end()

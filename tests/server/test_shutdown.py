@@ -1,0 +1,152 @@
+"""SIGTERM drains: in-flight requests finish, new ones get 503, the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port, wait_until
+
+
+@pytest.mark.slow
+def test_sigterm_drains_then_exits_zero(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve",
+            "serve",
+            "--model",
+            str(checkpoint_dir("llama")),
+            "--served-model-name",
+            "m",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--drain-timeout",
+            "60",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{url}/ready").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, timeout=120)
+        body = {
+            "model": "m",
+            "prompt": "drain me",
+            "max_tokens": 900,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{url}/v1/completions", json=body) as r,
+        ):
+            lines = r.iter_lines()
+            seen = 0
+            while seen < 2:  # mid-stream
+                seen += next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503)
+            refused = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "new"})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["type"] == "service_unavailable"
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2][len("data: ") :])
+        assert last["choices"][0]["finish_reason"] == "length"  # completed, not cut off
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_drain_timeout_aborts_the_rest(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve",
+            "serve",
+            "--model",
+            str(checkpoint_dir("llama")),
+            "--served-model-name",
+            "m",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--drain-timeout",
+            "0.2",
+            "--max-num-seqs",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{url}/ready").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, timeout=120)
+        # Two long requests; with max_num_seqs=1 the second waits in the queue.
+        socks = []
+        for prompt in ("first", "second"):
+            payload = json.dumps(
+                {
+                    "model": "m",
+                    "prompt": prompt,
+                    "max_tokens": 1000,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+            ).encode()
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            socks.append(s)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - start < 30  # did not wait for 2,000 tokens to finish
+        for s in socks:
+            s.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
