@@ -28,6 +28,7 @@ class RunningServer:
     port: int
     engine: LLMEngine
     server: uvicorn.Server
+    grpc_port: int | None = None
 
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)  # type: ignore[arg-type]
@@ -40,7 +41,10 @@ def free_port() -> int:
 
 
 def start_server(
-    model_dir: Path, tracer_provider: TracerProvider | None = None, **engine_kw: object
+    model_dir: Path,
+    tracer_provider: TracerProvider | None = None,
+    grpc: bool = False,
+    **engine_kw: object,
 ) -> RunningServer:
     cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **engine_kw)  # type: ignore[arg-type]
     engine = LLMEngine(cfg)
@@ -50,6 +54,7 @@ def start_server(
         max_body_bytes=64 * 1024,
         metrics=EngineMetrics(MODEL),
         tracer_provider=tracer_provider,
+        grpc_address=("127.0.0.1", 0) if grpc else None,
     )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -60,7 +65,8 @@ def start_server(
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
-    return RunningServer(f"http://127.0.0.1:{port}", port, engine, server)
+    grpc_port = getattr(app.state, "grpc_port", None)
+    return RunningServer(f"http://127.0.0.1:{port}", port, engine, server, grpc_port)
 
 
 def stop_server(srv: RunningServer) -> None:

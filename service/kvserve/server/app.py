@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -13,6 +14,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import Request
 from kvserve.outputs import RequestOutput
 from kvserve.server.errors import install_error_handlers
+from kvserve.server.grpc.service import start_grpc_server
 from kvserve.server.middleware import RequestContextMiddleware
 from kvserve.server.routers import health, openai
 from kvserve.server.state import ServerState
@@ -20,6 +22,7 @@ from kvserve.telemetry.prometheus import EngineMetrics
 from kvserve.telemetry.tracing import RequestTelemetry, tracer_provider_from_env
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+log = logging.getLogger("kvserve.server")
 
 
 def create_app(
@@ -29,10 +32,13 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: EngineMetrics | None = None,
     tracer_provider: TracerProvider | None = None,
+    grpc_address: tuple[str, int] | None = None,
 ) -> FastAPI:
     """The app owns the engine thread: it starts with the app and stops with it.
 
     ``tracer_provider`` defaults to OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    ``grpc_address`` (host, port) also serves the gRPC API on the same event loop; the
+    bound port (useful with port 0) is then ``app.state.grpc_port``.
     """
     metrics = metrics or EngineMetrics(served_model_name)
     metrics.set_cache_info(engine.config.block_size, engine.num_kv_blocks)
@@ -53,10 +59,16 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        grpc_server = None
+        if grpc_address is not None:
+            grpc_server, app.state.grpc_port = await start_grpc_server(async_engine, *grpc_address)
+            log.info("gRPC API on %s:%d", grpc_address[0], app.state.grpc_port)
         try:
             yield
         finally:
             state.admitting = False
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1.0)
             await async_engine.stop()
 
     app = FastAPI(title="kvserve engine server", version="0.1.0", lifespan=lifespan)

@@ -18,7 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='the name clients send as "model" (default: the model directory\'s name)',
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (for the gateway)")
+    p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API")
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=16)
@@ -91,9 +93,17 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    app = create_app(engine, name, max_body_bytes=args.max_body_bytes, metrics=EngineMetrics(name))
+    grpc_address = None if args.no_grpc else (args.host, args.grpc_port)
+    app = create_app(
+        engine,
+        name,
+        max_body_bytes=args.max_body_bytes,
+        metrics=EngineMetrics(name),
+        grpc_address=grpc_address,
+    )
     print(
-        f"serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)",
+        f"serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)"
+        + ("" if args.no_grpc else f" and grpc://{args.host}:{args.grpc_port}"),
         file=sys.stderr,
         flush=True,
     )

@@ -41,9 +41,13 @@ def tracer_provider_from_env(service_name: str = "kvserve-engine") -> trace.Trac
     return provider
 
 
+# Engine timeline instants are monotonic; spans want wall-clock nanoseconds. One offset
+# for the process keeps a span's start and its events in the same order as the timeline.
+_WALL_MINUS_MONOTONIC_NS = time.time_ns() - time.monotonic_ns()
+
+
 def _epoch_ns(monotonic_s: float) -> int:
-    """Engine timeline instants are monotonic; spans want wall-clock nanoseconds."""
-    return time.time_ns() - time.monotonic_ns() + int(monotonic_s * 1e9)
+    return _WALL_MINUS_MONOTONIC_NS + int(monotonic_s * 1e9)
 
 
 @dataclass

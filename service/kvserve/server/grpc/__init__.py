@@ -1,0 +1,1 @@
+"""The engine's gRPC streaming API (``engine.proto``), spoken by the gateway."""

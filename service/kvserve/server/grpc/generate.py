@@ -1,0 +1,91 @@
+"""Regenerate the gRPC code next to ``engine.proto``: ``python -m kvserve.server.grpc.generate``.
+
+Writes ``engine_pb2.py``, ``engine_pb2.pyi`` and ``engine_pb2_grpc.py`` (commit them).
+The proto is compiled with ``service/`` as its root, under its package path
+``kvserve/server/grpc/engine.proto``, so the generated service module imports its
+messages as ``from kvserve.server.grpc import engine_pb2`` (no ``sys.path`` tricks).
+
+``--check`` regenerates into a temporary folder and fails if the committed files differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from importlib.resources import files
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SOURCE_ROOT = PACKAGE_DIR.parents[2]  # .../service: the folder that holds ``kvserve/``
+PROTO = PACKAGE_DIR.relative_to(SOURCE_ROOT) / "engine.proto"
+GENERATED = ("engine_pb2.py", "engine_pb2.pyi", "engine_pb2_grpc.py")
+HEADER = (
+    "# Generated from engine.proto by `python -m kvserve.server.grpc.generate`. DO NOT EDIT.\n"
+    "# mypy: ignore-errors\n"
+    "# ruff: noqa\n"
+)
+
+
+def generate(out_root: Path) -> list[Path]:
+    """Compile the proto into ``out_root`` (laid out like ``service/``); return the files."""
+    from grpc_tools import protoc
+
+    well_known = files("grpc_tools") / "_proto"  # google/protobuf/*.proto
+    args = [
+        "grpc_tools.protoc",
+        f"--proto_path={SOURCE_ROOT}",
+        f"--proto_path={well_known}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        PROTO.as_posix(),
+    ]
+    rc = protoc.main(args)
+    if rc != 0:
+        raise RuntimeError(f"protoc failed (exit {rc}) on {SOURCE_ROOT / PROTO}")
+    out_dir = out_root / PROTO.parent
+    paths = [out_dir / name for name in GENERATED]
+    for path in paths:
+        if not path.exists():
+            raise RuntimeError(f"protoc did not write {path}")
+        text = path.read_text(encoding="utf-8")
+        if not text.startswith(HEADER):
+            path.write_text(HEADER + text, encoding="utf-8")
+    grpc_module = out_dir / "engine_pb2_grpc.py"
+    expected = "from kvserve.server.grpc import engine_pb2"
+    if expected not in grpc_module.read_text(encoding="utf-8"):
+        raise RuntimeError(f"{grpc_module} does not import its messages as {expected!r}")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--check", action="store_true", help="fail if the committed files are out of date"
+    )
+    args = parser.parse_args(argv)
+    if not args.check:
+        for path in generate(SOURCE_ROOT):
+            print(f"wrote {path}")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        stale = [
+            path.name
+            for path in generate(Path(tmp))
+            if not (PACKAGE_DIR / path.name).exists()
+            or (PACKAGE_DIR / path.name).read_bytes() != path.read_bytes()
+        ]
+    if stale:
+        print(
+            f"out of date: {', '.join(stale)}; run `python -m kvserve.server.grpc.generate` "
+            "and commit the result",
+            file=sys.stderr,
+        )
+        return 1
+    print("generated gRPC code is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The engine's gRPC API (``engine.proto``) over an ``AsyncEngine``, on grpc.aio.
+
+The servicer runs on the same asyncio event loop as the ``AsyncEngine`` (start both from
+one loop). A ``Generate`` call streams a ``Delta`` for every engine step that added
+tokens or text, then one ``Final``. When the client cancels the call or its deadline
+expires, grpc.aio cancels the handler; closing the engine stream then aborts the request
+in the engine, which frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, NoReturn
+
+import grpc
+
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kvserve.errors import InvalidRequestError
+from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.grpc import engine_pb2 as pb
+from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
+from kvserve.telemetry import definitions as d
+
+log = logging.getLogger(__name__)
+
+# Optional request fields passed to SamplingParams only when the client set them.
+_OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+    "skip_special_tokens",
+)
+
+
+def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
+    """SamplingParams from a request; unset optional fields keep the engine's defaults.
+
+    Raises InvalidRequestError (naming the field) for values the engine rejects.
+    """
+    kwargs: dict[str, Any] = {
+        name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)
+    }
+    return SamplingParams(
+        stop=list(request.stop),
+        stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        **kwargs,
+    )
+
+
+def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "prompt_text":
+        return request.prompt_text
+    if kind == "prompt_token_ids":
+        return list(request.prompt_token_ids.ids)
+    raise InvalidRequestError("set prompt_text or prompt_token_ids", "prompt")
+
+
+def _logprobs_to_proto(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=e.top) for e in entries]
+
+
+def delta_from_output(completion: CompletionOutput, num_sent: int) -> pb.Delta | None:
+    """What this step added, or None if it added nothing.
+
+    ``num_sent``: tokens already streamed (to pick this step's logprob entries).
+    """
+    if not completion.delta_token_ids and not completion.delta_text:
+        return None
+    delta = pb.Delta(token_ids=completion.delta_token_ids, text=completion.delta_text)
+    if completion.logprobs is not None:
+        end = num_sent + len(completion.delta_token_ids)
+        delta.logprobs.extend(_logprobs_to_proto(completion.logprobs[num_sent:end]))
+    return delta
+
+
+def final_from_output(out: RequestOutput) -> pb.Final:
+    """The closing message: finish reason, usage, server-side timings (DESIGN.md §3).
+
+    ``s`` is the request's arrival at the engine; every figure comes from
+    ``kvserve.telemetry.definitions``; an undefined figure is 0.
+    """
+    completion = out.outputs[0]
+    m = out.metrics
+    s = m.arrival_time
+    final = pb.Final(
+        finish_reason=completion.finish_reason or "abort",
+        usage=pb.Usage(
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=len(completion.token_ids),
+            cached_tokens=out.num_cached_tokens,
+        ),
+        num_preemptions=m.num_preemptions,
+    )
+    if isinstance(completion.stop_reason, str):
+        final.stop_reason = completion.stop_reason
+    elif isinstance(completion.stop_reason, int):
+        final.stop_token_id = completion.stop_reason
+    if m.first_scheduled_time is not None:
+        final.queue_time = d.queue_time(s, m.first_scheduled_time)
+    if m.first_token_time is not None and m.token_times:
+        f, e = m.first_token_time, m.token_times[-1]
+        final.ttft = d.ttft(s, f)
+        final.e2e = d.e2e(s, e)
+        final.tpot = d.tpot(f, e, len(m.token_times)) or 0.0
+    return final
+
+
+class EngineServicer(pb_grpc.EngineServiceServicer):
+    """``kvserve.engine.v1.EngineService`` over one ``AsyncEngine`` (same event loop)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        # A coroutine handler writing with context.write (not an async generator): a
+        # cancellation (client gone, deadline) then always lands inside this coroutine,
+        # where ``_closing`` closes the engine stream at once, which aborts the request.
+        if not request.request_id:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid request_id: required")
+        try:
+            req = self.engine.make_request(
+                prompt_from_proto(request),
+                sampling_params_from_proto(request),
+                request.request_id,
+                cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+            )
+        except EngineDeadError as exc:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        except InvalidRequestError as exc:
+            message = f"invalid {exc.param}: {exc}" if exc.param else str(exc)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, message)
+        except ValueError as exc:  # e.g. the request id is already in use
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+        num_sent = 0
+        last: RequestOutput | None = None
+        try:
+            async with _closing(self.engine.stream(req)) as outputs:
+                async for out in outputs:
+                    last = out
+                    delta = delta_from_output(out.outputs[0], num_sent)
+                    if delta is not None:
+                        num_sent += len(delta.token_ids)
+                        await context.write(pb.GenerateResponse(delta=delta))
+        except EngineDeadError as exc:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        except RequestFailedError as exc:
+            await _abort(context, grpc.StatusCode.INTERNAL, str(exc))
+        except ValueError as exc:  # rejected when queued (the id is already in use)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if last is None or not last.finished:
+            await _abort(context, grpc.StatusCode.INTERNAL, "the engine stream ended early")
+        await context.write(pb.GenerateResponse(final=final_from_output(last)))
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        if request.request_id:
+            await self.engine.abort(request.request_id)
+        return pb.AbortResponse()
+
+    async def Health(
+        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthResponse:
+        if self.engine.dead is not None:
+            return pb.HealthResponse(serving=False, message=f"engine stopped: {self.engine.dead}")
+        return pb.HealthResponse(serving=True, message="ok")
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetLoadResponse:
+        stats = self.engine.engine.stats()
+        num_blocks = stats.num_kv_blocks
+        return pb.GetLoadResponse(
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            kv_cache_usage=stats.kv_cache_usage,
+            block_size=self.engine.engine.config.block_size,
+            num_blocks=num_blocks,
+            num_free_blocks=round((1.0 - stats.kv_cache_usage) * num_blocks),
+        )
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("context.abort returned")  # it always raises
+
+
+@asynccontextmanager
+async def _closing(
+    stream: AsyncIterator[RequestOutput],
+) -> AsyncIterator[AsyncIterator[RequestOutput]]:
+    """Close the engine stream as soon as the block exits (cancelled or not).
+
+    Closing it runs ``AsyncEngine.stream``'s cleanup, which aborts an unfinished request.
+    """
+    try:
+        yield stream
+    finally:
+        if isinstance(stream, AsyncGenerator):
+            await stream.aclose()
+
+
+def add_engine_service(server: grpc.aio.Server, engine: AsyncEngine) -> None:
+    """Register the engine service on a grpc.aio server (running on the engine's loop)."""
+    pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server)
+
+
+async def start_grpc_server(
+    engine: AsyncEngine, host: str, port: int
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server with the engine service; ``port=0`` picks a free port.
+
+    Returns the server and the bound port. Stop it with ``await server.stop(grace)``.
+    """
+    server = grpc.aio.server()
+    add_engine_service(server, engine)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"could not bind the gRPC server to {address} (is the port in use?)")
+    await server.start()
+    log.info("gRPC engine service listening on %s:%d", host, bound)
+    return server, bound

@@ -1,0 +1,324 @@
+"""The engine's gRPC streaming API, end to end over a real channel.
+
+Each test runs its own event loop (``asyncio.run``): a real ``LLMEngine`` (shared by the
+module, tiny checkpoint on CPU) behind an ``AsyncEngine`` and a grpc.aio server on a free
+loopback port, talked to through ``grpc.aio.insecure_channel``. Synchronisation is by
+polling with deadlines, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvserve.config import EngineConfig
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.llm import LLM
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.grpc import engine_pb2 as pb
+from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
+from kvserve.server.grpc.service import start_grpc_server
+
+PROMPT = "the cache keeps keys and values"
+BLOCK_SIZE = 4
+MAX_NUM_SEQS = 2  # small, so a third concurrent request has to wait
+LONG = 500  # output tokens: far more than any test lets run (~20 ms a step on CPU)
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_dir: Callable[[str], Path]) -> Path:
+    return checkpoint_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def llm_engine(model_dir: Path) -> Iterator[LLMEngine]:
+    cfg = EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        max_num_seqs=MAX_NUM_SEQS,
+    )
+    yield LLMEngine(cfg)
+
+
+@dataclass
+class Served:
+    engine: AsyncEngine
+    stub: Any  # pb_grpc.EngineServiceStub (generated, untyped)
+    port: int
+
+    def is_idle(self) -> bool:
+        """No request left in the engine and every KV block free."""
+        core = self.engine.engine
+        return not core.requests and core.kv.pool.num_free_blocks == core.num_kv_blocks
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll until ``predicate()`` holds; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        await asyncio.sleep(0.005)
+
+
+def serve(llm_engine: LLMEngine, body: Callable[[Served], Awaitable[None]]) -> None:
+    """Run ``body`` against a fresh AsyncEngine + gRPC server on one event loop."""
+
+    async def main() -> None:
+        engine = AsyncEngine(llm_engine)
+        engine.start()
+        server, port = await start_grpc_server(engine, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                served = Served(engine, pb_grpc.EngineServiceStub(channel), port)
+                await asyncio.wait_for(body(served), timeout=60)
+                # Whatever the test did, nothing may be left behind in the engine.
+                await eventually(served.is_idle)
+        finally:
+            await server.stop(None)
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def request(request_id: str, max_tokens: int, **kw: Any) -> pb.GenerateRequest:
+    """A greedy request that ignores EOS (so it produces exactly max_tokens tokens)."""
+    kw.setdefault("prompt_text", PROMPT)
+    return pb.GenerateRequest(
+        request_id=request_id, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw
+    )
+
+
+async def expect_error(call: Any, code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+    assert info.value.code() == code, info.value.details()
+    return info.value
+
+
+# ---- Generate ---------------------------------------------------------------------------
+def test_stream_matches_offline_generate(llm_engine: LLMEngine, model_dir: Path) -> None:
+    max_tokens = 12
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE)
+    [expected] = llm.generate(
+        PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    )
+    responses: list[pb.GenerateResponse] = []
+
+    async def body(s: Served) -> None:
+        async for resp in s.stub.Generate(request("stream-1", max_tokens)):
+            responses.append(resp)
+
+    serve(llm_engine, body)
+
+    kinds = [r.WhichOneof("kind") for r in responses]
+    assert kinds == ["delta"] * (len(responses) - 1) + ["final"]
+    deltas = [r.delta for r in responses[:-1]]
+    final = responses[-1].final
+    token_ids = [t for delta in deltas for t in delta.token_ids]
+    assert token_ids == expected.outputs[0].token_ids
+    assert "".join(delta.text for delta in deltas) == expected.outputs[0].text
+    assert all(not delta.logprobs for delta in deltas)
+
+    assert final.finish_reason == "length"
+    assert not final.HasField("stop_reason") and not final.HasField("stop_token_id")
+    assert final.usage.completion_tokens == len(token_ids) == max_tokens
+    assert final.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert 0 <= final.usage.cached_tokens < final.usage.prompt_tokens
+    assert final.queue_time >= 0
+    assert 0 < final.ttft <= final.e2e
+    assert final.tpot > 0
+    assert final.tpot == pytest.approx((final.e2e - final.ttft) / (max_tokens - 1))
+    assert final.num_preemptions == 0
+
+
+def test_stream_token_prompt_stop_token_and_logprobs(llm_engine: LLMEngine) -> None:
+    prompt_ids = llm_engine.tokenizer.encode(PROMPT)
+    greedy: list[int] = []
+
+    async def body(s: Served) -> None:
+        # Learn the greedy continuation, then stop on its first token not seen before.
+        async for resp in s.stub.Generate(
+            request("probe", 6, prompt_token_ids=pb.TokenIds(ids=prompt_ids))
+        ):
+            greedy.extend(resp.delta.token_ids)
+        k = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])
+        responses = [
+            resp
+            async for resp in s.stub.Generate(
+                request(
+                    "stop-token",
+                    8,
+                    prompt_token_ids=pb.TokenIds(ids=prompt_ids),
+                    stop_token_ids=[greedy[k]],
+                    logprobs=2,
+                )
+            )
+        ]
+        final = responses[-1].final
+        deltas = [r.delta for r in responses[:-1]]
+        assert [t for d in deltas for t in d.token_ids] == greedy[: k + 1]
+        assert final.finish_reason == "stop"
+        assert final.HasField("stop_token_id") and final.stop_token_id == greedy[k]
+        assert not final.HasField("stop_reason")
+        assert final.usage.completion_tokens == k + 1
+        for delta in deltas:
+            assert [lp.token_id for lp in delta.logprobs] == list(delta.token_ids)
+            assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in delta.logprobs)
+
+    serve(llm_engine, body)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt_token_ids": pb.TokenIds(ids=[5] * 1100)}, "prompt"),  # > max_model_len
+        ({"max_tokens": 1020}, "max_tokens"),  # prompt + max_tokens > max_model_len
+        ({"prompt_text": ""}, "prompt"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"request_id": ""}, "request_id"),
+    ],
+)
+def test_invalid_argument_names_the_param(
+    llm_engine: LLMEngine, fields: dict[str, Any], param: str
+) -> None:
+    async def body(s: Served) -> None:
+        req = request("bad", 8)
+        for name, value in fields.items():
+            if isinstance(value, pb.TokenIds):
+                req.prompt_token_ids.CopyFrom(value)
+            else:
+                setattr(req, name, value)
+        error = await expect_error(s.stub.Generate(req), grpc.StatusCode.INVALID_ARGUMENT)
+        assert f"invalid {param}:" in (error.details() or "")
+
+    serve(llm_engine, body)
+
+
+def test_missing_prompt_and_duplicate_id(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        error = await expect_error(
+            s.stub.Generate(pb.GenerateRequest(request_id="no-prompt", max_tokens=4)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+        assert "invalid prompt:" in (error.details() or "")
+
+        running = s.stub.Generate(request("dup", LONG))
+        assert (await running.read()).WhichOneof("kind") == "delta"
+        error = await expect_error(
+            s.stub.Generate(request("dup", 4)), grpc.StatusCode.INVALID_ARGUMENT
+        )
+        assert "already in use" in (error.details() or "")
+        running.cancel()
+
+    serve(llm_engine, body)
+
+
+# ---- cancellation -------------------------------------------------------------------------
+def test_client_cancel_aborts_in_engine(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        call = s.stub.Generate(request("cancel-me", LONG))
+        for _ in range(2):
+            assert (await call.read()).WhichOneof("kind") == "delta"
+        assert "cancel-me" in s.engine.engine.requests
+        assert call.cancel()
+        await eventually(s.is_idle)
+        assert s.engine.num_in_flight == 0
+        assert await call.code() == grpc.StatusCode.CANCELLED
+
+    serve(llm_engine, body)
+
+
+def test_deadline_expiry_aborts_in_engine(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        call = s.stub.Generate(request("too-slow", LONG), timeout=0.5)
+        seen = 0
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for resp in call:
+                assert resp.WhichOneof("kind") == "delta"  # never the Final
+                seen += 1
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert seen > 0  # it was generating when the deadline hit
+        await eventually(s.is_idle)
+        assert s.engine.num_in_flight == 0
+
+    serve(llm_engine, body)
+
+
+def test_abort_rpc_ends_the_stream(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        call = s.stub.Generate(request("abort-me", LONG))
+        assert (await call.read()).WhichOneof("kind") == "delta"
+        await s.stub.Abort(pb.AbortRequest(request_id="abort-me"))
+        rest: list[pb.GenerateResponse] = []
+        while (resp := await call.read()) is not grpc.aio.EOF:
+            rest.append(resp)
+        final = rest[-1].final
+        assert rest[-1].WhichOneof("kind") == "final"
+        assert final.finish_reason == "abort"
+        assert 0 < final.usage.completion_tokens < LONG
+        assert await call.code() == grpc.StatusCode.OK
+        await eventually(s.is_idle)
+        # Unknown ids are ignored.
+        await s.stub.Abort(pb.AbortRequest(request_id="no-such-request"))
+
+    serve(llm_engine, body)
+
+
+# ---- Health and GetLoad -------------------------------------------------------------------
+def test_health_serving(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        resp = await s.stub.Health(pb.HealthRequest())
+        assert resp.serving
+        assert resp.message == "ok"
+
+    serve(llm_engine, body)
+
+
+def test_get_load_while_running_and_after(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        idle = await s.stub.GetLoad(pb.GetLoadRequest())
+        assert (idle.num_running, idle.num_waiting, idle.kv_cache_usage) == (0, 0, 0.0)
+        assert idle.block_size == BLOCK_SIZE
+        assert idle.num_blocks == idle.num_free_blocks == llm_engine.num_kv_blocks
+
+        ids = [f"load-{i}" for i in range(MAX_NUM_SEQS + 1)]
+        calls = [s.stub.Generate(request(rid, LONG)) for rid in ids]
+        loads: list[pb.GetLoadResponse] = []
+
+        async def busy() -> bool:
+            load = await s.stub.GetLoad(pb.GetLoadRequest())
+            loads.append(load)
+            return bool(load.num_running == MAX_NUM_SEQS and load.num_waiting == 1)
+
+        deadline = time.monotonic() + 10
+        while not await busy():
+            assert time.monotonic() < deadline, f"never saw a full batch: {loads[-1]}"
+        load = loads[-1]
+        assert 0 < load.kv_cache_usage < 1
+        assert load.num_free_blocks < load.num_blocks
+
+        for rid in ids:
+            await s.stub.Abort(pb.AbortRequest(request_id=rid))
+        for call in calls:
+            finals = [r.final for r in [resp async for resp in call] if r.HasField("final")]
+            assert [f.finish_reason for f in finals] == ["abort"]
+
+        await eventually(s.is_idle)
+        after = await s.stub.GetLoad(pb.GetLoadRequest())
+        assert (after.num_running, after.num_waiting, after.kv_cache_usage) == (0, 0, 0.0)
+        assert after.num_free_blocks == after.num_blocks
+
+    serve(llm_engine, body)
