@@ -1,0 +1,71 @@
+"""An exception inside the engine fails the requests of that step only; the server goes on."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import uvicorn
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.server.app import create_app
+from tests.server.conftest import MODEL, free_port, wait_until
+
+
+class FaultyEngine(LLMEngine):
+    """A real engine whose step fails once while a request with a marked id is in it
+    (fault injection: the code under test is the server's isolation of the failure)."""
+
+    failed = False
+
+    def step(self) -> list[RequestOutput]:
+        if not self.failed and any(rid.startswith("boom") for rid in self.requests):
+            self.failed = True
+            self.last_schedule = self.scheduler.schedule()  # the batch that fails
+            raise RuntimeError("injected failure")
+        return super().step()
+
+
+def test_engine_error_fails_only_that_batch(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    engine = FaultyEngine(
+        EngineConfig(model=str(checkpoint_dir("llama")), dtype="float32", device="cpu")
+    )
+    app = create_app(engine, MODEL)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    wait_until(lambda: server.started, timeout=30)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "ignore_eos": True}
+        bad = httpx.post(
+            f"{url}/v1/completions", json=body, headers={"x-request-id": "boom-1"}, timeout=60
+        )
+        assert bad.status_code == 500
+        err = bad.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and "boom-1" in err["message"]
+        assert bad.headers["x-request-id"] == "boom-1"
+        # The server carries on with other requests, concurrently too.
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(
+                pool.map(
+                    lambda i: (
+                        httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code
+                    ),
+                    range(4),
+                )
+            )
+        assert codes == [200] * 4
+        metrics = httpx.get(f"{url}/metrics").text
+        assert (
+            'kvserve_requests_finished_total{finished_reason="error",model="tiny-llama"} 1.0'
+            in metrics
+        )
+        assert httpx.get(f"{url}/health").status_code == 200
+        pool_ = engine.kv.pool
+        wait_until(lambda: pool_.num_free_blocks == pool_.num_blocks)
+    finally:
+        server.should_exit = True
