@@ -10,6 +10,7 @@ from collections.abc import Sequence
 def build_parser() -> argparse.ArgumentParser:
     from kvserve import __version__, capacity, demo
     from kvserve.bench import offline as bench_offline
+    from kvserve.bench import serving as bench_serving
     from kvserve.server import main as server_main
 
     parser = argparse.ArgumentParser(
@@ -49,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_offline.add_arguments(off)
     off.set_defaults(func=bench_offline.run)
+    srv = bench_sub.add_parser(
+        "serve",
+        help="the HTTP server under concurrent streams vs the offline engine",
+    )
+    bench_serving.add_arguments(srv)
+    srv.set_defaults(func=bench_serving.run)
     return parser
 
 

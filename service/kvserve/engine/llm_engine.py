@@ -148,6 +148,7 @@ class LLMEngine:
                 raise InvalidRequestError(
                     "this model has no tokenizer: pass prompt token ids", "prompt"
                 )
+            _require_utf8(prompt, "prompt")
             token_ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
         else:
@@ -320,6 +321,16 @@ class LLMEngine:
             return self.runner.prompt_logprobs(token_ids, self.kv.block_ids(probe.request_id))
         finally:
             self.kv.free(probe)
+
+
+def _require_utf8(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode text (character {exc.start} is a lone surrogate)",
+            param,
+        ) from None
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvserve.sampling_params import SamplingParams
 
@@ -67,6 +67,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _valid_unicode(cls, value: str) -> str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"not valid Unicode text (lone surrogate at {exc.start})") from None
+        return value
 
 
 class ChatCompletionRequest(_Common):

@@ -1,0 +1,173 @@
+"""Property-based fuzzing of the live server's OpenAPI schema with schemathesis.
+
+Every operation the app publishes (completions, chat, models, health, readiness, metrics)
+gets schema-driven requests, valid ones and invalid ones. Whatever arrives, the server
+must not answer 5xx, and every 4xx must be an OpenAI error object.
+
+A random ``"model"`` is refused (404) before anything else is looked at, so about half of
+the bodies name the served model and reach validation and the engine. The server runs
+with a small ``max_model_len``: an accepted request generates at most that many tokens,
+and a larger ``max_tokens`` must be refused with a 4xx, which the fuzzer also exercises.
+
+schemathesis' own pytest integration (``from_fixture`` / ``@schema.parametrize()``) needs
+the schema at collection time or breaks on pytest 9 (it rewrites ``node._nodeid``), so
+each operation's Hypothesis strategy is run with ``@given`` inside an ordinary test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+
+from tests.server.conftest import MODEL, RunningServer, start_server, stop_server
+
+MAX_MODEL_LEN = 96
+MAX_EXAMPLES = 30
+ERROR_FIELDS = {"message", "type", "param", "code"}
+OPERATIONS = [
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "GET /v1/models",
+    "GET /health",
+    "GET /ready",
+    "GET /metrics",
+]
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(checkpoint_dir) -> Iterator[RunningServer]:  # type: ignore[no-untyped-def]
+    srv = start_server(checkpoint_dir("llama"), block_size=4, max_model_len=MAX_MODEL_LEN)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server: RunningServer) -> Any:
+    return schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json", timeout=30)
+
+
+def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
+    """Every 4xx carries {"error": {"message", "type", "param", "code"}}."""
+    if not 400 <= response.status_code < 500:
+        return None
+    try:
+        body = response.json()
+    except ValueError as exc:
+        raise AssertionError(
+            f"{response.status_code} with a non-JSON body: {response.text[:300]!r}"
+        ) from exc
+    error = body.get("error") if isinstance(body, dict) else None
+    assert isinstance(error, dict) and set(error) == ERROR_FIELDS, (
+        f"{response.status_code} body is not an OpenAI error object: {body!r}"
+    )
+    assert isinstance(error["message"], str) and error["message"], body
+    assert isinstance(error["type"], str) and error["type"], body
+    return None
+
+
+def _name_the_served_model(case: Any) -> Any:
+    if isinstance(case.body, dict):
+        case.body = {**case.body, "model": MODEL}
+    return case
+
+
+def _cases(operation: Any) -> Any:
+    """Valid and invalid requests; bodies also with the served model's name."""
+    if operation.body:
+        variants = [
+            operation.as_strategy(mode)
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+        ]
+        return st.one_of(*variants, *(v.map(_name_the_served_model) for v in variants))
+    return operation.as_strategy(GenerationMode.POSITIVE)
+
+
+def assert_openai_error(response: httpx.Response) -> None:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+
+
+# Requests the schema-driven fuzzer cannot produce: bytes that are not JSON, JSON that is
+# not an object, other media types and methods, and lone UTF-16 surrogates (the fuzzer
+# generates UTF-8-encodable strings only).
+RAW_REQUESTS = [
+    pytest.param("POST", "/v1/completions", b"\xff\xfe", "application/json", id="not-utf8"),
+    pytest.param("POST", "/v1/completions", b'{"model": ', "application/json", id="truncated"),
+    pytest.param("POST", "/v1/completions", b"[]", "application/json", id="array"),
+    pytest.param("POST", "/v1/completions", b"null", "application/json", id="null"),
+    pytest.param("POST", "/v1/completions", b"prompt=hi", "text/plain", id="text-plain"),
+    pytest.param(
+        "POST",
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "hi", "temperature": NaN}',
+        "application/json",
+        id="nan",
+    ),
+    pytest.param("PUT", "/v1/completions", b"{}", "application/json", id="wrong-method"),
+    pytest.param("GET", "/v1/nothing-here", b"", "application/json", id="unknown-path"),
+    pytest.param(
+        "POST",
+        "/v1/completions",
+        b'{"model": "tiny-llama", "prompt": "\\ud800", "max_tokens": 2}',
+        "application/json",
+        id="lone-surrogate-prompt",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/chat/completions",
+        b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\udc00"}], '
+        b'"max_tokens": 2}',
+        "application/json",
+        id="lone-surrogate-chat",
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "content_type"), RAW_REQUESTS)
+def test_malformed_requests_get_openai_4xx(
+    method: str, path: str, body: bytes, content_type: str, fuzz_server: RunningServer
+) -> None:
+    # A fresh connection each time: a 500 that escapes the app also drops the connection.
+    with fuzz_server.client() as c:
+        r = c.request(method, path, content=body, headers={"content-type": content_type})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert_openai_error(r)
+
+
+def test_the_schema_publishes_exactly_the_fuzzed_operations(api_schema: Any) -> None:
+    labels = {result.ok().label for result in api_schema.get_all_operations()}
+    assert labels == set(OPERATIONS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", OPERATIONS)
+def test_no_server_errors_and_openai_errors(
+    label: str, api_schema: Any, fuzz_server: RunningServer
+) -> None:
+    operation = api_schema.find_operation_by_label(label)
+    assert operation is not None, label
+
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=_cases(operation))
+    def fuzz(case: Any) -> None:
+        case.call_and_validate(
+            base_url=fuzz_server.url,
+            checks=[not_a_server_error, openai_error_shape],
+            timeout=30,
+        )
+
+    fuzz()
