@@ -79,3 +79,34 @@ def test_no_tracing_configured_is_a_no_op(server) -> None:  # type: ignore[no-un
         f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}
     )
     assert r.status_code == 200
+
+
+def test_grpc_request_continues_the_gateways_trace(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    import grpc
+
+    from kvserve.server.grpc import engine_pb2 as pb
+    from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    srv = start_server(checkpoint_dir("llama"), tracer_provider=provider, grpc=True)
+    try:
+
+        async def call() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as channel:
+                stub = pb_grpc.EngineServiceStub(channel)
+                req = pb.GenerateRequest(request_id="grpc-span-1", prompt_text="hi", max_tokens=2)
+                async for _ in stub.Generate(req, metadata=(("traceparent", PARENT),)):
+                    pass
+
+        asyncio.run(call())
+        wait_until(lambda: len(exporter.get_finished_spans()) == 1)
+    finally:
+        stop_server(srv)
+    [span] = exporter.get_finished_spans()
+    assert format(span.context.trace_id, "032x") == TRACE_ID
+    assert (span.attributes or {})["kvserve.request_id"] == "grpc-span-1"
+    assert (span.attributes or {})["gen_ai.usage.output_tokens"] == 2

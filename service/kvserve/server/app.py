@@ -61,7 +61,9 @@ def create_app(
         async_engine.start()
         grpc_server = None
         if grpc_address is not None:
-            grpc_server, app.state.grpc_port = await start_grpc_server(async_engine, *grpc_address)
+            grpc_server, app.state.grpc_port = await start_grpc_server(
+                async_engine, *grpc_address, telemetry=telemetry
+            )
             log.info("gRPC API on %s:%d", grpc_address[0], app.state.grpc_port)
         try:
             yield

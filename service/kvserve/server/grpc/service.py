@@ -10,6 +10,7 @@ in the engine, which frees its KV blocks before the next step.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, NoReturn
@@ -23,6 +24,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.grpc import engine_pb2 as pb
 from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
 from kvserve.telemetry import definitions as d
+from kvserve.telemetry.tracing import RequestTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +122,9 @@ def final_from_output(out: RequestOutput) -> pb.Final:
 class EngineServicer(pb_grpc.EngineServiceServicer):
     """``kvserve.engine.v1.EngineService`` over one ``AsyncEngine`` (same event loop)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, telemetry: RequestTelemetry | None = None) -> None:
         self.engine = engine
+        self.telemetry = telemetry
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -131,13 +134,21 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # where ``_closing`` closes the engine stream at once, which aborts the request.
         if not request.request_id:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid request_id: required")
+        arrival = time.monotonic()
         try:
+            params = sampling_params_from_proto(request)
             req = self.engine.make_request(
                 prompt_from_proto(request),
-                sampling_params_from_proto(request),
+                params,
                 request.request_id,
+                arrival_time=arrival,
                 cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             )
+            if self.telemetry is not None:  # continues the gateway's W3C traceparent
+                metadata = {
+                    k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)
+                }
+                self.telemetry.begin(req.request_id, "text_completion", params, metadata, arrival)
         except EngineDeadError as exc:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except InvalidRequestError as exc:
@@ -217,20 +228,22 @@ async def _closing(
             await stream.aclose()
 
 
-def add_engine_service(server: grpc.aio.Server, engine: AsyncEngine) -> None:
+def add_engine_service(
+    server: grpc.aio.Server, engine: AsyncEngine, telemetry: RequestTelemetry | None = None
+) -> None:
     """Register the engine service on a grpc.aio server (running on the engine's loop)."""
-    pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server)
+    pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine, telemetry), server)
 
 
 async def start_grpc_server(
-    engine: AsyncEngine, host: str, port: int
+    engine: AsyncEngine, host: str, port: int, telemetry: RequestTelemetry | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the engine service; ``port=0`` picks a free port.
 
     Returns the server and the bound port. Stop it with ``await server.stop(grace)``.
     """
     server = grpc.aio.server()
-    add_engine_service(server, engine)
+    add_engine_service(server, engine, telemetry)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_insecure_port(address)
     if bound == 0:
