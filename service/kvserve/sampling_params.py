@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequestError
 
+GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
 
 @dataclass
 class SamplingParams:
@@ -55,6 +58,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise InvalidRequestError(
+                f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}", "seed"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(
                 f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs"
@@ -68,4 +75,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, dividing logits by the temperature overflows float32: treat as 0.
+        return self.temperature < GREEDY_TEMPERATURE

@@ -303,3 +303,42 @@ def test_logprobs_in_both_formats(server: RunningServer) -> None:
     assert [x["logprob"] for x in stream_content] == pytest.approx(
         [x["logprob"] for x in content], abs=1e-4
     )
+
+
+def test_edge_values_found_by_fuzzing(server: RunningServer) -> None:
+    with server.client() as c:
+        huge_seed = c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "seed": 2**70})
+        assert huge_seed.status_code == 400 and huge_seed.json()["error"]["param"] == "seed"
+        tiny_t = c.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "hi",
+                "max_tokens": 3,
+                "temperature": 1e-300,
+                "ignore_eos": True,
+            },
+        )
+        greedy = c.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "hi",
+                "max_tokens": 3,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        assert tiny_t.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+        zero = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 0,
+            },
+        )
+        assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_completion_tokens"
+        wrong_method = c.put("/v1/completions", json={})
+        assert wrong_method.status_code == 405
+        assert wrong_method.json()["error"]["type"] == "invalid_request_error"

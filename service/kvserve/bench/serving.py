@@ -11,11 +11,11 @@ concurrency:
   is empty.
 
 Throughput is output tokens / wall seconds on each side (the serving side counts the
-tokens each response's ``usage`` reports). A second pass sends requests one at a time and
-compares the client-side TTFT through the server with the engine-side TTFT of the same
-request through the offline engine's step-level API; the difference of the medians is
-what the server adds to TTFT (HTTP, validation, the hop to the engine thread and back,
-SSE). That pass repeats one 32-token prompt, so every request is the same engine work.
+tokens each response's ``usage`` reports). Then requests go one at a time: the same
+request (one 32-token prompt, so every one is the same engine work) through the offline
+engine's step-level API (engine-side TTFT) and through the server (client-side TTFT); the
+difference of the medians is what the server adds to TTFT (HTTP, validation, the hop to
+the engine thread and back, SSE, and the engine thread's own costs).
 
 Every latency figure comes from ``kvserve.telemetry.definitions`` (DESIGN.md §3):
 ``s`` = when the request's last byte was written to the socket (client side) or its
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
 import socket
@@ -57,6 +56,7 @@ if TYPE_CHECKING:
 
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.llm import LLM
+    from kvserve.outputs import RequestMetrics, RequestOutput
 
 MODEL_NAME = "bench-model"
 TTFT_PROMPT_LEN = 32  # the TTFT pass repeats one prompt: every request is the same work
@@ -145,11 +145,16 @@ class BenchResult:
     serving_itl_p50_ms: float | None
     serving_itl_p99_ms: float | None
     serving_e2e_p50_ms: float | None
-    ttft_requests: int  # pairs measured one at a time (all rounds)
+    ttft_requests_server: int  # lone requests, all rounds
+    ttft_requests_engine: int
     ttft_server_p50_ms: float | None
     ttft_engine_p50_ms: float | None
     ttft_overhead_ms: float | None  # server median − engine median
-    ttft_overhead_paired_p50_ms: float | None  # median of the per-prompt differences
+    # The same request's TTFT inside the server's engine (its own timeline), which splits
+    # the overhead into the engine thread's share and the HTTP/SSE path's share.
+    ttft_server_engine_p50_ms: float | None
+    ttft_overhead_engine_thread_ms: float | None
+    ttft_overhead_http_ms: float | None
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -183,7 +188,17 @@ def _make_llm(model_dir: Path, work: Workload, args: argparse.Namespace) -> LLM:
 
 
 class BackgroundServer:
-    """The engine server's app under uvicorn, in a daemon thread, on a loopback port."""
+    """The engine server's app under uvicorn, in a daemon thread, on a loopback port.
+
+    A fresh one per round, stopped before the offline side runs again: while the server's
+    engine thread lives, it has an OpenMP thread team of its own beside the main thread's,
+    and with more OpenMP threads than CPUs libgomp stops spinning between parallel regions
+    and sleeps instead (on the 2-core dev host that made engine steps ~50% slower). The
+    server pays that as `kvserve serve` does (its main thread loaded the model); the
+    offline side runs as a lone ``LLM`` in its own process would.
+
+    ``finished`` collects the timeline of every request the server's engine finishes.
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
         import uvicorn
@@ -191,7 +206,15 @@ class BackgroundServer:
         from kvserve.server.app import create_app
         from kvserve.telemetry.prometheus import EngineMetrics
 
-        app = create_app(engine, MODEL_NAME, metrics=EngineMetrics(MODEL_NAME))
+        self.finished: list[RequestMetrics] = []
+        finished = self.finished
+
+        class Recording(EngineMetrics):
+            def observe_finished(self, out: RequestOutput) -> None:
+                super().observe_finished(out)
+                finished.append(out.metrics)
+
+        app = create_app(engine, MODEL_NAME, metrics=Recording(MODEL_NAME))
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says
         # TCP, and a proto-0 listener would leave Nagle on (40 ms delayed-ACK stalls), unlike
         # `kvserve serve`, whose sockets asyncio creates itself.
@@ -329,42 +352,53 @@ async def _serving_pass(url: str, work: Workload, concurrency: int) -> ServingPa
 
 
 # ---- TTFT, one request at a time -------------------------------------------------------
-def _engine_ttft(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> float | None:
-    """Engine-side TTFT of a lone request: first visible output − arrival (engine clock)."""
+def _ttft_request(work: Workload) -> tuple[list[int], int]:
+    """The one request the TTFT passes repeat (prefix caching is off): same work each time."""
+    return work.prompts[0][:TTFT_PROMPT_LEN], min(TTFT_MAX_TOKENS, max(work.output_lens))
+
+
+def _engine_ttft(
+    engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int
+) -> tuple[float, int] | None:
+    """Engine-side TTFT of a lone request, first visible output − arrival (engine clock),
+    and the index of that output token; None if no output was visible."""
     from kvserve import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine.add_request(rid, prompt, params)
-    ttft: float | None = None
+    found: tuple[float, int] | None = None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if ttft is None and out.outputs[0].delta_text:
-                ttft = definitions.ttft(out.metrics.arrival_time, out.metrics.token_times[-1])
-    return ttft
+            if found is None and out.outputs[0].delta_text:
+                times = out.metrics.token_times
+                found = definitions.ttft(out.metrics.arrival_time, times[-1]), len(times) - 1
+    return found
 
 
-async def _ttft_pass(
-    url: str, engine: LLMEngine, work: Workload, n: int, ids: itertools.count[int]
-) -> list[tuple[float, float]]:
-    """(server TTFT, engine TTFT) of ``n`` identical lone requests, alternating the sides.
+def _engine_ttft_pass(
+    engine: LLMEngine, work: Workload, n: int, tag: str
+) -> tuple[list[float], int | None]:
+    """TTFTs of ``n`` lone requests, and the index of their first visible token."""
+    prompt, max_tokens = _ttft_request(work)
+    _engine_ttft(engine, f"{tag}-warmup", prompt, 2)
+    got = [_engine_ttft(engine, f"{tag}-{i}", prompt, max_tokens) for i in range(n)]
+    found = [g for g in got if g is not None]
+    return [t for t, _ in found], (found[0][1] if found else None)
 
-    One prompt for all of them (prefix caching is off), so the two distributions differ
-    only by what the server adds, plus noise.
-    """
-    prompt = work.prompts[0][:TTFT_PROMPT_LEN]
-    max_tokens = min(TTFT_MAX_TOKENS, max(work.output_lens))
-    pairs: list[tuple[float, float]] = []
+
+async def _server_ttft_pass(url: str, work: Workload, n: int) -> list[float]:
+    """Client-side TTFTs of ``n`` lone requests through the server, one after another."""
+    prompt, max_tokens = _ttft_request(work)
+    ttfts: list[float] = []
     async with _client(url, 1) as client:
         await _stream_one(client, _body(prompt, 2))  # warm-up (and the keep-alive connection)
-        _engine_ttft(engine, f"ttft-warmup-{next(ids)}", prompt, 2)
         for _ in range(n):
-            local = _engine_ttft(engine, f"ttft-{next(ids)}", prompt, max_tokens)
             rec = await _stream_one(client, _body(prompt, max_tokens))
             if rec.error is not None:
                 raise RuntimeError(f"TTFT request failed: {rec.error}")
-            if local is not None and rec.first is not None:
-                pairs.append((definitions.ttft(rec.send, rec.first), local))
-    return pairs
+            if rec.first is not None:
+                ttfts.append(definitions.ttft(rec.send, rec.first))
+    return ttfts
 
 
 # ---- the run ---------------------------------------------------------------------------
@@ -375,7 +409,9 @@ def _summarise(
     work: Workload,
     offline_times: list[float],
     serving: list[ServingPass],
-    pairs: list[tuple[float, float]],
+    server_ttft: list[float],
+    engine_ttft: list[float],
+    server_engine_ttft: list[float],
 ) -> BenchResult:
     best = min(serving, key=lambda p: p.seconds)
     ok = [r for r in best.records if r.ok]
@@ -392,11 +428,9 @@ def _summarise(
         if t is not None
     ]
     itls = [gap for r in ok for gap in definitions.itls(r.chunk_times)]
-    server_ttft = [s for s, _ in pairs]
-    engine_ttft = [e for _, e in pairs]
-    srv_med = statistics.median(server_ttft) if pairs else math.nan
-    eng_med = statistics.median(engine_ttft) if pairs else math.nan
-    paired = statistics.median(s - e for s, e in pairs) if pairs else math.nan
+    srv_med = statistics.median(server_ttft) if server_ttft else math.nan
+    eng_med = statistics.median(engine_ttft) if engine_ttft else math.nan
+    srv_eng_med = statistics.median(server_engine_ttft) if server_engine_ttft else math.nan
 
     return BenchResult(
         model_size=args.model_size,
@@ -423,11 +457,14 @@ def _summarise(
         serving_itl_p50_ms=_ms(_percentile(itls, 50)),
         serving_itl_p99_ms=_ms(_percentile(itls, 99)),
         serving_e2e_p50_ms=_ms(_percentile(e2es, 50)),
-        ttft_requests=len(pairs),
+        ttft_requests_server=len(server_ttft),
+        ttft_requests_engine=len(engine_ttft),
         ttft_server_p50_ms=_ms(srv_med),
         ttft_engine_p50_ms=_ms(eng_med),
         ttft_overhead_ms=_ms(srv_med - eng_med),
-        ttft_overhead_paired_p50_ms=_ms(paired),
+        ttft_server_engine_p50_ms=_ms(srv_eng_med),
+        ttft_overhead_engine_thread_ms=_ms(srv_eng_med - eng_med),
+        ttft_overhead_http_ms=_ms(srv_med - srv_eng_med),
     )
 
 
@@ -472,9 +509,15 @@ def _print_table(res: BenchResult) -> None:
     )
     print(
         f"  TTFT p50 through the server (client side) {res.ttft_server_p50_ms:.1f} ms, "
-        f"in the engine {res.ttft_engine_p50_ms:.1f} ms, over {res.ttft_requests} requests; "
-        f"median of the per-request differences {res.ttft_overhead_paired_p50_ms:+.1f} ms"
+        f"in the offline engine {res.ttft_engine_p50_ms:.1f} ms "
+        f"({res.ttft_requests_server} and {res.ttft_requests_engine} requests)"
     )
+    if res.ttft_overhead_engine_thread_ms is not None and res.ttft_overhead_http_ms is not None:
+        print(
+            f"  of which the server's engine thread {res.ttft_overhead_engine_thread_ms:+.1f} ms "
+            f"(TTFT inside it {res.ttft_server_engine_p50_ms:.1f} ms), HTTP and SSE "
+            f"{res.ttft_overhead_http_ms:+.1f} ms"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -518,17 +561,26 @@ def run(args: argparse.Namespace) -> int:
 
         offline_times: list[float] = []
         serving: list[ServingPass] = []
-        pairs: list[tuple[float, float]] = []
-        ids = itertools.count()
-        with BackgroundServer(served) as server:
-            for r in range(args.rounds):
-                start = time.perf_counter()
-                outs = offline.generate(work.prompts, sampling, use_tqdm=False)
-                offline_times.append(time.perf_counter() - start)
-                produced = sum(len(o.outputs[0].token_ids) for o in outs)
-                assert produced == work.output_tokens, (produced, work.output_tokens)
-                say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
+        server_ttft: list[float] = []
+        engine_ttft: list[float] = []
+        server_engine_ttft: list[float] = []
+        for r in range(args.rounds):
+            # The offline side runs while no server (and so no engine thread) exists; see
+            # ``BackgroundServer`` for why that matters on CPU.
+            start = time.perf_counter()
+            outs = offline.generate(work.prompts, sampling, use_tqdm=False)
+            offline_times.append(time.perf_counter() - start)
+            produced = sum(len(o.outputs[0].token_ids) for o in outs)
+            assert produced == work.output_tokens, (produced, work.output_tokens)
+            say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
+            visible_at: int | None = None
+            if args.ttft_requests > 0:
+                got, visible_at = _engine_ttft_pass(
+                    offline.engine, work, args.ttft_requests, f"ttft-{r}"
+                )
+                engine_ttft += got
 
+            with BackgroundServer(served) as server:
                 serving.append(asyncio.run(_serving_pass(server.url, work, args.concurrency)))
                 failed = sum(not rec.ok for rec in serving[-1].records)
                 say(
@@ -536,13 +588,29 @@ def run(args: argparse.Namespace) -> int:
                     + (f"  ({failed} failed)" if failed else "")
                 )
                 if args.ttft_requests > 0:
-                    got = asyncio.run(
-                        _ttft_pass(server.url, offline.engine, work, args.ttft_requests, ids)
+                    server.finished.clear()
+                    server_ttft += asyncio.run(
+                        _server_ttft_pass(server.url, work, args.ttft_requests)
                     )
-                    pairs += got
-                    say(f"  round {r + 1}/{args.rounds}: TTFT     {len(got)} requests, 1 at a time")
+                    # Greedy: the server's copy of the request shows text at the same token.
+                    k = visible_at
+                    server_engine_ttft += [
+                        definitions.ttft(m.arrival_time, m.token_times[k])
+                        for m in server.finished[1:]  # after the warm-up request
+                        if k is not None and len(m.token_times) > k
+                    ]
 
-    res = _summarise(args, params, model_config.vocab_size, work, offline_times, serving, pairs)
+    res = _summarise(
+        args,
+        params,
+        model_config.vocab_size,
+        work,
+        offline_times,
+        serving,
+        server_ttft,
+        engine_ttft,
+        server_engine_ttft,
+    )
     if args.json:
         print(json.dumps(asdict(res)))
     else:

@@ -84,7 +84,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
         dev = logits.device
-        temps = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
         greedy = torch.tensor([p.greedy for p in params], device=dev)
         greedy_tokens = logits.argmax(dim=-1)
         logits = logits / temps.unsqueeze(1)

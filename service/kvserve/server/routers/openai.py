@@ -122,9 +122,11 @@ async def chat_completions(
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     prompt_ids: list[int] = tok.encode(text, add_special_tokens=False)
-    limit = body.max_completion_tokens or body.max_tokens
+    limit = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     if limit is not None and limit < 1:
-        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         raise OpenAIError(400, f"{param} must be ≥ 1, got {limit}", param=param)
     if limit is None:  # as much as the context allows
         limit = max(state.max_model_len - len(prompt_ids), 1)
