@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,9 +16,10 @@ import pytest
 from tests.server.conftest import free_port, wait_until
 
 
-@pytest.mark.slow
-def test_sigterm_drains_then_exits_zero(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+def start_cli_server(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, int]:
+    """``kvserve serve`` as a real process on a free port, once it reports ready."""
     port = free_port()
+    args = ["--served-model-name", "m", "--port", str(port), "--no-grpc", "--dtype", "float32"]
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -25,15 +27,9 @@ def test_sigterm_drains_then_exits_zero(checkpoint_dir) -> None:  # type: ignore
             "kvserve",
             "serve",
             "--model",
-            str(checkpoint_dir("llama")),
-            "--served-model-name",
-            "m",
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--drain-timeout",
-            "60",
+            str(model),
+            *args,
+            *extra,
             "--log-level",
             "warning",
         ],
@@ -42,15 +38,21 @@ def test_sigterm_drains_then_exits_zero(checkpoint_dir) -> None:  # type: ignore
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, timeout=120)
+    return proc, url, port
+
+
+@pytest.mark.slow
+def test_sigterm_drains_then_exits_zero(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    proc, url, _port = start_cli_server(checkpoint_dir("llama"), "--drain-timeout", "60")
     try:
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{url}/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(ready, timeout=120)
         body = {
             "model": "m",
             "prompt": "drain me",
@@ -85,42 +87,10 @@ def test_sigterm_drains_then_exits_zero(checkpoint_dir) -> None:  # type: ignore
 
 @pytest.mark.slow
 def test_drain_timeout_aborts_the_rest(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvserve",
-            "serve",
-            "--model",
-            str(checkpoint_dir("llama")),
-            "--served-model-name",
-            "m",
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",
-            "--drain-timeout",
-            "0.2",
-            "--max-num-seqs",
-            "1",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc, _url, port = start_cli_server(
+        checkpoint_dir("llama"), "--drain-timeout", "0.2", "--max-num-seqs", "1"
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{url}/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(ready, timeout=120)
         # Two long requests; with max_num_seqs=1 the second waits in the queue.
         socks = []
         for prompt in ("first", "second"):
