@@ -190,12 +190,10 @@ def _make_llm(model_dir: Path, work: Workload, args: argparse.Namespace) -> LLM:
 class BackgroundServer:
     """The engine server's app under uvicorn, in a daemon thread, on a loopback port.
 
-    A fresh one per round, stopped before the offline side runs again: while the server's
-    engine thread lives, it has an OpenMP thread team of its own beside the main thread's,
-    and with more OpenMP threads than CPUs libgomp stops spinning between parallel regions
-    and sleeps instead (on the 2-core dev host that made engine steps ~50% slower). The
-    server pays that as `kvserve serve` does (its main thread loaded the model); the
-    offline side runs as a lone ``LLM`` in its own process would.
+    A fresh one per round, stopped before the offline side runs again, so that only one
+    thread at a time computes with torch (see ``kvserve.engine.cpu_threads``): the
+    server's engine thread here, as in `kvserve serve`, and the offline side's short-lived
+    thread when it runs.
 
     ``finished`` collects the timeline of every request the server's engine finishes.
     """
@@ -521,6 +519,7 @@ def _print_table(res: BenchResult) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvserve.engine.cpu_threads import call_in_short_lived_thread
     from kvserve.model.config import ModelConfig
     from kvserve.testing.checkpoints import build_random_checkpoint
 
@@ -550,14 +549,18 @@ def run(args: argparse.Namespace) -> int:
             f"tokens, {work.output_tokens} output tokens, concurrency {args.concurrency}"
         )
         say("loading the offline engine and the server's engine ...")
-        offline = _make_llm(model_dir, work, args)
-        served = _make_llm(model_dir, work, args).engine
+        # Torch computes in short-lived threads only (loading, the offline passes) and in
+        # the server's engine thread: see kvserve.engine.cpu_threads.
+        offline = call_in_short_lived_thread(lambda: _make_llm(model_dir, work, args))
+        served = call_in_short_lived_thread(lambda: _make_llm(model_dir, work, args).engine)
         from kvserve import SamplingParams
 
         sampling = [
             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
         ]
-        offline.generate(work.prompts[:2], sampling[:2], use_tqdm=False)  # warm-up
+        call_in_short_lived_thread(
+            lambda: offline.generate(work.prompts[:2], sampling[:2], use_tqdm=False)  # warm-up
+        )
 
         offline_times: list[float] = []
         serving: list[ServingPass] = []
@@ -568,15 +571,17 @@ def run(args: argparse.Namespace) -> int:
             # The offline side runs while no server (and so no engine thread) exists; see
             # ``BackgroundServer`` for why that matters on CPU.
             start = time.perf_counter()
-            outs = offline.generate(work.prompts, sampling, use_tqdm=False)
+            outs = call_in_short_lived_thread(
+                lambda: offline.generate(work.prompts, sampling, use_tqdm=False)
+            )
             offline_times.append(time.perf_counter() - start)
             produced = sum(len(o.outputs[0].token_ids) for o in outs)
             assert produced == work.output_tokens, (produced, work.output_tokens)
             say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
             visible_at: int | None = None
             if args.ttft_requests > 0:
-                got, visible_at = _engine_ttft_pass(
-                    offline.engine, work, args.ttft_requests, f"ttft-{r}"
+                got, visible_at = call_in_short_lived_thread(
+                    _engine_ttft_pass, offline.engine, work, args.ttft_requests, f"ttft-{r}"
                 )
                 engine_ttft += got
 

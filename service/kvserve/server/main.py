@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.config import EngineConfig
+    from kvserve.engine.cpu_threads import call_in_short_lived_thread
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.app import create_app
     from kvserve.server.shutdown import DrainingServer
@@ -65,22 +66,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        engine = LLMEngine(
-            EngineConfig(
-                model=args.model,
-                dtype=args.dtype,
-                device=args.device,
-                block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len,
-                enable_prefix_caching=not args.no_prefix_caching,
-                num_kv_blocks=args.num_kv_blocks,
-                kv_cache_memory=args.kv_cache_memory,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                seed=args.seed,
-            )
+        engine_config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            seed=args.seed,
         )
+        # In a thread that exits when loading is done; see kvserve.engine.cpu_threads.
+        engine = call_in_short_lived_thread(LLMEngine, engine_config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 2
