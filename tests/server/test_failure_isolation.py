@@ -46,7 +46,8 @@ def test_engine_error_fails_only_that_batch(checkpoint_dir) -> None:  # type: ig
         )
         assert bad.status_code == 500
         err = bad.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and "boom-1" in err["message"]
+        assert set(err) == {"message", "type", "param", "code", "request_id"}
+        assert err["request_id"] == "boom-1" and "boom-1" in err["message"]
         assert bad.headers["x-request-id"] == "boom-1"
         # The server carries on with other requests, concurrently too.
         with ThreadPoolExecutor(4) as pool:

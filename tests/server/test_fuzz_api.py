@@ -31,7 +31,7 @@ from tests.server.conftest import MODEL, RunningServer, start_server, stop_serve
 
 MAX_MODEL_LEN = 96
 MAX_EXAMPLES = 30
-ERROR_FIELDS = {"message", "type", "param", "code"}
+ERROR_FIELDS = {"message", "type", "param", "code", "request_id"}
 OPERATIONS = [
     "POST /v1/completions",
     "POST /v1/chat/completions",

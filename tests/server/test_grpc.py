@@ -180,6 +180,29 @@ def test_stream_token_prompt_stop_token_and_logprobs(llm_engine: LLMEngine) -> N
     serve(llm_engine, body)
 
 
+def test_chat_is_rendered_with_the_models_template(llm_engine: LLMEngine) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    expected = llm_engine.chat_prompt(messages)
+
+    async def body(s: Served) -> None:
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages])
+        req = pb.GenerateRequest(request_id="chat-1", chat=chat, temperature=0.0, logprobs=1)
+        req.max_tokens = 5
+        responses = [resp async for resp in s.stub.Generate(req)]
+        final = responses[-1].final
+        assert final.usage.prompt_tokens == len(expected)
+        tok = llm_engine.tokenizer
+        for delta in (r.delta for r in responses[:-1]):
+            for lp in delta.logprobs:  # token texts travel with the ids (no client tokenizer)
+                assert lp.token == tok.decode([lp.token_id])
+                assert dict(lp.top_tokens) == {t: tok.decode([t]) for t in lp.top}
+        empty = pb.GenerateRequest(request_id="chat-2", chat=pb.ChatMessages())
+        error = await expect_error(s.stub.Generate(empty), grpc.StatusCode.INVALID_ARGUMENT)
+        assert "invalid chat:" in (error.details() or "")
+
+    serve(llm_engine, body)
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [

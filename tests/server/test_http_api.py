@@ -107,7 +107,12 @@ def test_request_id_is_used_and_echoed(server: RunningServer) -> None:
     assert given.json()["id"] == "cmpl-trace-me-42"
     assert len(generated.headers["x-request-id"]) == 32
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
-    assert "x-request-id" in bad.headers
+    assert bad.json()["error"]["request_id"] == bad.headers["x-request-id"]
+    # every error names the request it belongs to, in the body as in the header
+    unknown = server.client().post(
+        "/v1/completions", json={**body, "model": "nope"}, headers={"x-request-id": "err-7"}
+    )
+    assert unknown.status_code == 404 and unknown.json()["error"]["request_id"] == "err-7"
 
 
 @pytest.mark.parametrize(
@@ -141,7 +146,8 @@ def test_bad_input_gets_openai_errors(
         r = c.post("/v1/completions", json=payload)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
+    assert set(err) == {"message", "type", "param", "code", "request_id"}
+    assert err["request_id"] == r.headers["x-request-id"]
     assert err["param"] == param
     assert fragment in err["message"]
 

@@ -128,6 +128,18 @@ class LLMEngine:
         self.enqueue(req)
         return req
 
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template, ending with
+        the assistant's generation prompt (one definition for every API)."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt (/v1/completions)",
+                "messages",
+            )
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tok.encode(text, add_special_tokens=False))
+
     def build_request(
         self,
         request_id: str,

@@ -1,4 +1,8 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+
+Every error also carries the request's id (``error.request_id``, the same value as the
+``x-request-id`` response header), so a client can quote it from the body alone.
+"""
 
 from __future__ import annotations
 
@@ -25,36 +29,58 @@ _TYPES = {
 
 
 class OpenAIError(Exception):
+    """An error response: status, the OpenAI error fields, and extra response headers
+    (``Retry-After``, rate-limit headers, ``WWW-Authenticate`` ...)."""
+
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
 
 
 def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    request_id: str | None = None,
 ) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
+    error: dict[str, Any] = {
+        "message": message,
+        "type": _TYPES.get(status, "server_error"),
+        "param": param,
+        "code": code,
     }
+    if request_id is not None:
+        error["request_id"] = request_id
+    return {"error": error}
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    request: Request | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    rid = getattr(request.state, "request_id", None) if request is not None else None
+    return JSONResponse(error_body(status, message, param, code, rid), status_code=status)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        response = error_response(exc.status, exc.message, exc.param, exc.code, request)
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -69,14 +95,16 @@ def install_error_handlers(app: FastAPI) -> None:
             param = None
         else:
             message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
-        return error_response(400, message, param)
+        return error_response(400, message, param, request=request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), request=request)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         rid = getattr(request.state, "request_id", None)
         log.exception("request %s failed", rid)
-        return error_response(500, f"internal error while serving request {rid}: {exc}")
+        return error_response(
+            500, f"internal error while serving request {rid}: {exc}", request=request
+        )

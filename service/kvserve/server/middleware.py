@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,9 +22,15 @@ def valid_request_id(value: str) -> bool:
 class RequestContextMiddleware:
     """Request ids (``x-request-id`` in, validated, echoed out) and the body size limit."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        on_error: Callable[[int], None] | None = None,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.on_error = on_error  # called with the status of each refusal (metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -33,6 +40,7 @@ class RequestContextMiddleware:
         given = headers.get("x-request-id")
         if given is not None and not valid_request_id(given):
             rid = uuid.uuid4().hex
+            self._refused(400)
             await _send_error(
                 send,
                 400,
@@ -46,6 +54,7 @@ class RequestContextMiddleware:
 
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            self._refused(413)
             await _send_error(
                 send,
                 413,
@@ -75,6 +84,7 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, limited_receive, send_with_id)
         except _BodyTooLarge:
+            self._refused(413)
             await _send_error(
                 send,
                 413,
@@ -83,13 +93,17 @@ class RequestContextMiddleware:
                 None,
             )
 
+    def _refused(self, status: int) -> None:
+        if self.on_error is not None:
+            self.on_error(status)
+
 
 class _BodyTooLarge(Exception):
     pass
 
 
 async def _send_error(send: Send, status: int, rid: str, message: str, param: Any) -> None:
-    body = json.dumps(error_body(status, message, param)).encode()
+    body = json.dumps(error_body(status, message, param, request_id=rid)).encode()
     await send(
         {
             "type": "http.response.start",

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 import grpc
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.sampling_params import SamplingParams
@@ -60,20 +61,41 @@ def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     )
 
 
-def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
+def prompt_from_proto(request: pb.GenerateRequest, engine: LLMEngine) -> str | list[int]:
+    """The prompt as text or token ids; a chat is rendered with the model's template."""
     kind = request.WhichOneof("prompt")
     if kind == "prompt_text":
         return request.prompt_text
     if kind == "prompt_token_ids":
         return list(request.prompt_token_ids.ids)
-    raise InvalidRequestError("set prompt_text or prompt_token_ids", "prompt")
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise InvalidRequestError("chat.messages must not be empty", "chat")
+        return engine.chat_prompt(messages)
+    raise InvalidRequestError("set prompt_text, prompt_token_ids or chat", "prompt")
 
 
-def _logprobs_to_proto(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
-    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=e.top) for e in entries]
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return str(tokenizer.decode([token_id])) if tokenizer is not None else str(token_id)
 
 
-def delta_from_output(completion: CompletionOutput, num_sent: int) -> pb.Delta | None:
+def _logprobs_to_proto(entries: list[TokenLogprob], tokenizer: Any) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            top=e.top,
+            token=_token_text(tokenizer, e.token_id),
+            top_tokens={t: _token_text(tokenizer, t) for t in e.top},
+        )
+        for e in entries
+    ]
+
+
+def delta_from_output(
+    completion: CompletionOutput, num_sent: int, tokenizer: Any = None
+) -> pb.Delta | None:
     """What this step added, or None if it added nothing.
 
     ``num_sent``: tokens already streamed (to pick this step's logprob entries).
@@ -83,7 +105,7 @@ def delta_from_output(completion: CompletionOutput, num_sent: int) -> pb.Delta |
     delta = pb.Delta(token_ids=completion.delta_token_ids, text=completion.delta_text)
     if completion.logprobs is not None:
         end = num_sent + len(completion.delta_token_ids)
-        delta.logprobs.extend(_logprobs_to_proto(completion.logprobs[num_sent:end]))
+        delta.logprobs.extend(_logprobs_to_proto(completion.logprobs[num_sent:end], tokenizer))
     return delta
 
 
@@ -136,9 +158,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid request_id: required")
         arrival = time.monotonic()
         try:
+            prompt = prompt_from_proto(request, self.engine.engine)
+            is_chat = request.WhichOneof("prompt") == "chat"
+            if is_chat and not request.HasField("max_tokens"):  # as much as the context allows
+                request.max_tokens = max(self.engine.engine.max_model_len - len(prompt), 1)
             params = sampling_params_from_proto(request)
             req = self.engine.make_request(
-                prompt_from_proto(request),
+                prompt,
                 params,
                 request.request_id,
                 arrival_time=arrival,
@@ -148,7 +174,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 metadata = {
                     k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)
                 }
-                self.telemetry.begin(req.request_id, "text_completion", params, metadata, arrival)
+                operation = "chat" if is_chat else "text_completion"
+                self.telemetry.begin(req.request_id, operation, params, metadata, arrival)
         except EngineDeadError as exc:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except InvalidRequestError as exc:
@@ -158,12 +185,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         num_sent = 0
+        tokenizer = self.engine.engine.tokenizer
         last: RequestOutput | None = None
         try:
             async with _closing(self.engine.stream(req)) as outputs:
                 async for out in outputs:
                     last = out
-                    delta = delta_from_output(out.outputs[0], num_sent)
+                    delta = delta_from_output(out.outputs[0], num_sent, tokenizer)
                     if delta is not None:
                         num_sent += len(delta.token_ids)
                         await context.write(pb.GenerateResponse(delta=delta))

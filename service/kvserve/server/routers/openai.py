@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -15,8 +14,8 @@ from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFai
 from kvserve.engine.request import Request as EngineRequest
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from kvserve.server.errors import OpenAIError
-from kvserve.server.logprobs import chat_logprobs, completion_logprobs
+from kvserve.server import openai_format as fmt
+from kvserve.server.errors import OpenAIError, error_body
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from kvserve.server.state import ServerState, State
 
@@ -63,46 +62,28 @@ async def completions(
         body.logprobs,
         arrival,
     )
-    rid = req.request_id
-    ids = {"id": f"cmpl-{rid}", "created": int(time.time()), "model": state.served_model_name}
+    ids = fmt.response_ids(req.request_id, state.served_model_name, False, int(time.time()))
+    text_of = fmt.tokenizer_text(state.tokenizer)
 
     if body.stream:
 
         def chunk(out: RequestOutput) -> dict[str, Any]:
             c = out.outputs[0]
-            return {
-                **ids,
-                "object": "text_completion",
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": c.delta_text,
-                        "logprobs": _delta_logprobs(completion_logprobs, state, c),
-                        "finish_reason": c.finish_reason,
-                    }
-                ],
-            }
+            logprobs = _delta_logprobs(c)
+            return fmt.completion_chunk(
+                ids,
+                c.delta_text,
+                fmt.completion_logprobs(logprobs, text_of) if logprobs is not None else None,
+                c.finish_reason,
+            )
 
-        return _sse(state.engine, req, chunk, ids, "text_completion", body.include_usage)
+        return _sse(state.engine, req, chunk, ids, False, body.include_usage)
 
     out = await _run_to_end(request, state.engine, req)
     c = out.outputs[0]
+    logprobs = fmt.completion_logprobs(c.logprobs, text_of) if c.logprobs else None
     return JSONResponse(
-        {
-            **ids,
-            "object": "text_completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "text": c.text,
-                    "logprobs": (
-                        completion_logprobs(state.tokenizer, c.logprobs) if c.logprobs else None
-                    ),
-                    "finish_reason": c.finish_reason,
-                }
-            ],
-            "usage": _usage(out),
-        }
+        fmt.completion_response(ids, c.text, logprobs, c.finish_reason, _usage(out))
     )
 
 
@@ -112,16 +93,13 @@ async def chat_completions(
 ) -> JSONResponse | StreamingResponse:
     arrival = time.monotonic()
     _check_common(body, state)
-    tok = state.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise OpenAIError(
-            400,
-            f"model {state.served_model_name!r} has no chat template; use /v1/completions",
-            param="messages",
-        )
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt_ids: list[int] = tok.encode(text, add_special_tokens=False)
+    try:
+        prompt_ids = state.engine.engine.chat_prompt(messages)
+    except InvalidRequestError as exc:
+        raise OpenAIError(
+            400, f"model {state.served_model_name!r}: {exc}", param=exc.param
+        ) from exc
     limit = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -132,8 +110,8 @@ async def chat_completions(
         limit = max(state.max_model_len - len(prompt_ids), 1)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     req = _make_request(state, request, body, prompt_ids, limit, top_n, arrival)
-    rid = req.request_id
-    ids = {"id": f"chatcmpl-{rid}", "created": int(time.time()), "model": state.served_model_name}
+    ids = fmt.response_ids(req.request_id, state.served_model_name, True, int(time.time()))
+    text_of = fmt.tokenizer_text(state.tokenizer)
 
     if body.stream:
         first = True
@@ -141,42 +119,23 @@ async def chat_completions(
         def chunk(out: RequestOutput) -> dict[str, Any]:
             nonlocal first
             c = out.outputs[0]
-            delta: dict[str, Any] = {"content": c.delta_text}
-            if first:
-                delta["role"] = "assistant"
-                first = False
-            return {
-                **ids,
-                "object": "chat.completion.chunk",
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "logprobs": _delta_logprobs(chat_logprobs, state, c),
-                        "finish_reason": c.finish_reason,
-                    }
-                ],
-            }
+            logprobs = _delta_logprobs(c)
+            body = fmt.chat_chunk(
+                ids,
+                c.delta_text,
+                fmt.chat_logprobs(logprobs, text_of) if logprobs is not None else None,
+                c.finish_reason,
+                first,
+            )
+            first = False
+            return body
 
-        return _sse(state.engine, req, chunk, ids, "chat.completion.chunk", body.include_usage)
+        return _sse(state.engine, req, chunk, ids, True, body.include_usage)
 
     out = await _run_to_end(request, state.engine, req)
     c = out.outputs[0]
-    return JSONResponse(
-        {
-            **ids,
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(state.tokenizer, c.logprobs) if c.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                }
-            ],
-            "usage": _usage(out),
-        }
-    )
+    logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
+    return JSONResponse(fmt.chat_response(ids, c.text, logprobs, c.finish_reason, _usage(out)))
 
 
 # ---- shared pieces -------------------------------------------------------------------
@@ -218,24 +177,17 @@ def _make_request(
         raise OpenAIError(400, str(exc), param="x-request-id") from exc
 
 
-def _delta_logprobs(
-    fmt: Callable[[Any, list[TokenLogprob]], dict[str, Any]],
-    state: ServerState,
-    c: CompletionOutput,
-) -> dict[str, Any] | None:
+def _delta_logprobs(c: CompletionOutput) -> list[TokenLogprob] | None:
+    """This step's logprob entries (the last ones of the cumulative list)."""
     if c.logprobs is None:
         return None
-    return fmt(state.tokenizer, c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :])
+    return c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-    }
+    return fmt.usage(
+        len(out.prompt_token_ids), len(out.outputs[0].token_ids), out.num_cached_tokens
+    )
 
 
 def _sse(
@@ -243,7 +195,7 @@ def _sse(
     req: EngineRequest,
     chunk: Callable[[RequestOutput], dict[str, Any]],
     ids: dict[str, Any],
-    obj: str,
+    chat: bool,
     include_usage: bool,
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
@@ -253,16 +205,12 @@ def _sse(
                 last = out
                 c = out.outputs[0]
                 if c.delta_text or c.finish_reason is not None or c.logprobs is not None:
-                    yield f"data: {json.dumps(chunk(out), ensure_ascii=False)}\n\n"
+                    yield fmt.sse(chunk(out))
         except (RequestFailedError, EngineDeadError) as exc:
-            err = {
-                "error": {"message": str(exc), "type": "server_error", "param": None, "code": None}
-            }
-            yield f"data: {json.dumps(err)}\n\n"
+            yield fmt.sse(error_body(500, str(exc), request_id=req.request_id))
         if include_usage and last is not None:
-            usage = {**ids, "object": obj, "choices": [], "usage": _usage(last)}
-            yield f"data: {json.dumps(usage)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield fmt.sse(fmt.usage_chunk(ids, chat, _usage(last)))
+        yield fmt.SSE_DONE
 
     # Starlette cancels this generator when the client disconnects; the engine stream's
     # cleanup then aborts the request before the next step.

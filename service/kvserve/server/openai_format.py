@@ -1,0 +1,153 @@
+"""The OpenAI response shapes, built from plain values.
+
+One definition for the engine server (which knows the tokenizer) and the gateway (which
+gets token texts over gRPC): both pass ``token_text``, a function from token id to text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvserve.outputs import TokenLogprob
+
+TokenText = Callable[[int], str]
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying ``payload``."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def tokenizer_text(tokenizer: Any) -> TokenText:
+    """``token_text`` from a Hugging Face tokenizer (the id itself without one)."""
+    if tokenizer is None:
+        return str
+    return lambda token_id: str(tokenizer.decode([token_id]))
+
+
+# ---- logprobs ----------------------------------------------------------------------------
+def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    """``choices[].logprobs`` of /v1/chat/completions."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {
+                **item(e.token_id, e.logprob),
+                "top_logprobs": [item(t, lp) for t, lp in e.top.items()],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], token_text: TokenText, text_offset: int = 0
+) -> dict[str, Any]:
+    """``choices[].logprobs`` of /v1/completions (legacy format)."""
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets = []
+    for tok in tokens:
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in e.top.items()} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+# ---- bodies --------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def response_ids(request_id: str, model: str, chat: bool, created: int) -> dict[str, Any]:
+    """The fields every body of one response shares: id, created, model."""
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+        "created": created,
+        "model": model,
+    }
+
+
+def completion_chunk(
+    ids: dict[str, Any], text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        **ids,
+        "object": "text_completion",
+        "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
+
+
+def chat_chunk(
+    ids: dict[str, Any],
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    first: bool,
+) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": text}
+    if first:
+        delta["role"] = "assistant"
+    return {
+        **ids,
+        "object": "chat.completion.chunk",
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
+
+
+def usage_chunk(ids: dict[str, Any], chat: bool, usage_: dict[str, Any]) -> dict[str, Any]:
+    """The ``stream_options.include_usage`` chunk: no choices, the usage."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {**ids, "object": obj, "choices": [], "usage": usage_}
+
+
+def completion_response(
+    ids: dict[str, Any],
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    usage_: dict[str, Any],
+) -> dict[str, Any]:
+    body = completion_chunk(ids, text, logprobs, finish_reason)
+    return {**body, "usage": usage_}
+
+
+def chat_response(
+    ids: dict[str, Any],
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    usage_: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        **ids,
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage_,
+    }
