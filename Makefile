@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Runs the offline engine demo (later: the server with the bundled model).
+# Serves the bundled demo model on http://127.0.0.1:8000 (Ctrl-C stops it).
 run: install
-	$(BIN)/kvserve demo
+	$(BIN)/kvserve serve
 
 lint: install
 	$(BIN)/ruff check service tests

@@ -8,9 +8,11 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvserve import __version__, capacity, demo
+    from kvserve import __version__, capacity, chat, demo
     from kvserve.bench import offline as bench_offline
     from kvserve.bench import serving as bench_serving
+    from kvserve.demo_model import evaluate as demo_eval
+    from kvserve.demo_model import train as demo_train
     from kvserve.server import main as server_main
 
     parser = argparse.ArgumentParser(
@@ -41,6 +43,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_p)
     demo_p.set_defaults(func=demo.run)
+
+    chat_p = sub.add_parser(
+        "chat",
+        help="chat in the terminal with a server (--url) or an in-process engine",
+    )
+    chat.add_arguments(chat_p)
+    chat_p.set_defaults(func=chat.run)
+
+    train_p = sub.add_parser(
+        "train-demo",
+        help="regenerate the bundled demo model from its seed (CPU, ~15 minutes)",
+        description="Generate the travel-assistant corpus, train its tokenizer and a small "
+        "Llama on the CPU, and write the checkpoint (default: over the bundled one). "
+        "--check trains into a temporary directory and compares the files instead.",
+    )
+    demo_train.add_arguments(train_p)
+    train_p.set_defaults(func=demo_train.run)
+
+    eval_p = sub.add_parser(
+        "eval-demo",
+        help="score the demo model on held-out hotel requests",
+        description="Greedy answers to held-out requests, checked against the world's rules "
+        "(price cap, amenities, kind), plus held-out perplexity and sample conversations.",
+    )
+    demo_eval.add_arguments(eval_p)
+    eval_p.set_defaults(func=demo_eval.run)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str,
+        model: str | os.PathLike[str] | None = None,
         *,
         tokenizer: str | None = None,
         dtype: str = "auto",
@@ -43,6 +44,10 @@ class LLM:
         seed: int = 0,
         recompute_every_step: bool = False,
     ) -> None:
+        if model is None:
+            from kvserve.demo_model import default_model_dir
+
+            model = default_model_dir()  # the bundled travel-assistant demo model
         self.engine = LLMEngine(
             EngineConfig(
                 model=str(model),
@@ -106,18 +111,12 @@ class LLM:
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them."""
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
         conversations: list[list[Message]] = (
             [messages]  # type: ignore[list-item]
             if messages and isinstance(messages[0], dict)
             else messages  # type: ignore[assignment]
         )
-        prompts: list[Prompt] = []
-        for conv in conversations:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-            prompts.append(tok.encode(text, add_special_tokens=False))
+        prompts: list[Prompt] = [self.engine.chat_prompt(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:

@@ -16,23 +16,17 @@ import pytest
 from tests.server.conftest import free_port, wait_until
 
 
-def start_cli_server(model: Path, *extra: str) -> tuple[subprocess.Popen[str], str, int]:
-    """``kvserve serve`` as a real process on a free port, once it reports ready."""
+def start_cli_server(model: Path | None, *extra: str) -> tuple[subprocess.Popen[str], str, int]:
+    """``kvserve serve`` as a real process on a free port, once it reports ready.
+
+    ``model=None`` runs it with no model arguments at all (the bundled demo model).
+    """
     port = free_port()
-    args = ["--served-model-name", "m", "--port", str(port), "--no-grpc", "--dtype", "float32"]
+    args = ["--port", str(port), "--no-grpc"]
+    if model is not None:
+        args += ["--model", str(model), "--served-model-name", "m", "--dtype", "float32"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvserve",
-            "serve",
-            "--model",
-            str(model),
-            *args,
-            *extra,
-            "--log-level",
-            "warning",
-        ],
+        [sys.executable, "-m", "kvserve", "serve", *args, *extra, "--log-level", "warning"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

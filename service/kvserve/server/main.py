@@ -12,7 +12,11 @@ from kvserve.config import DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face checkpoint directory (required for now)")
+    p.add_argument(
+        "--model",
+        help="Hugging Face checkpoint directory (default: the bundled travel-assistant demo "
+        "model, kvserve-travel-tiny)",
+    )
     p.add_argument(
         "--served-model-name",
         help='the name clients send as "model" (default: the model directory\'s name)',
@@ -56,12 +60,14 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     if not args.model:
-        print(
-            "kvserve serve: error: --model DIR is required (a local Hugging Face checkpoint "
-            "directory; a bundled demo model is planned)",
-            file=sys.stderr,
-        )
-        return 2
+        from kvserve.demo_model import default_model_dir
+
+        try:
+            args.model = str(default_model_dir())
+        except FileNotFoundError as exc:
+            print(f"kvserve serve: error: {exc}", file=sys.stderr)
+            return 2
+        print("no --model given: serving the bundled demo model", file=sys.stderr)
     name = args.served_model_name or Path(args.model).resolve().name
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()

@@ -1,0 +1,23 @@
+"""The bundled demo model: a tiny travel-assistant Llama trained by the project.
+
+``corpus`` generates its training conversations, ``tokenizer`` its byte-level BPE and
+chat template, ``train`` the model (``kvserve train-demo``), ``evaluate`` its held-out
+figures (``kvserve eval-demo``). The checkpoint ships in :data:`DEMO_MODEL_DIR`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEMO_MODEL_NAME = "kvserve-travel-tiny"
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / DEMO_MODEL_NAME
+
+
+def default_model_dir() -> Path:
+    """The bundled checkpoint's directory (what ``LLM()`` and ``kvserve serve`` use)."""
+    if not (DEMO_MODEL_DIR / "config.json").exists():
+        raise FileNotFoundError(
+            f"the bundled demo model is missing from {DEMO_MODEL_DIR}; "
+            "regenerate it with `kvserve train-demo` or pass a model directory"
+        )
+    return DEMO_MODEL_DIR
