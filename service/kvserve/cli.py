@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench import serving as bench_serving
     from kvserve.demo_model import evaluate as demo_eval
     from kvserve.demo_model import train as demo_train
+    from kvserve.gateway import main as gateway_main
     from kvserve.server import main as server_main
 
     parser = argparse.ArgumentParser(
@@ -36,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server_main.add_arguments(serve)
     serve.set_defaults(func=server_main.run)
+
+    gateway = sub.add_parser(
+        "gateway",
+        help="the OpenAI front door: API keys, rate limits, routing across replicas",
+        description="Serve the OpenAI API in front of kvserve replicas (gRPC), with API "
+        "keys, per-key rate limits, admission control and prefix-aware routing.",
+    )
+    gateway_main.add_arguments(gateway)
+    gateway.set_defaults(func=gateway_main.run)
 
     demo_p = sub.add_parser(
         "demo",

@@ -1,0 +1,1 @@
+"""The gateway: the OpenAI front door to a fleet of engine replicas."""

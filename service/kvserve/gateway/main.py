@@ -1,0 +1,61 @@
+"""``kvserve gateway --config FILE``: the OpenAI front door to the engine replicas."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="gateway YAML (docs/gateway-config.md); required to serve")
+    p.add_argument("--host", help="override listen.host")
+    p.add_argument("--port", type=int, help="override listen.port")
+    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--new-key",
+        action="store_true",
+        help="print a new random API key and its sha256 for the keys file, then exit",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.gateway.config import ConfigError, ConfigWatcher, new_key
+
+    if args.new_key:
+        key, digest = new_key()
+        print(f"key:    {key}\nsha256: {digest}")
+        return 0
+    if not args.config:
+        print("kvserve gateway: error: --config FILE is required", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        watcher = ConfigWatcher(args.config)  # validates both files: fail fast
+    except ConfigError as exc:
+        print(f"kvserve gateway: error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from kvserve.gateway.app import create_gateway_app
+
+    config = watcher.config
+    host = args.host or config.listen.host
+    port = args.port or config.listen.port
+    app = create_gateway_app(config, watcher.keys, watcher=watcher)
+    for name, model in config.models.items():
+        print(
+            f"model {name!r}: {len(model.replicas)} replica(s) {', '.join(model.replicas)}",
+            file=sys.stderr,
+        )
+    print(
+        f"gateway on http://{host}:{port} (OpenAI API under /v1); routing "
+        f"{config.routing.policy}; {len(watcher.keys.keys)} API key(s) from "
+        f"{config.keys_file}",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=args.log_level, access_log=False)
+    return 0

@@ -1,0 +1,125 @@
+"""The gateway's Prometheus metrics (prefix ``kvserve_gateway_``).
+
+Client-side latency is measured as the gateway sees it, with the one definitions module
+(DESIGN.md §3): ``s`` = the request reached the gateway, ``f``/``e`` = the first/last
+chunk with visible text was handed to the client's connection.
+
+=================================================== =======================================
+Metric                                              Definition
+=================================================== =======================================
+``kvserve_gateway_requests_total``                  counter by ``model``, ``status`` (HTTP)
+``kvserve_gateway_rejections_total``                counter by ``reason``: unauthenticated,
+                                                    forbidden, rate_limited_requests,
+                                                    rate_limited_tokens, concurrency,
+                                                    queue_full, queue_timeout,
+                                                    payload_too_large, invalid
+``kvserve_gateway_queue_length``                    gauge: requests waiting for a replica
+``kvserve_gateway_queue_wait_seconds``              histogram: admission wait (0 if none)
+``kvserve_gateway_in_flight_requests``              gauge by ``model``, ``replica``
+``kvserve_gateway_replicas``                        gauge by ``model``, ``state``: healthy,
+                                                    unhealthy, draining
+``kvserve_gateway_routing_decisions_total``         counter by ``model``, ``policy``,
+                                                    ``replica``
+``kvserve_gateway_routing_overrides_total``         counter by ``model``: prefix routes sent
+                                                    elsewhere (load bound or retry)
+``kvserve_gateway_upstream_errors_total``           counter by ``model``, ``code`` (gRPC)
+``kvserve_gateway_retries_total``                   counter by ``model``
+``kvserve_gateway_time_to_first_token_seconds``     histogram by ``model``: TTFT = f − s
+``kvserve_gateway_e2e_request_latency_seconds``     histogram by ``model``: E2E = e − s
+``kvserve_gateway_client_disconnects_total``        counter by ``model``
+=================================================== =======================================
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvserve.telemetry import definitions as d
+from kvserve.telemetry.prometheus import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+
+REJECTION_REASONS: Final = (
+    "unauthenticated",
+    "forbidden",
+    "rate_limited_requests",
+    "rate_limited_tokens",
+    "concurrency",
+    "queue_full",
+    "queue_timeout",
+    "payload_too_large",
+    "invalid",
+)
+QUEUE_WAIT_BUCKETS: Final = (
+    0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = reg = registry if registry is not None else CollectorRegistry()
+        p = "kvserve_gateway_"
+        self.requests = Counter(
+            p + "requests", "Requests answered, by model and HTTP status.", ("model", "status"),
+            registry=reg,
+        )  # fmt: skip
+        self.rejections = Counter(
+            p + "rejections", "Requests refused before reaching a replica, by reason.",
+            ("reason",), registry=reg,
+        )  # fmt: skip
+        for reason in REJECTION_REASONS:  # every reason shows, at 0, from the start
+            self.rejections.labels(reason)
+        self.queue_length = Gauge(
+            p + "queue_length", "Requests waiting for a replica.", registry=reg
+        )
+        self.queue_wait = Histogram(
+            p + "queue_wait_seconds", "Admission wait before a replica slot (0 if none).",
+            buckets=QUEUE_WAIT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            p + "in_flight_requests", "Requests sent to a replica and not yet finished.",
+            ("model", "replica"), registry=reg,
+        )  # fmt: skip
+        self.replicas = Gauge(
+            p + "replicas", "Replicas by state.", ("model", "state"), registry=reg
+        )
+        self.routing = Counter(
+            p + "routing_decisions", "Replica choices, by policy and replica.",
+            ("model", "policy", "replica"), registry=reg,
+        )  # fmt: skip
+        self.overrides = Counter(
+            p + "routing_overrides",
+            "Prefix routes sent to another replica than the ring's first choice (load bound or "
+            "retry).",
+            ("model",), registry=reg,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            p + "upstream_errors", "Failed gRPC calls to replicas, by status code.",
+            ("model", "code"), registry=reg,
+        )  # fmt: skip
+        self.retries = Counter(
+            p + "retries", "Requests re-sent to another replica before any output.", ("model",),
+            registry=reg,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "TTFT as the gateway sees it: f - s.", ("model",),
+            buckets=TTFT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds", "E2E as the gateway sees it: e - s.", ("model",),
+            buckets=REQUEST_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.disconnects = Counter(
+            p + "client_disconnects", "Clients that went away before their answer ended.",
+            ("model",), registry=reg,
+        )  # fmt: skip
+
+    def observe_timeline(self, model: str, s: float, f: float | None, e: float | None) -> None:
+        """One finished request's client-side TTFT and E2E (when it showed any text)."""
+        if f is not None:
+            self.ttft.labels(model).observe(d.ttft(s, f))
+        if e is not None:
+            self.e2e.labels(model).observe(d.e2e(s, e))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

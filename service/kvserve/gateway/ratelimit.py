@@ -1,0 +1,365 @@
+"""Per-tenant rate limits: requests per minute, tokens per minute, concurrent requests.
+
+Both per-minute limits are token buckets (not GCRA): capacity = the per-minute limit,
+refilled continuously at limit/60 per second, starting full. A tenant can therefore burst
+up to a minute's allowance at once, then continues at the sustained rate.
+
+- Requests: each admission takes 1 from the request bucket.
+- Tokens: each admission *reserves* its worst case (``prompt_tokens + max_tokens``) from
+  the token bucket; ``Admission.finish(actual_tokens)`` settles to the real usage,
+  refunding the unused part or charging the excess (the level stays within
+  [0, capacity]: an overrun beyond what is left is forgiven, not carried as debt). A
+  reservation larger than the whole bucket could never be admitted, so it raises
+  ``RequestTooLarge`` (not ``RateLimited``): retrying cannot help. The gateway may answer
+  it 400 (rejection reason ``invalid``) or, like OpenAI, 429 without ``Retry-After``
+  (reason ``rate_limited_tokens``); both exceptions share the base ``LimitExceeded``.
+- Concurrency: a counter, taken at admission and given back by ``finish``.
+
+Admission is all or nothing: every limit is checked before anything is taken, so a
+rejected request consumes nothing. A tenant with no limit configured is not limited by
+it, and its ``x-ratelimit-*`` headers are left out.
+
+Headers (OpenAI's names, lowercase): ``x-ratelimit-limit-requests`` (the per-minute
+limit), ``x-ratelimit-remaining-requests`` (whole requests left in the bucket now),
+``x-ratelimit-reset-requests`` (time until the bucket is full again), and the same three
+with ``-tokens``. Durations use OpenAI's (Go's) format rounded up to the millisecond:
+``"0s"``, ``"250ms"``, ``"1s"``, ``"1.5s"``, ``"59.999s"``, ``"1m0s"``, ``"6m0s"``,
+``"1h2m3s"``. On 429 also ``retry-after``: whole seconds, rounded up, at least 1.
+
+The gateway calls this from its one asyncio loop and nothing here awaits, so there are
+no locks. Time comes from the injected ``clock`` (``time.monotonic`` by default).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from kvserve.gateway.auth import Tenant
+from kvserve.gateway.config import KeyLimits
+
+Reason = Literal["rate_limited_requests", "rate_limited_tokens", "concurrency"]
+
+EPSILON = 1e-9  # float slack: a refill that should land exactly on 1.0 may give 0.9999…
+CONCURRENCY_RETRY_SECONDS = 1.0  # when a slot frees is unknowable; suggest a short wait
+
+
+def format_duration(seconds: float) -> str:
+    """OpenAI's reset format (Go's ``time.Duration``), rounded up to whole milliseconds."""
+    ms = math.ceil(seconds * 1000 - 1e-6)
+    if ms <= 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    whole, frac = divmod(rest, 1000)
+    out = f"{whole}.{frac:03d}".rstrip("0") + "s" if frac else f"{whole}s"
+    if hours or minutes:
+        out = f"{minutes}m{out}"
+    if hours:
+        out = f"{hours}h{out}"
+    return out
+
+
+def retry_after_header(seconds: float) -> str:
+    """``Retry-After``: integer seconds, rounded up, at least 1."""
+    return str(max(1, math.ceil(seconds - EPSILON)))
+
+
+@dataclass
+class TokenBucket:
+    """``level`` units available out of ``capacity``; refills at capacity/60 per second."""
+
+    capacity: int
+    level: float
+    updated: float  # clock time of the last refill
+
+    @property
+    def rate(self) -> float:
+        return self.capacity / 60.0
+
+    def refill(self, now: float) -> None:
+        # Refilling is not consuming: it only brings the level up to date, so doing it
+        # before a rejection keeps admission atomic.
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def has(self, amount: float) -> bool:
+        return self.level + EPSILON >= amount
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until ``amount`` is available (0 if it is now)."""
+        return 0.0 if self.has(amount) else (amount - self.level) / self.rate
+
+    def until_full(self) -> float:
+        return max(0.0, (self.capacity - self.level) / self.rate)
+
+    def take(self, amount: float) -> None:
+        self.level = max(0.0, self.level - amount)
+
+    def give(self, amount: float) -> None:
+        self.level = min(float(self.capacity), self.level + amount)
+
+    def resize(self, capacity: int) -> None:
+        """New limit, same usage: what was used stays used (clamped to the new range)."""
+        used = self.capacity - self.level
+        self.capacity = capacity
+        self.level = min(float(capacity), max(0.0, capacity - used))
+
+    def headers(self, kind: str) -> dict[str, str]:
+        return {
+            f"x-ratelimit-limit-{kind}": str(self.capacity),
+            f"x-ratelimit-remaining-{kind}": str(math.floor(self.level + EPSILON)),
+            f"x-ratelimit-reset-{kind}": format_duration(self.until_full()),
+        }
+
+
+@dataclass
+class _TenantState:
+    """One tenant's usage; a missing bucket (None) is an unlimited dimension."""
+
+    limits: KeyLimits
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    in_flight: int = 0
+
+    def refill(self, now: float) -> None:
+        for bucket in (self.requests, self.tokens):
+            if bucket is not None:
+                bucket.refill(now)
+
+    def apply(self, limits: KeyLimits, now: float) -> None:
+        """Hot reload: new limits, keeping current usage."""
+        self.refill(now)
+        self.requests = _resized(self.requests, limits.requests_per_minute, now)
+        self.tokens = _resized(self.tokens, limits.tokens_per_minute, now)
+        self.limits = limits
+
+    def headers(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.requests is not None:
+            out |= self.requests.headers("requests")
+        if self.tokens is not None:
+            out |= self.tokens.headers("tokens")
+        return out
+
+
+def _resized(bucket: TokenBucket | None, capacity: int | None, now: float) -> TokenBucket | None:
+    if capacity is None:
+        return None
+    if bucket is None:  # a newly limited dimension starts full
+        return TokenBucket(capacity, float(capacity), now)
+    bucket.resize(capacity)
+    return bucket
+
+
+class LimitExceeded(Exception):
+    """A request refused by a per-tenant limit: base of ``RateLimited`` and
+    ``RequestTooLarge``. ``headers`` are the ``x-ratelimit-*`` (and ``retry-after``)."""
+
+    def __init__(self, reason: Reason, message: str, headers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.reason: Reason = reason
+        self.message = message
+        self.headers = headers
+        self.code = "rate_limit_exceeded"
+
+
+class RateLimited(LimitExceeded):
+    """Over a limit now but not forever: answer 429 with ``headers`` (incl. retry-after).
+
+    ``reason`` names the limit that forces the longest wait; ``retry_after_seconds`` is
+    that wait (exact; the header rounds it up to whole seconds, at least 1).
+    """
+
+    def __init__(
+        self,
+        reason: Reason,
+        retry_after_seconds: float,
+        headers: dict[str, str],
+        message: str = "",
+    ) -> None:
+        super().__init__(reason, message or f"rate limit reached ({reason})", headers)
+        self.retry_after_seconds = retry_after_seconds
+
+
+class RequestTooLarge(LimitExceeded):
+    """The token reservation exceeds the tenant's whole tokens-per-minute limit, so it
+    could never be admitted; no ``retry-after``. Lower ``max_tokens`` or raise the limit."""
+
+    def __init__(self, requested: int, limit: int, headers: dict[str, str]) -> None:
+        super().__init__(
+            "rate_limited_tokens",
+            f"request needs {requested} tokens (prompt + max_tokens) but the limit is "
+            f"{limit} tokens per minute; lower max_tokens or shorten the prompt",
+            headers,
+        )
+        self.requested, self.limit = requested, limit
+
+
+class Admission:
+    """What an admitted request holds: one request, a token reservation, a concurrency slot.
+
+    ``finish(actual_tokens)`` settles the reservation and frees the slot, exactly once.
+    """
+
+    def __init__(
+        self,
+        tenant: str,
+        reserved_tokens: int,
+        headers: dict[str, str],
+        state: _TenantState,
+        tokens: TokenBucket | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self.tenant = tenant
+        self.reserved_tokens = reserved_tokens
+        self.headers = headers  # for the successful response
+        self._state = state
+        self._tokens = tokens  # the bucket reserved from (survives a limits reload)
+        self._clock = clock
+        self.finished = False
+
+    def finish(self, actual_tokens: int) -> bool:
+        """Settles to ``actual_tokens`` (prompt + completion actually processed) and frees
+        the concurrency slot. Idempotent: only the first call counts (returns True)."""
+        if actual_tokens < 0:
+            raise ValueError(f"actual_tokens must be >= 0, got {actual_tokens}")
+        if self.finished:
+            return False
+        self.finished = True
+        self._state.in_flight -= 1
+        if self._tokens is not None:
+            self._tokens.refill(self._clock())
+            difference = self.reserved_tokens - actual_tokens
+            if difference > 0:
+                self._tokens.give(difference)
+            else:
+                self._tokens.take(-difference)
+        return True
+
+    def __repr__(self) -> str:
+        return (
+            f"Admission(tenant={self.tenant!r}, reserved_tokens={self.reserved_tokens}, "
+            f"finished={self.finished})"
+        )
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A tenant's state right now (for metrics and tests); None fields are unlimited."""
+
+    requests_available: float | None
+    tokens_available: float | None
+    in_flight: int
+
+
+class RateLimiter:
+    """Per-tenant limits, keyed by tenant name. See the module docstring."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._states: dict[str, _TenantState] = {}
+
+    def _state(self, tenant: Tenant, now: float) -> _TenantState:
+        state = self._states.get(tenant.name)
+        if state is None:
+            limits = tenant.limits
+            state = _TenantState(
+                limits,
+                _resized(None, limits.requests_per_minute, now),
+                _resized(None, limits.tokens_per_minute, now),
+            )
+            self._states[tenant.name] = state
+        elif state.limits != tenant.limits:
+            state.apply(tenant.limits, now)
+        state.refill(now)
+        return state
+
+    def admit(self, tenant: Tenant, estimated_tokens: int) -> Admission:
+        """Admits one request reserving ``estimated_tokens`` (prompt + max_tokens), or
+        raises ``RateLimited`` / ``RequestTooLarge`` having taken nothing."""
+        if estimated_tokens < 0:
+            raise ValueError(f"estimated_tokens must be >= 0, got {estimated_tokens}")
+        now = self._clock()
+        state = self._state(tenant, now)
+        limits = state.limits
+        if state.tokens is not None and estimated_tokens > state.tokens.capacity:
+            raise RequestTooLarge(estimated_tokens, state.tokens.capacity, state.headers())
+
+        waits: list[tuple[float, Reason, str]] = []
+        if state.requests is not None and not state.requests.has(1):
+            waits.append(
+                (
+                    state.requests.wait_for(1),
+                    "rate_limited_requests",
+                    f"{limits.requests_per_minute} requests per minute",
+                )
+            )
+        if state.tokens is not None and not state.tokens.has(estimated_tokens):
+            waits.append(
+                (
+                    state.tokens.wait_for(estimated_tokens),
+                    "rate_limited_tokens",
+                    f"{limits.tokens_per_minute} tokens per minute "
+                    f"(this request reserves {estimated_tokens})",
+                )
+            )
+        if limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent:
+            waits.append(
+                (
+                    CONCURRENCY_RETRY_SECONDS,
+                    "concurrency",
+                    f"{limits.max_concurrent} concurrent requests",
+                )
+            )
+        if waits:
+            # The longest wait decides: retrying after a shorter one would fail again.
+            wait, reason, what = max(waits, key=lambda w: w[0])
+            headers = state.headers() | {"retry-after": retry_after_header(wait)}
+            message = (
+                f"rate limit reached for tenant {tenant.name!r}: {what}; "
+                f"retry in {format_duration(wait)}"
+            )
+            raise RateLimited(reason, wait, headers, message)
+
+        if state.requests is not None:
+            state.requests.take(1)
+        if state.tokens is not None:
+            state.tokens.take(estimated_tokens)
+        state.in_flight += 1
+        reserved = estimated_tokens if state.tokens is not None else 0
+        return Admission(tenant.name, reserved, state.headers(), state, state.tokens, self._clock)
+
+    def update(self, tenants: Iterable[Tenant]) -> None:
+        """Hot reload: applies new limits now, keeping each remaining tenant's usage.
+
+        Tenants no longer listed are forgotten once they have nothing in flight (their
+        in-flight admissions still finish against the state they hold).
+        """
+        now = self._clock()
+        current = {t.name: t for t in tenants}
+        for name, state in list(self._states.items()):
+            tenant = current.get(name)
+            if tenant is None:
+                if state.in_flight == 0:
+                    del self._states[name]
+            elif state.limits != tenant.limits:
+                state.apply(tenant.limits, now)
+
+    def usage(self, tenant_name: str) -> Usage | None:
+        """The tenant's state now, or None if it has none (never seen, or forgotten)."""
+        state = self._states.get(tenant_name)
+        if state is None:
+            return None
+        state.refill(self._clock())
+        return Usage(
+            state.requests.level if state.requests is not None else None,
+            state.tokens.level if state.tokens is not None else None,
+            state.in_flight,
+        )

@@ -1,0 +1,133 @@
+"""The replicas behind each model: their clients, health and load, and what routers see.
+
+Health is active and passive: a poller calls every replica's ``GetLoad`` each
+``load_poll_seconds`` (a failure marks it unhealthy, a success healthy again), and a
+``Generate`` that fails to connect marks it unhealthy at once. A replica removed from
+discovery is *draining*: it gets no new requests, its in-flight ones finish, then its
+channel closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvserve.gateway.admission import ReplicaSlots
+from kvserve.gateway.routing import ReplicaLoad
+from kvserve.gateway.upstream import ReplicaClient
+
+log = logging.getLogger("kvserve.gateway")
+
+
+@dataclass
+class Replica:
+    address: str  # host:port
+    model: str
+    client: ReplicaClient
+    capacity: int
+    healthy: bool = True
+    draining: bool = False
+    waiting: int = 0  # from the last GetLoad
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    failures: int = 0  # consecutive failed polls / calls
+
+
+@dataclass
+class Fleet:
+    """Every model's replicas, and the gateway's exact in-flight count per replica."""
+
+    slots: ReplicaSlots = field(default_factory=ReplicaSlots)
+    replicas: dict[str, dict[str, Replica]] = field(default_factory=dict)  # model → address →
+    on_change: Callable[[], None] | None = None  # capacity may have changed (admission.notify)
+
+    # ---- membership -----------------------------------------------------------------
+    def set_replicas(self, model: str, addresses: Iterable[str], capacity: int) -> None:
+        """Make ``addresses`` the model's replicas: add new ones, drain removed ones."""
+        wanted = list(dict.fromkeys(addresses))
+        current = self.replicas.setdefault(model, {})
+        for address in wanted:
+            rep = current.get(address)
+            if rep is None:
+                current[address] = Replica(address, model, ReplicaClient(address), capacity)
+                log.info("replica %s added for model %s", address, model)
+            else:
+                rep.capacity, rep.draining = capacity, False
+        for address, rep in current.items():
+            if address not in wanted and not rep.draining:
+                rep.draining = True
+                log.info("replica %s of model %s is draining", address, model)
+        self._changed()
+
+    async def reap(self) -> None:
+        """Close and forget draining replicas that have nothing in flight."""
+        for current in self.replicas.values():
+            for address, rep in list(current.items()):
+                if rep.draining and self.slots.in_flight(address) == 0:
+                    del current[address]
+                    await rep.client.close()
+                    log.info("replica %s of model %s removed", address, rep.model)
+
+    # ---- what routers and metrics see ---------------------------------------------------
+    def models(self) -> list[str]:
+        return sorted(self.replicas)
+
+    def views(self, model: str) -> list[ReplicaLoad]:
+        return [
+            ReplicaLoad(
+                address=rep.address,
+                in_flight=self.slots.in_flight(rep.address),
+                waiting=rep.waiting,
+                running=rep.running,
+                capacity=rep.capacity,
+                healthy=rep.healthy,
+                draining=rep.draining,
+            )
+            for rep in self.replicas.get(model, {}).values()
+        ]
+
+    def get(self, model: str, address: str) -> Replica | None:
+        return self.replicas.get(model, {}).get(address)
+
+    # ---- health ------------------------------------------------------------------------
+    def mark_failed(self, rep: Replica, why: str) -> None:
+        rep.failures += 1
+        if rep.healthy:
+            rep.healthy = False
+            log.warning("replica %s of model %s is unhealthy: %s", rep.address, rep.model, why)
+            self._changed()
+
+    def mark_ok(self, rep: Replica) -> None:
+        rep.failures = 0
+        if not rep.healthy:
+            rep.healthy = True
+            log.info("replica %s of model %s is healthy again", rep.address, rep.model)
+            self._changed()
+
+    async def poll_once(self, timeout: float) -> None:
+        """One round of ``GetLoad`` on every replica, concurrently."""
+        reps = [rep for current in self.replicas.values() for rep in current.values()]
+        results = await asyncio.gather(
+            *(rep.client.get_load(timeout) for rep in reps), return_exceptions=True
+        )
+        for rep, res in zip(reps, results, strict=True):
+            if isinstance(res, BaseException):
+                self.mark_failed(rep, f"GetLoad failed: {type(res).__name__}")
+                continue
+            rep.waiting, rep.running = int(res.num_waiting), int(res.num_running)
+            rep.kv_cache_usage = float(res.kv_cache_usage)
+            self.mark_ok(rep)
+        await self.reap()
+        self._changed()
+
+    async def close(self) -> None:
+        for current in self.replicas.values():
+            for rep in current.values():
+                await rep.client.close()
+        self.replicas.clear()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()

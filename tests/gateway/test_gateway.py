@@ -1,0 +1,336 @@
+"""The gateway end to end: real replica processes, the gateway on loopback, real clients."""
+
+from __future__ import annotations
+
+import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import (
+    KEY_A,
+    KEY_B,
+    KEY_LIMITED,
+    MODEL,
+    Gateway,
+    Replica,
+    start_gateway,
+    start_replicas,
+    stream_text,
+)
+from tests.server.conftest import wait_until
+
+GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
+SYSTEM = "You are the travel desk. " * 24  # a shared prefix longer than prefix_chars (512)
+
+
+def chat_body(user: str, max_tokens: int = 4, system: str = SYSTEM, **kw: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return {**GREEDY, "messages": messages, "max_tokens": max_tokens, **kw}
+
+
+def post(gw: Gateway, path: str, body: dict[str, Any]) -> httpx.Response:
+    """One request on its own connection (safe from many threads at once)."""
+    return httpx.post(gw.url + path, json=body, headers=gw.headers, timeout=120)
+
+
+# ---- the happy path ---------------------------------------------------------------------
+def test_answers_match_the_replica_stream_and_whole(
+    gateway: Gateway, replicas: list[Replica]
+) -> None:
+    body = {**GREEDY, "prompt": "the cache keeps keys", "max_tokens": 6}
+    direct = httpx.post(f"{replicas[0].http}/v1/completions", json=body, timeout=60).json()
+    with gateway.client() as c:
+        whole = c.post("/v1/completions", json=body, headers={"x-request-id": "gw-1"})
+        text, chunks = stream_text(
+            c, "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+        )
+    assert whole.status_code == 200, whole.text
+    assert whole.headers["x-request-id"] == "gw-1" and whole.json()["id"] == "cmpl-gw-1"
+    assert whole.json()["choices"][0]["text"] == direct["choices"][0]["text"] == text
+    assert whole.json()["usage"]["completion_tokens"] == 6
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert "x-ratelimit-limit-requests" not in whole.headers  # team-a has no limits
+
+
+def test_chat_stream_and_logprobs(gateway: Gateway, replicas: list[Replica]) -> None:
+    body = chat_body("hello", 5, logprobs=True, top_logprobs=2)
+    direct = httpx.post(f"{replicas[1].http}/v1/chat/completions", json=body, timeout=60).json()
+    with gateway.client() as c:
+        whole = c.post("/v1/chat/completions", json=body).json()
+        text, chunks = stream_text(c, "/v1/chat/completions", body)
+    assert whole["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    ours, theirs = whole["choices"][0]["logprobs"], direct["choices"][0]["logprobs"]
+    # the same tokens and texts; values equal up to fp32 noise (cache hits change the path)
+    assert [e["token"] for e in ours["content"]] == [e["token"] for e in theirs["content"]]
+    for a, b in zip(ours["content"], theirs["content"], strict=True):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+        assert len(a["top_logprobs"]) == 2 and a["bytes"] == b["bytes"]
+        lps = [t["logprob"] for t in a["top_logprobs"]]
+        assert lps == sorted(lps, reverse=True)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["object"] == "chat.completion.chunk"
+
+
+# ---- refusals -----------------------------------------------------------------------------
+def error_of(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body) == {"error"}, body
+    return dict(body["error"])
+
+
+def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> None:
+    body = {**GREEDY, "prompt": "hi", "max_tokens": 2}
+    with gateway.client(key=None) as anonymous:
+        r = anonymous.post("/v1/completions", json=body)
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+        assert error_of(r)["code"] == "missing_api_key"
+    with gateway.client(key="sk-wrong") as wrong:
+        r = wrong.post("/v1/completions", json=body)
+        assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+        assert "sk-wrong" not in r.text
+    with gateway.client(key=KEY_B) as b:
+        r = b.post("/v1/completions", json=body)
+        assert r.status_code == 403 and error_of(r)["code"] == "model_not_allowed"
+    with gateway.client() as c:
+        r = c.post("/v1/completions", json={**body, "model": "nope"})
+        assert r.status_code == 404 and error_of(r)["param"] == "model"
+        r = c.post("/v1/completions", json={**body, "max_tokens": 257})
+        assert r.status_code == 400 and "limit of 256" in error_of(r)["message"]
+        r = c.post("/v1/completions", json={**body, "prompt": "x" * 20_000})
+        assert r.status_code == 413
+        r = c.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and "JSON" in error_of(r)["message"]
+        r = c.post("/v1/completions", json={**body, "prompt": [5] * 2000})
+        assert r.status_code == 400 and error_of(r)["param"] == "prompt"  # the engine's check
+    for reason, n in [("unauthenticated", 2), ("forbidden", 1), ("payload_too_large", 1)]:
+        assert gateway.metric("kvserve_gateway_rejections_total", f'reason="{reason}"') == n
+    assert gateway.metric("kvserve_gateway_rejections_total", 'reason="invalid"') >= 2
+
+
+def test_rate_limits_answer_429_with_headers_and_recover_on_the_clock(gateway: Gateway) -> None:
+    body = {**GREEDY, "prompt": "hi", "max_tokens": 2}
+    with gateway.client(key=KEY_LIMITED) as c:
+        first = c.post("/v1/completions", json=body)
+        assert first.status_code == 200
+        assert first.headers["x-ratelimit-limit-requests"] == "2"
+        assert first.headers["x-ratelimit-remaining-requests"] == "1"
+        assert c.post("/v1/completions", json=body).status_code == 200
+        over = c.post("/v1/completions", json=body)
+        assert over.status_code == 429, over.text
+        assert int(over.headers["retry-after"]) >= 1
+        assert over.headers["x-ratelimit-remaining-requests"] == "0"
+        assert error_of(over)["type"] == "rate_limit_error"
+        gateway.clock.now += 30  # one request's worth of refill at 2/minute
+        assert c.post("/v1/completions", json=body).status_code == 200
+        gateway.clock.now += 60
+        big = c.post("/v1/completions", json={**body, "max_tokens": 256, "prompt": "x" * 800})
+        assert big.status_code == 400 and "tokens per minute" in error_of(big)["message"]
+    assert gateway.metric("kvserve_gateway_rejections_total", 'reason="rate_limited_requests"') == 1
+    assert gateway.metric("kvserve_gateway_rejections_total", 'reason="rate_limited_tokens"') == 1
+
+
+# ---- routing -------------------------------------------------------------------------------
+def cached_tokens(gw: Gateway, n: int, system: str) -> int:
+    total = 0
+    with gw.client() as c:
+        for i in range(n):
+            r = c.post("/v1/chat/completions", json=chat_body(f"question {i}", 2, system))
+            assert r.status_code == 200, r.text
+            total += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return total
+
+
+def test_prefix_routing_keeps_a_shared_prefix_on_one_replica(replicas: list[Replica]) -> None:
+    prefix = start_gateway(replicas)
+    try:
+        # each run has its own system prompt: the replicas' caches outlive a gateway
+        cached = cached_tokens(prefix, 8, "Prefix run. " + SYSTEM)
+        per_replica = [
+            prefix.metric(
+                "kvserve_gateway_routing_decisions_total",
+                f'model="{MODEL}",policy="prefix",replica="127.0.0.1:{r.grpc_port}"',
+            )
+            for r in replicas
+        ]
+    finally:
+        prefix.stop()
+    assert sorted(per_replica) == [0, 8]  # all on the prefix's home replica
+    rr = start_gateway(replicas, routing={"policy": "round_robin"})
+    try:
+        rr_cached = cached_tokens(rr, 8, "Round-robin run. " + SYSTEM)
+        spread = [
+            rr.metric(
+                "kvserve_gateway_routing_decisions_total", f'replica="127.0.0.1:{r.grpc_port}"'
+            )
+            for r in replicas
+        ]
+    finally:
+        rr.stop()
+    assert spread == [4, 4]
+    assert cached > 0 and rr_cached < cached
+
+
+def test_a_hot_prefix_spills_over_the_load_bound(replicas: list[Replica]) -> None:
+    gw = start_gateway(replicas, max_in_flight=8, routing={"load_factor": 1.25})
+    try:
+        body = chat_body("same question", 64)
+        with ThreadPoolExecutor(6) as pool, gw.client() as c:
+            codes = list(
+                pool.map(lambda _: c.post("/v1/chat/completions", json=body).status_code, range(6))
+            )
+        assert codes == [200] * 6
+        assert gw.metric("kvserve_gateway_routing_overrides_total") > 0
+        used = [
+            gw.metric(
+                "kvserve_gateway_routing_decisions_total", f'replica="127.0.0.1:{r.grpc_port}"'
+            )
+            for r in replicas
+        ]
+        assert all(u > 0 for u in used), used
+    finally:
+        gw.stop()
+
+
+# ---- cancellation and overload ---------------------------------------------------------------
+def test_client_disconnect_mid_stream_aborts_on_the_replica(
+    gateway: Gateway, replicas: list[Replica]
+) -> None:
+    before = [
+        r.metric("kvserve_requests_finished_total", 'finished_reason="abort"') for r in replicas
+    ]
+    body = {**GREEDY, "prompt": "long answer", "max_tokens": 256, "stream": True}
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY_A}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(json.dumps(body))}\r\n\r\n"
+        f"{json.dumps(body)}"
+    )
+    port = int(gateway.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(request.encode())
+        received = b""
+        while received.count(b"data: ") < 3:  # mid-stream
+            data = sock.recv(4096)
+            assert data, f"the gateway closed the stream early: {received!r}"
+            received += data
+
+    # the socket is closed: the gateway cancels the call, the replica aborts the request
+    def aborted() -> bool:
+        now = [
+            r.metric("kvserve_requests_finished_total", 'finished_reason="abort"') for r in replicas
+        ]
+        return sum(now) == sum(before) + 1
+
+    wait_until(aborted, timeout=30)
+    wait_until(lambda: all(r.metric("kvserve_num_requests_running") == 0 for r in replicas))
+    wait_until(lambda: gateway.metric("kvserve_gateway_client_disconnects_total") == 1)
+    assert gateway.state.fleet.slots.total == 0
+
+
+def test_overload_turns_into_fast_rejections_and_admitted_requests_complete(
+    replicas: list[Replica],
+) -> None:
+    gw = start_gateway(
+        replicas, max_in_flight=2, admission={"queue_size": 2, "queue_timeout_seconds": 60}
+    )
+    try:
+        body = {**GREEDY, "prompt": "busy", "max_tokens": 48}
+        with ThreadPoolExecutor(18) as pool:
+            results = list(pool.map(lambda _: post(gw, "/v1/completions", body), range(18)))
+        codes = sorted(r.status_code for r in results)
+        admitted = [r for r in results if r.status_code == 200]
+        refused = [r for r in results if r.status_code == 503]
+        assert set(codes) <= {200, 503}, codes
+        assert len(admitted) >= 6 and refused, codes  # 4 slots + 2 queued at least
+        assert all(r.json()["usage"]["completion_tokens"] == 48 for r in admitted)
+        assert all(r.headers["retry-after"] == "60" for r in refused)
+        assert gw.metric("kvserve_gateway_rejections_total", 'reason="queue_full"') == len(refused)
+    finally:
+        gw.stop()
+
+
+# ---- failover -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_dead_replica_is_routed_around_and_shows_in_metrics(model_dir: Any) -> None:
+    reps = start_replicas(model_dir, 2)
+    gw = start_gateway(reps, routing={"policy": "round_robin"})
+    try:
+        reps[0].stop()
+        body = {**GREEDY, "prompt": "still there?", "max_tokens": 2}
+        with gw.client() as c:
+            codes = [c.post("/v1/completions", json=body).status_code for _ in range(6)]
+        assert codes == [200] * 6
+        wait_until(
+            lambda: gw.metric("kvserve_gateway_replicas", 'model="tiny",state="unhealthy"') == 1
+        )
+        assert gw.metric("kvserve_gateway_replicas", 'model="tiny",state="healthy"') == 1
+    finally:
+        gw.stop()
+        for rep in reps:
+            rep.stop()
+
+
+def test_models_lists_what_the_key_may_use(gateway: Gateway) -> None:
+    with gateway.client() as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL]
+    with gateway.client(key=KEY_B) as b:
+        assert b.get("/v1/models").json()["data"] == []
+    assert httpx.get(f"{gateway.url}/ready").json()["replicas"] == {MODEL: 2}
+    assert KEY_A not in httpx.get(f"{gateway.url}/metrics").text
+
+
+# ---- the command ------------------------------------------------------------------------------
+def test_the_gateway_command_fails_fast_on_a_bad_config_and_serves_a_good_one(
+    tmp_path: Any, replicas: list[Replica]
+) -> None:
+    import subprocess
+    import sys
+
+    from kvserve.gateway.config import hash_key
+    from tests.server.conftest import free_port
+
+    (tmp_path / "keys.yaml").write_text(
+        f'keys:\n  - tenant: a\n    sha256: "{hash_key(KEY_A)}"\n    models: ["*"]\n'
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f'models:\n  {MODEL}:\n    replicas: ["http://nope:1"]\nkeys_file: keys.yaml\n')
+    kvserve = [sys.executable, "-m", "kvserve", "gateway"]
+    out = subprocess.run(
+        [*kvserve, "--config", str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and f"models.{MODEL}.replicas[0]" in out.stderr, out.stderr
+
+    port = free_port()
+    good = tmp_path / "gateway.yaml"
+    good.write_text(
+        f"listen: {{port: {port}}}\nmodels:\n  {MODEL}:\n    replicas: ['{replicas[0].grpc_url}']\n"
+        "keys_file: keys.yaml\n"
+    )
+    proc = subprocess.Popen([*kvserve, "--config", str(good), "--log-level", "warning"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{url}/ready").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, timeout=120)
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={**GREEDY, "prompt": "hi", "max_tokens": 2},
+            headers={"authorization": f"Bearer {KEY_A}"},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
