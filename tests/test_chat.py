@@ -229,6 +229,10 @@ def test_ctrl_c_stops_the_answer_and_keeps_it(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=ENV,
+            # A shell starts background jobs with SIGINT ignored, and an ignored signal
+            # stays ignored across exec: give the chat the default disposition back, as
+            # a terminal would have it.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         assert proc.stdout is not None
