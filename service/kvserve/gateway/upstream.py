@@ -8,7 +8,7 @@ field; the engine validates again, which costs nothing and keeps each side hones
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,9 +119,3 @@ class ReplicaClient:
 
     async def close(self) -> None:
         await self._channel.close()
-
-
-async def responses(call: Any) -> AsyncIterator[Any]:
-    """The ``GenerateResponse`` messages of a call, typed loosely (generated code)."""
-    async for resp in call:
-        yield resp
