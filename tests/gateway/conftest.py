@@ -170,8 +170,13 @@ def start_gateway(replicas: list[Replica], **overrides: Any) -> Gateway:
         },
         strict=False,
     )
+    return serve_gateway(config, keys_file())
+
+
+def serve_gateway(config: GatewayConfig, keys: KeysFile, watcher: Any = None) -> Gateway:
+    """The gateway app for ``config`` under uvicorn in a thread, once it is ready."""
     clock = FakeClock()
-    app = create_gateway_app(config, keys_file(), clock=clock)
+    app = create_gateway_app(config, keys, clock=clock, watcher=watcher)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

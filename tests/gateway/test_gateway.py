@@ -334,3 +334,42 @@ def test_the_gateway_command_fails_fast_on_a_bad_config_and_serves_a_good_one(
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_a_changed_keys_file_is_applied_without_a_restart(
+    tmp_path: Any, replicas: list[Replica]
+) -> None:
+    from kvserve.gateway.config import ConfigWatcher, hash_key
+    from tests.gateway.conftest import serve_gateway
+
+    keys = tmp_path / "keys.yaml"
+    entry = '  - tenant: {t}\n    sha256: "{d}"\n    models: ["*"]\n'
+    keys.write_text("keys:\n" + entry.format(t="a", d=hash_key(KEY_A)))
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        f"models:\n  {MODEL}:\n    replicas: ['{replicas[0].grpc_url}']\n"
+        "keys_file: keys.yaml\nreload_poll_seconds: 0.1\n"
+    )
+    watcher = ConfigWatcher(config)
+    gw = serve_gateway(watcher.config, watcher.keys, watcher)
+    body = {**GREEDY, "prompt": "hi", "max_tokens": 2}
+    try:
+        assert post_as(gw, KEY_B, body).status_code == 401
+        # A broken file is reported and ignored: the old keys stay in force.
+        keys.write_text("keys: [")
+        assert post_as(gw, KEY_A, body).status_code == 200
+        keys.write_text(
+            "keys:\n"
+            + entry.format(t="a", d=hash_key(KEY_A))
+            + entry.format(t="b", d=hash_key(KEY_B))
+        )
+        wait_until(lambda: post_as(gw, KEY_B, body).status_code == 200, timeout=30)
+        keys.write_text("keys:\n" + entry.format(t="b", d=hash_key(KEY_B)))
+        wait_until(lambda: post_as(gw, KEY_A, body).status_code == 401, timeout=30)
+    finally:
+        gw.stop()
+
+
+def post_as(gw: Gateway, key: str, body: dict[str, Any]) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"}
+    return httpx.post(gw.url + "/v1/completions", json=body, headers=headers, timeout=60)
