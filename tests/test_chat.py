@@ -14,12 +14,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.chat import ChatParams, HTTPBackend, InProcessBackend, Repl
-from tests.server.conftest import RunningServer, free_port, start_server, stop_server, wait_until
+from tests.server.conftest import (
+    RunningServer,
+    free_port,
+    metric,
+    start_server,
+    stop_server,
+    wait_until,
+)
 
 GREEDY = ("--temperature", "0")
 CheckpointDir = Callable[[str], Path]
@@ -41,16 +46,6 @@ def request_log(caplog: pytest.LogCaptureFixture) -> Callable[[], list[dict[str,
         return [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvserve.requests"]
 
     return records
-
-
-def metric(srv: RunningServer, name: str, **labels: str) -> float:
-    text = httpx.get(f"{srv.url}/metrics").text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def chat_cmd(*args: str) -> list[str]:
@@ -188,7 +183,7 @@ def test_in_process_repl_keeps_the_history_and_aborts(checkpoint_dir: Checkpoint
 
 
 def test_abort_closes_the_stream_and_the_server_aborts(server: RunningServer) -> None:
-    aborts = metric(server, "kvserve_requests_finished_total", finished_reason="abort")
+    aborts = metric(server.url, "kvserve_requests_finished_total", finished_reason="abort")
     backend = HTTPBackend(server.url)
     try:
         assert backend.model == "tiny-llama"
@@ -201,11 +196,11 @@ def test_abort_closes_the_stream_and_the_server_aborts(server: RunningServer) ->
         assert list(stream) == []
         wait_until(
             lambda: (
-                metric(server, "kvserve_requests_finished_total", finished_reason="abort")
+                metric(server.url, "kvserve_requests_finished_total", finished_reason="abort")
                 == aborts + 1
             )
         )
-        wait_until(lambda: metric(server, "kvserve_num_requests_running") == 0)
+        wait_until(lambda: metric(server.url, "kvserve_num_requests_running") == 0)
         assert server.engine.stats().num_running == 0
         # The backend is still usable for the next turn.
         again = backend.stream([{"role": "user", "content": "hi"}], ChatParams(max_tokens=2))
@@ -217,7 +212,7 @@ def test_abort_closes_the_stream_and_the_server_aborts(server: RunningServer) ->
 def test_ctrl_c_stops_the_answer_and_keeps_it(
     server: RunningServer, request_log: Callable[[], list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    aborts = metric(server, "kvserve_requests_finished_total", finished_reason="abort")
+    aborts = metric(server.url, "kvserve_requests_finished_total", finished_reason="abort")
     stdin = tmp_path / "stdin"
     stdin.write_text("tell me a long story\nand then?\n")
     with stdin.open("rb") as f:
@@ -254,7 +249,8 @@ def test_ctrl_c_stops_the_answer_and_keeps_it(
     assert partial.startswith("assistant> ") and after.startswith("assistant> ")
     wait_until(
         lambda: (
-            metric(server, "kvserve_requests_finished_total", finished_reason="abort") == aborts + 1
+            metric(server.url, "kvserve_requests_finished_total", finished_reason="abort")
+            == aborts + 1
         )
     )
     first, second = request_log()

@@ -7,11 +7,9 @@ state. Everything is stopped at the end of the module or test that started it.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,19 +21,12 @@ import uvicorn
 
 from kvserve.gateway.app import create_gateway_app
 from kvserve.gateway.config import GatewayConfig, KeysFile, hash_key
-from tests.server.conftest import free_port, wait_until
+from tests.server.conftest import free_port, metric, wait_until
 
 MODEL = "tiny"
 KEY_A = "sk-test-tenant-a"  # every model, generous limits
 KEY_B = "sk-test-tenant-b"  # only "other-model"
 KEY_LIMITED = "sk-test-limited"  # 2 requests per minute
-
-
-def _series(name: str, labels: str) -> str:
-    """A regex for the samples of ``name`` whose labels include ``labels`` (in any place)."""
-    if not labels:
-        return re.escape(name) + r"(\{[^}]*\})?"
-    return re.escape(name) + r"\{[^}]*" + labels + r"[^}]*\}"
 
 
 @dataclass
@@ -48,14 +39,8 @@ class Replica:
     def grpc_url(self) -> str:
         return f"grpc://127.0.0.1:{self.grpc_port}"
 
-    def metric(self, name: str, labels: str = "") -> float:
-        """One sample of the replica's own /metrics (0 if absent)."""
-        text = httpx.get(f"{self.http}/metrics", timeout=10).text
-        pattern = _series(name, labels)
-        total = 0.0
-        for m in re.finditer(r"^" + pattern + r" ([0-9.e+-]+)$", text, re.M):
-            total += float(m.group(m.lastindex or 1))
-        return total
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(self.http, name, **labels)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -124,13 +109,8 @@ class Gateway:
         headers = {"authorization": f"Bearer {key}"} if key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
-    def metric(self, name: str, labels: str = "") -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        pattern = _series(name, labels)
-        return sum(
-            float(m.group(m.lastindex or 1))
-            for m in re.finditer(r"^" + pattern + r" ([0-9.e+-]+)$", text, re.M)
-        )
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(self.url, name, **labels)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -223,7 +203,3 @@ def stream_text(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[
             for choice in chunk.get("choices", []):
                 text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
     return text, chunks
-
-
-def deadline(seconds: float) -> float:
-    return time.monotonic() + seconds

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import uvicorn
 from opentelemetry.trace import TracerProvider
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
@@ -87,3 +88,14 @@ def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-unt
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached before the deadline")
         time.sleep(0.01)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` at ``url``/metrics whose labels include ``labels``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

@@ -10,9 +10,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL, RunningServer, start_server, stop_server, wait_until
+from tests.server.conftest import (
+    MODEL,
+    RunningServer,
+    metric,
+    start_server,
+    stop_server,
+    wait_until,
+)
 
 GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
 
@@ -24,16 +30,6 @@ def sse_events(response: httpx.Response) -> list[dict | str]:  # type: ignore[ty
             data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-def metric(srv: RunningServer, name: str, **labels: str) -> float:
-    text = httpx.get(f"{srv.url}/metrics").text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def test_models_health_ready(server: RunningServer) -> None:
@@ -183,8 +179,8 @@ def test_chat_without_template_is_refused(tmp_path: Path, checkpoint_dir) -> Non
 
 
 def test_concurrent_streams_and_consistent_metrics(server: RunningServer) -> None:
-    ttft_before = metric(server, "kvserve_time_to_first_token_seconds_count")
-    gen_before = metric(server, "kvserve_generation_tokens_total")
+    ttft_before = metric(server.url, "kvserve_time_to_first_token_seconds_count")
+    gen_before = metric(server.url, "kvserve_generation_tokens_total")
 
     def one(i: int) -> int:
         body = {
@@ -206,9 +202,9 @@ def test_concurrent_streams_and_consistent_metrics(server: RunningServer) -> Non
 
     with ThreadPoolExecutor(32) as pool:
         produced = list(pool.map(one, range(32)))
-    assert metric(server, "kvserve_time_to_first_token_seconds_count") - ttft_before == 32
-    assert metric(server, "kvserve_generation_tokens_total") - gen_before == sum(produced)
-    wait_until(lambda: metric(server, "kvserve_num_requests_running") == 0)
+    assert metric(server.url, "kvserve_time_to_first_token_seconds_count") - ttft_before == 32
+    assert metric(server.url, "kvserve_generation_tokens_total") - gen_before == sum(produced)
+    wait_until(lambda: metric(server.url, "kvserve_num_requests_running") == 0)
 
 
 def _open_stream(srv: RunningServer, body: dict) -> socket.socket:  # type: ignore[type-arg]
@@ -223,7 +219,7 @@ def _open_stream(srv: RunningServer, body: dict) -> socket.socket:  # type: igno
 
 
 def test_client_disconnect_mid_stream_aborts(server: RunningServer) -> None:
-    aborts = metric(server, "kvserve_requests_finished_total", finished_reason="abort")
+    aborts = metric(server.url, "kvserve_requests_finished_total", finished_reason="abort")
     sock = _open_stream(
         server, {**GREEDY, "prompt": "a long story", "max_tokens": 500, "stream": True}
     )
@@ -233,10 +229,11 @@ def test_client_disconnect_mid_stream_aborts(server: RunningServer) -> None:
     sock.close()
     wait_until(
         lambda: (
-            metric(server, "kvserve_requests_finished_total", finished_reason="abort") == aborts + 1
+            metric(server.url, "kvserve_requests_finished_total", finished_reason="abort")
+            == aborts + 1
         )
     )
-    wait_until(lambda: metric(server, "kvserve_num_requests_running") == 0)
+    wait_until(lambda: metric(server.url, "kvserve_num_requests_running") == 0)
     pool = server.engine.kv.pool
     wait_until(lambda: pool.num_free_blocks == pool.num_blocks)
 
@@ -245,17 +242,17 @@ def test_disconnect_while_queued_and_non_stream(checkpoint_dir) -> None:  # type
     srv = start_server(checkpoint_dir("llama"), max_num_seqs=1)
     try:
         busy = _open_stream(srv, {**GREEDY, "prompt": "occupy", "max_tokens": 800, "stream": True})
-        wait_until(lambda: metric(srv, "kvserve_num_requests_running") == 1)
+        wait_until(lambda: metric(srv.url, "kvserve_num_requests_running") == 1)
         queued = _open_stream(srv, {**GREEDY, "prompt": "wait", "max_tokens": 5})  # non-stream
-        wait_until(lambda: metric(srv, "kvserve_num_requests_waiting") == 1)
+        wait_until(lambda: metric(srv.url, "kvserve_num_requests_waiting") == 1)
         queued.close()
         wait_until(
-            lambda: metric(srv, "kvserve_requests_finished_total", finished_reason="abort") == 1
+            lambda: metric(srv.url, "kvserve_requests_finished_total", finished_reason="abort") == 1
         )
-        assert metric(srv, "kvserve_num_requests_waiting") == 0
+        assert metric(srv.url, "kvserve_num_requests_waiting") == 0
         busy.close()
         wait_until(
-            lambda: metric(srv, "kvserve_requests_finished_total", finished_reason="abort") == 2
+            lambda: metric(srv.url, "kvserve_requests_finished_total", finished_reason="abort") == 2
         )
         pool = srv.engine.kv.pool
         wait_until(lambda: pool.num_free_blocks == pool.num_blocks)

@@ -70,8 +70,8 @@ def eval_prompts(n: int, seed: int, exclude: set[str]) -> list[corpus.EvalPrompt
     pool = 0
     while len(out) < n:
         pool = max(2 * n, 2 * pool)
-        out = [p for p in corpus.sample_eval_prompts(pool, seed) if p.messages[-1]["content"]]
-        out = [p for p in out if p.messages[-1]["content"] not in exclude][:n]
+        prompts = corpus.sample_eval_prompts(pool, seed)
+        out = [p for p in prompts if p.messages[-1]["content"] not in exclude][:n]
         if pool > 64 * n:
             raise RuntimeError("too few evaluation prompts are new to the training corpus")
     return out

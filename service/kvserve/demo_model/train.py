@@ -23,7 +23,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -304,10 +304,6 @@ def file_digests(directory: Path) -> dict[str, str]:
         for name in CHECKPOINT_FILES
         if (directory / name).exists()
     }
-
-
-def config_summary(cfg: TrainConfig) -> str:
-    return json.dumps(asdict(cfg), sort_keys=True)
 
 
 # ---- CLI -------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -44,6 +44,7 @@ from kvserve.gateway.replicas import Fleet, Replica
 from kvserve.gateway.routing import Router, make_router, prefix_key
 from kvserve.gateway.upstream import delta_logprobs, generate_request
 from kvserve.server import openai_format as fmt
+from kvserve.server.disconnect import until_disconnected
 from kvserve.server.errors import OpenAIError, error_body, install_error_handlers
 from kvserve.server.middleware import RequestContextMiddleware
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
@@ -264,12 +265,16 @@ def _invalid(state: GatewayState, message: str, param: str | None) -> OpenAIErro
     return OpenAIError(400, message, param=param)
 
 
+def _refused(state: GatewayState, exc: AuthError) -> OpenAIError:
+    state.metrics.rejections.labels(exc.reason).inc()
+    return OpenAIError(exc.status, exc.message, code=exc.code, headers=exc.headers)
+
+
 def _authenticate(state: GatewayState, request: Request) -> Tenant:
     try:
         return state.keys.authenticate(request.headers.get("authorization"))
     except AuthError as exc:
-        state.metrics.rejections.labels(exc.reason).inc()
-        raise OpenAIError(exc.status, exc.message, code=exc.code, headers=exc.headers) from None
+        raise _refused(state, exc) from None
 
 
 async def _serve(
@@ -297,8 +302,7 @@ async def _serve(
     try:
         state.keys.authorize(tenant, body.model)
     except AuthError as exc:
-        state.metrics.rejections.labels(exc.reason).inc()
-        raise OpenAIError(exc.status, exc.message, code=exc.code, headers=exc.headers) from None
+        raise _refused(state, exc) from None
     if body.n != 1:
         raise _invalid(state, f"n={body.n} is not supported (only n=1)", "n")
     if limit is not None and limit < 1:
@@ -315,7 +319,8 @@ async def _serve(
     upstream = generate_request(rid, prompt, params, max_tokens_set=limit is not None)
 
     # Token reservation: prompt estimate + the most it may generate (settled at the end).
-    reserve = _prompt_estimate(prompt) + (limit or ceiling or DEFAULT_COMPLETION_MAX_TOKENS)
+    prompt_estimate = _prompt_estimate(prompt)
+    reserve = prompt_estimate + (limit or ceiling or DEFAULT_COMPLETION_MAX_TOKENS)
     try:
         admission = state.limiter.admit(tenant, reserve)
     except RateLimited as exc:
@@ -339,13 +344,13 @@ async def _serve(
     )
     metadata: dict[str, str] = {"x-request-id": rid}
     propagate.inject(metadata, context=trace.set_span_in_context(span))
-    call = _Call(state, body.model, tenant, admission, span, s, _prompt_estimate(prompt))
+    call = _Call(state, body.model, tenant, admission, span, s, prompt_estimate)
     try:
         key = prefix_key(
             {"messages": prompt} if chat else {"prompt": prompt},
             state.config.routing.prefix_chars,
         )
-        first = await _until_disconnected(request, call.start(key, upstream, metadata))
+        first = await until_disconnected(request, call.start(key, upstream, metadata))
     except BaseException as exc:
         call.close(exc)
         raise
@@ -360,7 +365,7 @@ async def _serve(
             headers={"cache-control": "no-cache", **admission.headers},
         )
     try:
-        result = await _until_disconnected(request, call.collect(first, ids, chat))
+        result = await until_disconnected(request, call.collect(first, ids, chat))
     finally:
         call.close(None, disconnected=not call.done)
     if result is None:
@@ -375,28 +380,6 @@ def _prompt_estimate(prompt: str | list[int] | list[dict[str, str]]) -> int:
         chars = sum(len(m["content"]) + 8 for m in prompt)  # type: ignore[index]
         return math.ceil(chars / CHARS_PER_TOKEN)
     return len(prompt)
-
-
-async def _until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or None (and ``work`` cancelled) if the client disconnects first."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return None
-    return task.result()
 
 
 class _Call:
@@ -495,6 +478,10 @@ class _Call:
             if msg.WhichOneof("kind") == "delta":
                 self.output_tokens += len(msg.delta.token_ids)
             yield msg
+            if msg.WhichOneof("kind") == "delta" and msg.delta.text:
+                # handed to the client (streaming) or kept (whole): f and e of §3
+                self.e = time.monotonic()
+                self.f = self.f if self.f is not None else self.e
             msg = await self.grpc_call.read()
 
     async def sse(
@@ -510,9 +497,6 @@ class _Call:
                         continue
                     yield fmt.sse(self._chunk(ids, chat, delta.text, lp, None, opening))
                     opening = False
-                    if delta.text:
-                        self.e = time.monotonic()
-                        self.f = self.f if self.f is not None else self.e
                 else:
                     final = msg.final
                     yield fmt.sse(self._chunk(ids, chat, "", None, final.finish_reason, opening))
@@ -536,9 +520,6 @@ class _Call:
             async for msg in self._messages(first):
                 if msg.WhichOneof("kind") == "delta":
                     text.append(msg.delta.text)
-                    if msg.delta.text:
-                        self.e = time.monotonic()
-                        self.f = self.f if self.f is not None else self.e
                     lp = delta_logprobs(msg.delta)
                     if lp is not None:
                         entries += lp.entries

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -15,6 +14,7 @@ from kvserve.engine.request import Request as EngineRequest
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.server import openai_format as fmt
+from kvserve.server.disconnect import until_disconnected
 from kvserve.server.errors import OpenAIError, error_body
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from kvserve.server.state import ServerState, State
@@ -229,24 +229,12 @@ async def _run_to_end(request: Request, engine: AsyncEngine, req: EngineRequest)
         assert last is not None
         return last
 
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(last_output())
-    watch = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (work, watch):
-            if not task.done():
-                task.cancel()
-    if not work.done() or work.cancelled():
-        await asyncio.gather(work, return_exceptions=True)
-        raise OpenAIError(499, "client disconnected")
-    try:
-        return work.result()
+        last = await until_disconnected(request, last_output())
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
     except RequestFailedError as exc:
         raise OpenAIError(500, f"request {req.request_id} failed: {exc}") from exc
+    if last is None:
+        raise OpenAIError(499, "client disconnected")
+    return last
