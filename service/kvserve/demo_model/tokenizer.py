@@ -108,14 +108,13 @@ def _without_special_tokens(texts: Iterable[str]) -> Iterator[str]:
                 yield piece
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Tokenizer:
-    """Train byte-level BPE on ``texts`` (e.g. rendered conversations); deterministic.
-
-    Ids 0-5 are :data:`SPECIAL_TOKENS` (never split, never merged with text), then the 256 byte
-    symbols, then the merges up to ``vocab_size`` (fewer if the texts have fewer pairs).
-    ``encode`` adds no BOS/EOS: the chat template writes them.
-    """
-    min_size = len(SPECIAL_TOKENS) + 256
+def train_byte_level_bpe(
+    texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str], min_frequency: int
+) -> Tokenizer:
+    """GPT-2 style byte-level BPE: ``special_tokens`` at ids 0.., then the 256 byte symbols,
+    then merges up to ``vocab_size``; deterministic for the same texts. (The test
+    tokenizers in ``kvserve.testing`` are built with it too.)"""
+    min_size = len(special_tokens) + 256
     if vocab_size < min_size:
         raise ValueError(f"vocab_size must be >= {min_size}, got {vocab_size}")
     tok = Tokenizer(models.BPE())
@@ -124,12 +123,25 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Tokenizer:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=2,
+        min_frequency=min_frequency,
         show_progress=False,
-        special_tokens=[_special(t) for t in SPECIAL_TOKENS],
+        special_tokens=[_special(t) for t in special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_without_special_tokens(texts), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Tokenizer:
+    """Train byte-level BPE on ``texts`` (e.g. rendered conversations); deterministic.
+
+    Ids 0-5 are :data:`SPECIAL_TOKENS` (never split, never merged with text), then the 256 byte
+    symbols, then the merges up to ``vocab_size`` (fewer if the texts have fewer pairs).
+    ``encode`` adds no BOS/EOS: the chat template writes them.
+    """
+    tok = train_byte_level_bpe(
+        _without_special_tokens(texts), vocab_size, SPECIAL_TOKENS, min_frequency=2
+    )
     for i, token in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(token) != i:  # pragma: no cover - guaranteed by the trainer
             raise AssertionError(f"special token {token!r} did not get id {i}")

@@ -26,9 +26,7 @@ from tokenizers import (
     decoders,
     models,
     normalizers,
-    pre_tokenizers,
     processors,
-    trainers,
 )
 from transformers import PreTrainedTokenizerFast
 
@@ -101,21 +99,11 @@ def build_byte_level_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast
     No BOS/EOS is added by ``encode`` (like GPT-2).
     ``decode(encode(s)) == s`` for every string ``s``.
     """
-    min_size = len(_BYTE_LEVEL_SPECIAL) + 256
-    if vocab_size < min_size:
-        raise ValueError(f"vocab_size must be >= {min_size}, got {vocab_size}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        show_progress=False,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in _BYTE_LEVEL_SPECIAL],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    from kvserve.demo_model.tokenizer import train_byte_level_bpe
+
+    tok = train_byte_level_bpe(
+        TRAINING_CORPUS.splitlines(keepends=True), vocab_size, _BYTE_LEVEL_SPECIAL, 1
     )
-    tok.train_from_iterator(TRAINING_CORPUS.splitlines(keepends=True), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",
