@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.demo_model import evaluate as demo_eval
     from kvserve.demo_model import train as demo_train
     from kvserve.gateway import main as gateway_main
+    from kvserve.model import pull as model_pull
     from kvserve.server import main as server_main
 
     parser = argparse.ArgumentParser(
@@ -94,6 +95,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_serving.add_arguments(srv)
     srv.set_defaults(func=bench_serving.run)
+
+    model = sub.add_parser("model", help="fetch and check model checkpoints")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="MODEL")
+    pull_p = model_sub.add_parser(
+        "pull",
+        help="copy or download a checkpoint into a directory and verify it",
+        description="Put the model at SOURCE (hf://ORG/NAME[@REVISION], pvc://CLAIM[/PATH] "
+        "or file:///ABS/PATH) into DEST and verify it, for kvserve serve --model DEST. "
+        "Does nothing when DEST already holds SOURCE (an init container reruns on restart).",
+    )
+    model_pull.add_arguments(pull_p)
+    pull_p.set_defaults(func=model_pull.run)
+    verify_p = model_sub.add_parser(
+        "verify",
+        help="check a checkpoint directory without loading it",
+        description="Check config.json, the safetensors headers and sizes (and shards of an "
+        "index), and that a tokenizer is present; reads headers only, no torch.",
+    )
+    model_pull.add_verify_arguments(verify_p)
+    verify_p.set_defaults(func=model_pull.run_verify)
     return parser
 
 

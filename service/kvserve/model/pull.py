@@ -1,0 +1,656 @@
+"""``kvserve model pull SOURCE DEST`` and ``kvserve model verify PATH``.
+
+A Kubernetes init container pulls a checkpoint into a volume before the engine
+container runs ``kvserve serve --model DEST``. Sources:
+
+- ``hf://ORG/NAME[@REVISION]``: the Hugging Face Hub (token from ``HF_TOKEN``)
+- ``pvc://CLAIM[/PATH]``: a PersistentVolumeClaim mounted at ``<pvc root>/CLAIM``
+- ``file:///ABS/PATH``: a directory on the local filesystem (e.g. baked into the image)
+
+A pull writes ``DEST/.kvserve-pull.json`` last, so a later pull of the same source
+finds it and does nothing (init containers rerun on every pod restart). Verification
+reads only config.json and the safetensors headers, with the standard library, so it
+is quick on multi-GB checkpoints and needs no torch.
+
+This module imports only the standard library at import time: the operator imports
+``parse_source`` to validate specs and to find which claim to mount.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+SourceKind = Literal["hf", "pvc", "file"]
+
+ACCEPTED_FORMS = "hf://ORG/NAME[@REVISION], pvc://CLAIM[/PATH] or file:///ABS/PATH"
+DEFAULT_PVC_ROOT = "/mnt/pvc"
+PVC_ROOT_ENV = "KVSERVE_PVC_ROOT"
+MARKER = ".kvserve-pull.json"
+MARKER_VERSION = 1
+
+# What the engine reads from a checkpoint; everything else in a Hub repo (other weight
+# formats, READMEs, images) is skipped.
+MODEL_FILE_PATTERNS: tuple[str, ...] = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+# A local copy also takes any other top-level JSON (small, and may be tokenizer extras).
+LOCAL_FILE_PATTERNS: tuple[str, ...] = (*MODEL_FILE_PATTERNS, "*.json")
+
+_STAGE_PREFIX = ".kvserve-pull-"
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_HF_NAME_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
+_HF_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# Bytes per element of safetensors dtypes; sub-byte and unknown dtypes are not size-checked.
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+
+class ModelPullError(Exception):
+    """An expected failure (bad source, missing or corrupt files): reported without traceback."""
+
+
+class InvalidSourceError(ModelPullError, ValueError):
+    """SOURCE is not one of the accepted forms (a bad argument, exit status 2)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A parsed SOURCE. ``path`` is relative to the claim for pvc, absolute for file."""
+
+    kind: SourceKind
+    repo_id: str | None = None
+    revision: str | None = None
+    claim: str | None = None
+    path: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "hf":
+            return f"hf://{self.repo_id}@{self.revision}"
+        if self.kind == "pvc":
+            return f"pvc://{self.claim}/{self.path}" if self.path else f"pvc://{self.claim}"
+        return f"file://{self.path}"
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind != "hf"
+
+    @property
+    def pinned(self) -> bool:
+        """Whether an hf:// revision is a full commit hash (immutable)."""
+        return self.revision is not None and _COMMIT.fullmatch(self.revision) is not None
+
+    def local_path(self, pvc_root: str | Path | None = None) -> Path:
+        """Where a pvc:// or file:// source is on this machine."""
+        if self.kind == "file":
+            return Path(self.path)
+        if self.kind == "pvc":
+            assert self.claim is not None
+            root = Path(pvc_root) if pvc_root is not None else default_pvc_root()
+            return root / self.claim / self.path if self.path else root / self.claim
+        raise ValueError(f"{self} is not a local source")
+
+
+@dataclass(frozen=True)
+class SafetensorsInfo:
+    tensors: int
+    data_bytes: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify_model`` found; ``warnings`` are problems that do not stop serving."""
+
+    model_type: str
+    architecture: str
+    safetensors_files: tuple[str, ...]
+    tensors: int
+    tensor_bytes: int
+    warnings: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        n = len(self.safetensors_files)
+        return (
+            f"verified: {n} safetensors file{'s' if n != 1 else ''}, "
+            f"{_mb(self.tensor_bytes)} of tensors, config {self.model_type}"
+        )
+
+
+@dataclass(frozen=True)
+class PullResult:
+    action: Literal["copied", "downloaded", "up to date", "verified in place"]
+    dest: Path
+    files: dict[str, int]
+    report: VerifyReport | None
+
+
+# ---- sources --------------------------------------------------------------------------
+
+
+def default_pvc_root() -> Path:
+    """Where claims are mounted: ``$KVSERVE_PVC_ROOT``, else /mnt/pvc."""
+    return Path(os.environ.get(PVC_ROOT_ENV) or DEFAULT_PVC_ROOT)
+
+
+def parse_source(text: str) -> ModelSource:
+    """Parse a SOURCE string; raises ``InvalidSourceError`` naming the accepted forms."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("hf", "pvc", "file"):
+        raise InvalidSourceError(f"unsupported model source {text!r}; expected {ACCEPTED_FORMS}")
+    if scheme == "hf":
+        return _parse_hf(text, rest)
+    if scheme == "pvc":
+        return _parse_pvc(text, rest)
+    if not rest.startswith("/"):
+        raise InvalidSourceError(
+            f"{text!r}: a file:// source needs an absolute path (file:///ABS/PATH, three slashes)"
+        )
+    return ModelSource(kind="file", path=str(PurePosixPath(rest)))
+
+
+def _parse_hf(text: str, rest: str) -> ModelSource:
+    repo_id, at, revision = rest.partition("@")
+    parts = repo_id.split("/")
+    if (
+        len(parts) != 2
+        or not all(_HF_NAME_PART.fullmatch(p) for p in parts)
+        or "--" in repo_id
+        or ".." in repo_id
+        or len(repo_id) > 96
+    ):
+        raise InvalidSourceError(
+            f"{text!r}: expected hf://ORG/NAME[@REVISION] with a Hub repo id such as "
+            "hf://Qwen/Qwen3-0.6B"
+        )
+    if at and not _HF_REVISION.fullmatch(revision):
+        raise InvalidSourceError(
+            f"{text!r}: bad revision {revision!r} (a commit hash, branch or tag after '@')"
+        )
+    return ModelSource(kind="hf", repo_id=repo_id, revision=revision if at else "main")
+
+
+def _parse_pvc(text: str, rest: str) -> ModelSource:
+    claim, _, path = rest.partition("/")
+    if len(claim) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(claim):
+        raise InvalidSourceError(
+            f"{text!r}: claim name {claim!r} is not a valid DNS-1123 name (lowercase letters, "
+            "digits, '-' and '.'); expected pvc://CLAIM[/PATH]"
+        )
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise InvalidSourceError(f"{text!r}: the path may not leave the claim ('..')")
+    return ModelSource(kind="pvc", claim=claim, path="/".join(parts))
+
+
+# ---- verification ---------------------------------------------------------------------
+
+
+def verify_model(model_dir: str | Path) -> VerifyReport:
+    """Check that ``model_dir`` is a checkpoint the engine can load, without loading it.
+
+    Raises ``ModelPullError`` naming the file and the problem.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelPullError(f"{model_dir}: no such directory")
+    model_type, architecture = _check_config(model_dir / "config.json")
+    names = _weight_files(model_dir)
+    tensors = data_bytes = 0
+    for name in names:
+        info = check_safetensors(model_dir / name)
+        tensors += info.tensors
+        data_bytes += info.data_bytes
+    warnings: list[str] = []
+    if (
+        not (model_dir / "tokenizer.json").is_file()
+        and not (model_dir / "tokenizer.model").is_file()
+    ):
+        warnings.append(
+            "no tokenizer.json or tokenizer.model: the server cannot tokenize text "
+            "with this directory alone"
+        )
+    return VerifyReport(
+        model_type=model_type,
+        architecture=architecture,
+        safetensors_files=tuple(names),
+        tensors=tensors,
+        tensor_bytes=data_bytes,
+        warnings=tuple(warnings),
+    )
+
+
+def _check_config(path: Path) -> tuple[str, str]:
+    from kvserve.model.config import ModelConfig  # stdlib-only module; kept lazy anyway
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelPullError("config.json: missing") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelPullError(f"config.json: unreadable: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ModelPullError(f"config.json: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelPullError(f"config.json: expected a JSON object, got {type(data).__name__}")
+    if not data.get("architectures") and not data.get("model_type"):
+        raise ModelPullError("config.json: has neither 'architectures' nor 'model_type'")
+    try:
+        config = ModelConfig.from_dict(data)
+    except ValueError as e:  # includes UnsupportedModelError
+        raise ModelPullError(f"config.json: {e}") from None
+    except (TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
+        raise ModelPullError(f"config.json: malformed: {type(e).__name__}: {e}") from None
+    return str(data.get("model_type") or config.architecture), config.architecture
+
+
+def _weight_files(model_dir: Path) -> list[str]:
+    """The safetensors files the loader will read, in the loader's order of preference."""
+    index_name = "model.safetensors.index.json"
+    index = model_dir / index_name
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelPullError(f"{index_name}: unreadable: {e}") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelPullError(f"{index_name}: no 'weight_map' object")
+        shards = sorted({str(v) for v in weight_map.values()})
+        for shard in shards:
+            if PurePosixPath(shard).is_absolute() or ".." in PurePosixPath(shard).parts:
+                raise ModelPullError(f"{index_name}: shard name {shard!r} leaves the directory")
+            if not (model_dir / shard).is_file():
+                raise ModelPullError(f"{index_name}: shard {shard} is missing")
+        return shards
+    if (model_dir / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    others = sorted(p.name for p in model_dir.glob("*.safetensors") if p.is_file())
+    if not others:
+        raise ModelPullError(
+            "no safetensors weights: expected model.safetensors or "
+            "model.safetensors.index.json (only safetensors checkpoints are supported)"
+        )
+    return others
+
+
+def check_safetensors(path: Path) -> SafetensorsInfo:
+    """Read a safetensors header and check that the file holds all the data it promises.
+
+    Layout: 8-byte little-endian header length N, N bytes of JSON, then the tensor data;
+    the largest ``data_offsets`` end must equal the data size exactly.
+    """
+    name = path.name
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ModelPullError(f"{name}: too short for a safetensors file ({size} bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > _MAX_HEADER_BYTES:
+                raise ModelPullError(
+                    f"{name}: header length {header_len} is implausible (not a safetensors file?)"
+                )
+            if header_len > size - 8:
+                raise ModelPullError(
+                    f"{name}: truncated: header says {header_len} bytes of header, "
+                    f"file has {size - 8} after the length"
+                )
+            raw = f.read(header_len)
+    except OSError as e:
+        raise ModelPullError(f"{name}: unreadable: {e}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelPullError(f"{name}: header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ModelPullError(f"{name}: header is not a JSON object")
+    tensors = 0
+    data_end = 0
+    for tensor, entry in header.items():
+        if tensor == "__metadata__":
+            continue
+        _, end = _tensor_span(name, tensor, entry)
+        tensors += 1
+        data_end = max(data_end, end)
+    available = size - 8 - header_len
+    if data_end > available:
+        raise ModelPullError(
+            f"{name}: truncated: header says {data_end} bytes of tensor data, file has {available}"
+        )
+    if data_end < available:
+        raise ModelPullError(
+            f"{name}: size mismatch: header says {data_end} bytes of tensor data, "
+            f"file has {available}"
+        )
+    return SafetensorsInfo(tensors=tensors, data_bytes=data_end)
+
+
+def _tensor_span(file_name: str, tensor: str, entry: Any) -> tuple[int, int]:
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+        or not isinstance(shape, list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise ModelPullError(f"{file_name}: tensor {tensor!r}: bad header entry {entry!r}")
+    begin, end = int(offsets[0]), int(offsets[1])
+    elem = _DTYPE_BYTES.get(str(entry.get("dtype")))
+    if elem is not None and math.prod(shape) * elem != end - begin:
+        raise ModelPullError(
+            f"{file_name}: tensor {tensor!r}: {entry.get('dtype')} {shape} needs "
+            f"{math.prod(shape) * elem} bytes, data_offsets span {end - begin}"
+        )
+    return begin, end
+
+
+# ---- pulling --------------------------------------------------------------------------
+
+
+def pull(
+    source: ModelSource | str,
+    dest: str | Path,
+    *,
+    pvc_root: str | Path | None = None,
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> PullResult:
+    """Put the model at ``source`` into ``dest`` and verify it; skip if already there.
+
+    Local sources are staged inside ``dest`` and moved into place file by file
+    (``dest`` is usually a volume mount point, which cannot itself be renamed), and the
+    marker is written last, so an interrupted pull never looks complete.
+    """
+    say = log or (lambda _msg: None)
+    src = parse_source(source) if isinstance(source, str) else source
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise ModelPullError(f"{dest}: exists and is not a directory")
+
+    local: Path | None = None
+    if src.is_local:
+        local = src.local_path(pvc_root)
+        if not local.is_dir():
+            hint = ""
+            if src.kind == "pvc":
+                root = Path(pvc_root) if pvc_root is not None else default_pvc_root()
+                hint = f" (is claim {src.claim!r} mounted at {root / str(src.claim)}?)"
+            raise ModelPullError(f"{src}: {local}: no such directory{hint}")
+        if dest.is_dir() and local.resolve() == dest.resolve():
+            say(f"{src} is {dest} itself: verifying in place")
+            report = _verify_labelled(dest, str(src))
+            _report(report, say)
+            return PullResult("verified in place", dest, _sizes(dest, _model_files(dest)), report)
+
+    if src.kind == "hf" and not src.pinned:
+        say(
+            f"note: revision {src.revision!r} is not a commit; pinning one is recommended "
+            f"(hf://{src.repo_id}@<40-hex commit>) so every replica serves the same weights"
+        )
+    if not force:
+        files = _up_to_date(dest, src)
+        if files is not None:
+            say(
+                f"up to date: {dest} already holds {src} "
+                f"({len(files)} files, {_mb(sum(files.values()))}); --force pulls again"
+            )
+            return PullResult("up to date", dest, files, None)
+
+    say(f"pulling {src} → {dest}")
+    start = time.monotonic()
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        previous = _read_marker(dest)
+        (dest / MARKER).unlink(missing_ok=True)
+        _remove_stale_stages(dest)
+        if local is not None:
+            files = _copy_local(src, local, dest)
+            action: Literal["copied", "downloaded"] = "copied"
+        else:
+            files = _download_hf(src, dest)
+            action = "downloaded"
+        elapsed = time.monotonic() - start
+        say(f"{action} {len(files)} files ({_mb(sum(files.values()))}) in {elapsed:.1f} s")
+        _remove_leftovers(dest, previous, files)
+        report = _verify_labelled(dest, str(src))
+        _write_marker(dest, src, files)
+    except OSError as e:  # e.g. DEST read-only or its volume full
+        raise ModelPullError(f"{dest}: {e}") from None
+    _report(report, say)
+    return PullResult(action, dest, files, report)
+
+
+def _model_files(model_dir: Path) -> list[str]:
+    """Top-level files in ``model_dir`` that a pull would take (``MODEL_FILE_PATTERNS``)."""
+    return _matching(model_dir, MODEL_FILE_PATTERNS)
+
+
+def _copy_local(src: ModelSource, local: Path, dest: Path) -> dict[str, int]:
+    names = _matching(local, LOCAL_FILE_PATTERNS)
+    stage = Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=dest))
+    try:
+        for name in names:
+            try:
+                shutil.copyfile(local / name, stage / name)
+            except OSError as e:
+                raise ModelPullError(f"{src}: copying {name}: {e}") from None
+        # Verify before anything in dest is replaced: a bad source leaves dest as it was.
+        _verify_labelled(stage, str(src))
+        files = _sizes(stage, names)
+        for name in names:
+            os.replace(stage / name, dest / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return files
+
+
+def _download_hf(src: ModelSource, dest: Path) -> dict[str, int]:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # a declared dependency; only a broken install lands here
+        raise ModelPullError(f"hf:// sources need huggingface_hub: {e}") from None
+    assert src.repo_id is not None
+    try:
+        snapshot_download(
+            repo_id=src.repo_id,
+            revision=src.revision,
+            local_dir=dest,
+            allow_patterns=list(MODEL_FILE_PATTERNS),
+            ignore_patterns=["*/*"],  # top level only: the loader never reads subfolders
+            token=os.environ.get("HF_TOKEN") or None,
+        )
+    except Exception as e:  # a foreign library's network errors: report, no traceback
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise ModelPullError(f"{src}: download failed: {type(e).__name__}: {detail}") from None
+    return _sizes(dest, _model_files(dest))
+
+
+def _verify_labelled(model_dir: Path, label: str) -> VerifyReport:
+    try:
+        return verify_model(model_dir)
+    except ModelPullError as e:
+        raise ModelPullError(f"{label}: {e}") from None
+
+
+def _report(report: VerifyReport, say: Callable[[str], None]) -> None:
+    for warning in report.warnings:
+        say(f"warning: {warning}")
+    say(report.summary())
+
+
+def _matching(directory: Path, patterns: Iterable[str]) -> list[str]:
+    pats = tuple(patterns)
+    return sorted(
+        p.name
+        for p in directory.iterdir()
+        if p.is_file()
+        and p.name != MARKER
+        and any(fnmatch.fnmatchcase(p.name, pat) for pat in pats)
+    )
+
+
+def _sizes(directory: Path, names: Iterable[str]) -> dict[str, int]:
+    return {name: (directory / name).stat().st_size for name in names}
+
+
+def _read_marker(dest: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((dest / MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _up_to_date(dest: Path, src: ModelSource) -> dict[str, int] | None:
+    """The marker's files if ``dest`` holds a complete earlier pull of ``src``, else None."""
+    marker = _read_marker(dest)
+    if (
+        marker is None
+        or marker.get("version") != MARKER_VERSION
+        or marker.get("source") != str(src)
+        or marker.get("revision") != src.revision
+    ):
+        return None
+    files = marker.get("files")
+    if not isinstance(files, dict) or not files:
+        return None
+    for name, size in files.items():
+        path = dest / str(name)
+        if not isinstance(size, int) or not path.is_file() or path.stat().st_size != size:
+            return None
+    return {str(k): int(v) for k, v in files.items()}
+
+
+def _write_marker(dest: Path, src: ModelSource, files: dict[str, int]) -> None:
+    data: dict[str, Any] = {"version": MARKER_VERSION, "source": str(src)}
+    if src.revision is not None:
+        data["revision"] = src.revision
+    data["files"] = files
+    tmp = dest / f"{MARKER}.tmp"
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, dest / MARKER)
+
+
+def _remove_stale_stages(dest: Path) -> None:
+    """Staging directories left by a pull that was killed (pod deleted mid-copy)."""
+    for p in dest.glob(f"{_STAGE_PREFIX}*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _remove_leftovers(dest: Path, previous: dict[str, Any] | None, files: dict[str, int]) -> None:
+    """Files an earlier pull wrote that this one did not (e.g. shards of another model)."""
+    old = previous.get("files") if previous else None
+    if not isinstance(old, dict):
+        return
+    for name in old:
+        path = dest / str(name)
+        if str(name) not in files and "/" not in str(name) and path.is_file():
+            path.unlink()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+# ---- command line ---------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="SOURCE", help=f"where the model is: {ACCEPTED_FORMS}")
+    parser.add_argument(
+        "dest",
+        metavar="DEST",
+        help="directory to fill (created if missing); serve it with kvserve serve --model DEST",
+    )
+    parser.add_argument(
+        "--pvc-root",
+        default=None,
+        metavar="DIR",
+        help=f"where claims are mounted, pvc://CLAIM/PATH → DIR/CLAIM/PATH "
+        f"(default: ${PVC_ROOT_ENV}, else {DEFAULT_PVC_ROOT})",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"pull again even if DEST/{MARKER} says it already holds SOURCE",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        source = parse_source(args.source)
+    except InvalidSourceError as e:
+        return _error("pull", str(e), 2)
+    try:
+        pull(source, args.dest, pvc_root=args.pvc_root, force=args.force, log=_stderr)
+    except ModelPullError as e:
+        return _error("pull", str(e), 1)
+    return 0
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", metavar="PATH", help="a checkpoint directory")
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    try:
+        report = _verify_labelled(Path(args.path), str(args.path))
+    except ModelPullError as e:
+        return _error("verify", str(e), 1)
+    _report(report, _stderr)
+    return 0
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _error(command: str, message: str, status: int) -> int:
+    print(f"kvserve model {command}: error: {message}", file=sys.stderr)
+    return status

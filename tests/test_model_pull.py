@@ -1,0 +1,426 @@
+"""``kvserve model pull`` / ``verify`` on real checkpoint directories (no mocks).
+
+hf:// is only parsed and made to fail offline here: this machine cannot reach the Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+
+from kvserve.cli import main as cli_main
+from kvserve.model.pull import (
+    MARKER,
+    InvalidSourceError,
+    ModelPullError,
+    ModelSource,
+    check_safetensors,
+    parse_source,
+    pull,
+    verify_model,
+)
+from kvserve.testing.checkpoints import build_random_checkpoint
+
+PULL_PY = Path(__file__).resolve().parents[1] / "service" / "kvserve" / "model" / "pull.py"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pull-src")
+    return {
+        "single": build_random_checkpoint(root / "single"),
+        "sharded": build_random_checkpoint(root / "sharded", max_shard_size="100KB"),
+    }
+
+
+@pytest.fixture
+def model(built: dict[str, Path], tmp_path: Path) -> Path:
+    """A private copy of the single-file checkpoint, free to damage."""
+    return Path(shutil.copytree(built["single"], tmp_path / "model"))
+
+
+@pytest.fixture
+def sharded(built: dict[str, Path], tmp_path: Path) -> Path:
+    return Path(shutil.copytree(built["sharded"], tmp_path / "sharded"))
+
+
+def logged(messages: list[str]) -> Callable[[str], None]:
+    return messages.append
+
+
+# ---- parse_source -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("hf://Qwen/Qwen3-0.6B", ModelSource("hf", repo_id="Qwen/Qwen3-0.6B", revision="main")),
+        (
+            f"hf://meta-llama/Llama-3.2-1B@{COMMIT}",
+            ModelSource("hf", repo_id="meta-llama/Llama-3.2-1B", revision=COMMIT),
+        ),
+        ("hf://org/name@v1.0", ModelSource("hf", repo_id="org/name", revision="v1.0")),
+        ("hf://org/name@refs/pr/3", ModelSource("hf", repo_id="org/name", revision="refs/pr/3")),
+        ("pvc://models/llama/3b", ModelSource("pvc", claim="models", path="llama/3b")),
+        ("pvc://models", ModelSource("pvc", claim="models", path="")),
+        ("pvc://models/", ModelSource("pvc", claim="models", path="")),
+        ("pvc://my.claim-1//a/./b/", ModelSource("pvc", claim="my.claim-1", path="a/b")),
+        ("file:///opt/models/llama", ModelSource("file", path="/opt/models/llama")),
+        ("file:///opt/models/llama/", ModelSource("file", path="/opt/models/llama")),
+    ],
+)
+def test_parse_source_accepts(text: str, expected: ModelSource) -> None:
+    assert parse_source(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("", "expected hf://ORG/NAME[@REVISION], pvc://CLAIM[/PATH] or file:///ABS/PATH"),
+        ("/models/llama", "unsupported model source"),
+        ("s3://bucket/llama", "unsupported model source 's3://bucket/llama'"),
+        ("HF://org/name", "unsupported model source"),
+        ("hf://gpt2", "expected hf://ORG/NAME[@REVISION]"),
+        ("hf://org/name/extra", "expected hf://ORG/NAME[@REVISION]"),
+        ("hf://org/na me", "expected hf://ORG/NAME[@REVISION]"),
+        ("hf://org/name@", "bad revision ''"),
+        ("hf://org/name@ main", "bad revision"),
+        ("pvc://Models/llama", "claim name 'Models' is not a valid DNS-1123 name"),
+        ("pvc://-models", "not a valid DNS-1123 name"),
+        ("pvc:///llama", "claim name ''"),
+        ("pvc://models/../other", "may not leave the claim"),
+        ("file://relative/path", "needs an absolute path"),
+        ("file://", "needs an absolute path"),
+    ],
+)
+def test_parse_source_rejects(text: str, fragment: str) -> None:
+    with pytest.raises(InvalidSourceError) as info:
+        parse_source(text)
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)  # the operator may catch plain ValueError
+
+
+def test_source_strings_round_trip() -> None:
+    for text in (f"hf://org/name@{COMMIT}", "pvc://models/a/b", "pvc://models", "file:///m"):
+        assert str(parse_source(text)) == text
+    assert str(parse_source("hf://org/name")) == "hf://org/name@main"
+    assert parse_source(f"hf://org/name@{COMMIT}").pinned
+    assert not parse_source("hf://org/name").pinned
+
+
+def test_pull_module_imports_only_the_standard_library() -> None:
+    """The operator imports parse_source; loading pull.py must not drag in torch."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('pull', {str(PULL_PY)!r})\n"
+        "mod = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['pull'] = mod\n"
+        "spec.loader.exec_module(mod)\n"
+        "assert mod.parse_source('pvc://models/x').claim == 'models'\n"
+        "heavy = {'torch', 'transformers', 'huggingface_hub', 'kvserve'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+
+
+# ---- pulling local sources --------------------------------------------------------------
+
+
+def test_file_pull_copies_then_is_up_to_date(model: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    messages: list[str] = []
+    result = pull(f"file://{model}", dest, log=logged(messages))
+    assert result.action == "copied"
+    assert sorted(result.files) == sorted(p.name for p in model.iterdir())  # all match
+    for name, size in result.files.items():
+        assert (dest / name).read_bytes() == (model / name).read_bytes()
+        assert size == (model / name).stat().st_size
+    assert messages[0] == f"pulling file://{model} → {dest}"
+    assert messages[1].startswith(f"copied {len(result.files)} files (")
+    assert messages[-1].startswith("verified: 1 safetensors file, ")
+    assert messages[-1].endswith("of tensors, config llama")
+    marker = json.loads((dest / MARKER).read_text())
+    assert marker == {"version": 1, "source": f"file://{model}", "files": result.files}
+    assert not [p for p in dest.iterdir() if p.name.startswith(".kvserve-pull-")]  # no stage
+
+    mtime = (dest / "model.safetensors").stat().st_mtime_ns
+    messages.clear()
+    again = pull(f"file://{model}", dest, log=logged(messages))
+    assert again.action == "up to date"
+    assert again.files == result.files
+    assert len(messages) == 1 and messages[0].startswith(f"up to date: {dest} already holds")
+    assert (dest / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_force_copies_again(model: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    pull(f"file://{model}", dest)
+    (dest / "model.safetensors").write_bytes(b"stale")  # would also defeat the marker check
+    os.utime(dest / "config.json", ns=(0, 0))
+    result = pull(f"file://{model}", dest, force=True)
+    assert result.action == "copied"
+    assert (dest / "config.json").stat().st_mtime_ns != 0
+    assert (dest / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
+
+
+def test_changed_content_or_source_pulls_again(model: Path, sharded: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    pull(f"file://{model}", dest)
+    with (dest / "tokenizer.json").open("ab") as f:  # size differs from the marker
+        f.write(b" ")
+    assert pull(f"file://{model}", dest).action == "copied"
+
+    # Another model into the same DEST: the old model's files it wrote are removed.
+    result = pull(f"file://{sharded}", dest)
+    assert result.action == "copied"
+    assert not (dest / "model.safetensors").exists()
+    assert result.report is not None and len(result.report.safetensors_files) == 6
+
+
+def test_same_directory_only_verifies(model: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "link"
+    dest.symlink_to(model)  # another name for the same directory
+    messages: list[str] = []
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in model.iterdir())
+    result = pull(f"file://{model}", dest, log=logged(messages))
+    assert result.action == "verified in place"
+    assert messages[0] == f"file://{model} is {dest} itself: verifying in place"
+    assert messages[-1].startswith("verified: ")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in model.iterdir()) == before  # no marker
+
+
+def test_pvc_source_resolves_under_the_pvc_root(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "pvc"
+    (root / "models" / "llama").mkdir(parents=True)
+    shutil.copytree(model, root / "models" / "llama" / "tiny")
+    dest = tmp_path / "dest"
+    result = pull("pvc://models/llama/tiny", dest, pvc_root=root)
+    assert result.action == "copied"
+    assert json.loads((dest / MARKER).read_text())["source"] == "pvc://models/llama/tiny"
+
+    monkeypatch.setenv("KVSERVE_PVC_ROOT", str(root))  # the default root
+    assert pull("pvc://models/llama/tiny", dest).action == "up to date"
+    assert parse_source("pvc://models").local_path() == root / "models"
+
+    with pytest.raises(ModelPullError) as info:
+        pull("pvc://other/llama", tmp_path / "dest2", pvc_root=root)
+    assert str(info.value) == (
+        f"pvc://other/llama: {root / 'other' / 'llama'}: no such directory "
+        f"(is claim 'other' mounted at {root / 'other'}?)"
+    )
+    assert not (tmp_path / "dest2").exists()
+
+
+def test_unwritable_dest_is_a_clear_error(model: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    dest = tmp_path / "afile" / "dest"  # cannot be created: its parent is a file
+    with pytest.raises(ModelPullError) as info:
+        pull(f"file://{model}", dest)
+    assert str(info.value).startswith(f"{dest}: [Errno 20] Not a directory")
+    with pytest.raises(ModelPullError, match="exists and is not a directory"):
+        pull(f"file://{model}", tmp_path / "afile")
+
+
+def test_bad_source_leaves_dest_untouched(model: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    pull(f"file://{model}", dest)
+    before = {p.name: p.read_bytes() for p in dest.iterdir() if p.name != MARKER}
+    (model / "config.json").write_text("{not json")
+    with pytest.raises(ModelPullError, match=r"config\.json: not valid JSON"):
+        pull(f"file://{model}", dest, force=True)
+    after = {p.name: p.read_bytes() for p in dest.iterdir() if p.name != MARKER}
+    assert after == before
+    assert not (dest / MARKER).exists()  # no longer claims to hold a complete pull
+    assert not [p for p in dest.iterdir() if p.name.startswith(".kvserve-pull-")]
+
+
+# ---- verify ----------------------------------------------------------------------------
+
+
+def test_verify_reports_the_checkpoint(built: dict[str, Path]) -> None:
+    single = verify_model(built["single"])
+    assert single.safetensors_files == ("model.safetensors",)
+    assert single.model_type == "llama" and single.architecture == "LlamaForCausalLM"
+    assert single.tensor_bytes > 0 and single.tensors > 0 and not single.warnings
+    sharded = verify_model(built["sharded"])
+    assert len(sharded.safetensors_files) == 6
+    assert sharded.tensor_bytes == single.tensor_bytes  # same weights, split
+    assert sharded.summary().startswith("verified: 6 safetensors files, ")
+
+
+def test_verify_missing_config(model: Path) -> None:
+    (model / "config.json").unlink()
+    with pytest.raises(ModelPullError, match=r"^config\.json: missing$"):
+        verify_model(model)
+
+
+def test_verify_corrupt_config(model: Path) -> None:
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(ModelPullError, match=r"^config\.json: not valid JSON: "):
+        verify_model(model)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[1, 2]", "config.json: expected a JSON object, got list"),
+        ('{"hidden_size": 8}', "config.json: has neither 'architectures' nor 'model_type'"),
+        ('{"architectures": ["GPT2LMHeadModel"]}', "config.json: architecture 'GPT2LMHeadModel'"),
+    ],
+)
+def test_verify_config_the_engine_refuses(model: Path, content: str, message: str) -> None:
+    (model / "config.json").write_text(content)
+    with pytest.raises(ModelPullError) as info:
+        verify_model(model)
+    assert str(info.value).startswith(message)
+
+
+def test_verify_truncated_safetensors(model: Path) -> None:
+    path = model / "model.safetensors"
+    size = path.stat().st_size
+    (header_len,) = struct.unpack("<Q", path.read_bytes()[:8])
+    data = size - 8 - header_len
+    os.truncate(path, size - 1000)
+    with pytest.raises(ModelPullError) as info:
+        verify_model(model)
+    assert str(info.value) == (
+        f"model.safetensors: truncated: header says {data} bytes of tensor data, "
+        f"file has {data - 1000}"
+    )
+
+
+def test_verify_truncated_inside_the_header(model: Path) -> None:
+    path = model / "model.safetensors"
+    os.truncate(path, 100)
+    with pytest.raises(ModelPullError, match=r"^model\.safetensors: truncated: header says \d+ "):
+        verify_model(model)
+    os.truncate(path, 3)
+    with pytest.raises(ModelPullError, match=r"^model\.safetensors: too short .* \(3 bytes\)"):
+        verify_model(model)
+
+
+def test_verify_trailing_bytes_and_bad_offsets(tmp_path: Path) -> None:
+    def write(header: Mapping[str, object], data: bytes) -> Path:
+        raw = json.dumps(header).encode()
+        path = tmp_path / "x.safetensors"
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+        return path
+
+    good = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    assert check_safetensors(write(good, bytes(8))).data_bytes == 8
+    with pytest.raises(ModelPullError, match=r"size mismatch: header says 8 bytes .* file has 9$"):
+        check_safetensors(write(good, bytes(9)))
+    wrong = {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}
+    with pytest.raises(ModelPullError, match=r"tensor 'w': F32 \[3\] needs 12 bytes"):
+        check_safetensors(write(wrong, bytes(8)))
+    assert check_safetensors(write({}, b"")).tensors == 0
+    (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", 2) + b"{x")
+    with pytest.raises(ModelPullError, match=r"^x\.safetensors: header is not valid JSON"):
+        check_safetensors(tmp_path / "x.safetensors")
+
+
+def test_verify_index_with_a_missing_shard(sharded: Path) -> None:
+    (sharded / "model-00003-of-00006.safetensors").unlink()
+    with pytest.raises(ModelPullError) as info:
+        verify_model(sharded)
+    assert str(info.value) == (
+        "model.safetensors.index.json: shard model-00003-of-00006.safetensors is missing"
+    )
+
+
+def test_verify_no_weights_and_no_tokenizer(model: Path) -> None:
+    (model / "tokenizer.json").unlink()
+    report = verify_model(model)
+    assert report.warnings and "no tokenizer.json or tokenizer.model" in report.warnings[0]
+    (model / "model.safetensors").unlink()
+    with pytest.raises(
+        ModelPullError, match=r"^no safetensors weights: expected model\.safetensors"
+    ):
+        verify_model(model)
+
+
+# ---- the command line ------------------------------------------------------------------
+
+
+def test_cli_exit_codes_in_process(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dest = tmp_path / "dest"
+    assert cli_main(["model", "pull", f"file://{model}", str(dest)]) == 0
+    err = capsys.readouterr().err
+    assert f"pulling file://{model} → {dest}" in err and "verified: 1 safetensors" in err
+
+    assert cli_main(["model", "verify", str(dest)]) == 0
+    assert capsys.readouterr().err.startswith("verified: 1 safetensors file, ")
+
+    assert cli_main(["model", "pull", "s3://bucket/m", str(dest)]) == 2
+    assert capsys.readouterr().err.startswith("kvserve model pull: error: unsupported model source")
+
+    (model / "config.json").unlink()
+    assert cli_main(["model", "pull", f"file://{model}", str(dest), "--force"]) == 1
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(f"kvserve model pull: error: file://{model}: config.json: missing")
+    )
+    assert cli_main(["model", "verify", str(model)]) == 1
+    assert (
+        capsys.readouterr().err == f"kvserve model verify: error: {model}: config.json: missing\n"
+    )
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["model", "pull", f"file://{model}"])  # DEST missing
+    assert info.value.code == 2
+
+
+def start_kvserve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvserve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_cli_as_a_process(model: Path, tmp_path: Path) -> None:
+    """Exit codes and stderr of the real command; the two runs overlap to save time."""
+    dest = tmp_path / "dest"
+    local = start_kvserve("model", "pull", f"file://{model}", str(dest))
+    # The Hub is unreachable here; HF_HUB_OFFLINE makes that fail at once, not after timeouts.
+    hub = start_kvserve(
+        "model",
+        "pull",
+        "hf://kvserve-test/does-not-exist",
+        str(tmp_path / "hf-dest"),
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")},
+    )
+    _, local_err = local.communicate(timeout=120)
+    _, hub_err = hub.communicate(timeout=120)
+
+    assert local.returncode == 0, local_err
+    assert f"pulling file://{model} → {dest}" in local_err
+    assert "verified: 1 safetensors file" in local_err and "Traceback" not in local_err
+    assert pull(f"file://{model}", dest).action == "up to date"  # the marker it wrote
+
+    assert hub.returncode == 1, hub_err
+    assert "Traceback" not in hub_err
+    assert "revision 'main' is not a commit; pinning one is recommended" in hub_err
+    assert (
+        "kvserve model pull: error: hf://kvserve-test/does-not-exist@main: download failed: "
+        in hub_err
+    )
