@@ -83,3 +83,21 @@ def make_prompts(tokenizer, n: int = 24, seed: int = 0) -> list[list[int]]:  # t
         prompts.append(shared + ids if i % 3 == 0 else ids)
     prompts.append(list(prompts[0]))  # an exact repeat
     return prompts
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster():  # type: ignore[no-untyped-def]
+    """A real control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok with
+    fake GPU nodes) on 127.0.0.1 for the whole session; always stopped at the end."""
+    from tests.cluster import build, controlplane
+
+    if not build.go_available():
+        pytest.skip(
+            "Kubernetes cluster tests need Go >= 1.26 on PATH (binaries are built from the "
+            "Go module proxy on first use, cached in ~/.cache/kvserve/k8s)"
+        )
+    cluster = controlplane.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
