@@ -20,8 +20,8 @@ run: install
 	$(BIN)/kvserve serve
 
 lint: install
-	$(BIN)/ruff check service tests
-	$(BIN)/ruff format --check service tests
+	$(BIN)/ruff check service operator tests
+	$(BIN)/ruff format --check service operator tests
 
 typecheck: install
 	$(BIN)/mypy

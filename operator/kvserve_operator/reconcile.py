@@ -1,0 +1,307 @@
+"""One idempotent reconcile per InferenceModel, plus the autoscaler's tick.
+
+Every trigger (create, update, resume, timer, a child's event) calls the same
+``Reconciler.reconcile``: read the object, render the children, server-side apply them,
+read the Deployment back and write the status only if it changed. Running it twice, or
+after a restart, converges to the same objects, so nothing is ever duplicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from kvserve_operator import metrics
+from kvserve_operator.autoscaler import (
+    METRICS,
+    Autoscaler,
+    Bounds,
+    Decision,
+    pod_metrics_url,
+    scrape,
+)
+from kvserve_operator.capacity import capacity_status
+from kvserve_operator.kube import API_VERSION, Kube
+from kvserve_operator.render import (
+    OperatorSettings,
+    desired_replicas,
+    endpoint_status,
+    render_children,
+    selector_string,
+)
+from kvserve_operator.spec import InferenceModelSpec, SpecError, parse_spec
+from kvserve_operator.status import compute_status, rfc3339
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    render: OperatorSettings = field(default_factory=OperatorSettings)
+    field_manager: str = "kvserve-operator"
+    reconcile_interval_s: float = 60.0
+    autoscale_interval_s: float = 15.0
+    # Where the autoscaler reads a replica's metrics; tests point it at a local feed.
+    metrics_url_template: str = "http://{pod_ip}:8000/metrics"
+
+
+Log = logging.Logger | logging.LoggerAdapter[Any]
+
+
+class SpecInvalid(Exception):
+    """The spec got past the API server's schema but cannot be rendered."""
+
+
+@dataclass
+class Outcome:
+    applied: bool
+    status: dict[str, Any]
+
+
+class Reconciler:
+    def __init__(
+        self,
+        kube: Kube,
+        config: OperatorConfig,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kube = kube
+        self.config = config
+        self.now = now
+        self.monotonic = monotonic
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._autoscalers: dict[tuple[str, str], Autoscaler] = {}
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def reconcile(
+        self,
+        namespace: str,
+        name: str,
+        trigger: str,
+        logger: Log,
+    ) -> Outcome | None:
+        """Bring the children of one InferenceModel to its spec; None when it is gone."""
+        started = time.perf_counter()
+        with self._lock(namespace, name):
+            try:
+                outcome = self._reconcile(namespace, name, logger)
+            except SpecInvalid:
+                metrics.RECONCILES.labels(trigger, "error").inc()
+                metrics.RECONCILE_ERRORS.labels("spec").inc()
+                raise
+            except ApiException:
+                metrics.RECONCILES.labels(trigger, "error").inc()
+                metrics.RECONCILE_ERRORS.labels("api").inc()
+                raise
+            finally:
+                metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+        metrics.RECONCILES.labels(trigger, "ok" if outcome else "gone").inc()
+        return outcome
+
+    def _reconcile(self, namespace: str, name: str, logger: Log) -> Outcome | None:
+        im = self.kube.get(API_VERSION, "InferenceModel", namespace, name)
+        if im is None or im["metadata"].get("deletionTimestamp"):
+            # Deleted: garbage collection removes the children (ownerReferences).
+            self._autoscalers.pop((namespace, name), None)
+            with contextlib.suppress(KeyError):  # never set for this object
+                metrics.DESIRED_REPLICAS.remove(namespace, name)
+            return None
+        meta = im["metadata"]
+        previous: dict[str, Any] = im.get("status") or {}
+        generation = int(meta.get("generation") or 0)
+        try:
+            spec = parse_spec(im.get("spec") or {})
+            autoscaled = (previous.get("autoscaling") or {}).get("desiredReplicas")
+            replicas = desired_replicas(spec, autoscaled if isinstance(autoscaled, int) else None)
+            children = render_children(
+                name, namespace, meta["uid"], spec, self.config.render, replicas
+            )
+        except SpecError as invalid:
+            # Past the API server's schema but not renderable: say so in status and stop
+            # retrying until the spec changes.
+            deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
+            status = self._status(
+                int(previous.get("observedGeneration") or 0),
+                int((deployment or {}).get("spec", {}).get("replicas") or 0),
+                deployment,
+                previous,
+                f"invalid spec: {invalid}",
+            )
+            self._write_status(namespace, name, previous, status)
+            raise SpecInvalid(str(invalid)) from invalid
+
+        metrics.DESIRED_REPLICAS.labels(namespace, name).set(replicas)
+        error: str | None = None
+        applied = False
+        try:
+            for child in children:
+                self.kube.apply(child)
+            applied = True
+        except ApiException as exc:
+            error = f"apply failed: {_api_reason(exc)}"
+            logger.error("reconcile of %s/%s failed: %s", namespace, name, error)
+
+        deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
+        status = self._status(
+            generation if applied else previous.get("observedGeneration", 0),
+            replicas,
+            deployment,
+            previous,
+            error,
+        )
+        status["selector"] = selector_string(name)
+        status["endpoint"] = endpoint_status(name, namespace, self.config.render)
+        status.update(self._capacity(namespace, spec))
+        self._write_status(namespace, name, previous, status)
+        if error is not None:
+            raise ApiException(status=500, reason=error)
+        return Outcome(applied, status)
+
+    def _status(
+        self,
+        generation: int,
+        replicas: int,
+        deployment: Mapping[str, Any] | None,
+        previous: Mapping[str, Any],
+        error: str | None,
+    ) -> dict[str, Any]:
+        return compute_status(
+            generation=int(generation),
+            desired_replicas=replicas,
+            deployment=deployment,
+            previous=previous,
+            error=error,
+            now=self.now(),
+        )
+
+    def _capacity(self, namespace: str, spec: InferenceModelSpec) -> dict[str, Any]:
+        """status.capacity when the model's config.json is visible to the operator."""
+        config_json: dict[str, Any] | None = None
+        where = ""
+        try:
+            if spec.model.config_map:
+                cm = self.kube.get("v1", "ConfigMap", namespace, spec.model.config_map)
+                where = f"configmap/{spec.model.config_map}"
+                if cm is None:
+                    return {"capacity": None, "capacityError": f"{where} not found"}
+                text = (cm.get("data") or {}).get("config.json")
+                if text is None:
+                    return {"capacity": None, "capacityError": f"{where} has no key config.json"}
+                config_json = json.loads(text)
+            elif spec.model.source.startswith("file://"):
+                path = Path(spec.model.source.removeprefix("file://")) / "config.json"
+                if not path.is_file():
+                    return {"capacity": None, "capacityError": None}
+                where = str(path)
+                config_json = json.loads(path.read_text())
+            else:
+                return {"capacity": None, "capacityError": None}
+            return {
+                "capacity": capacity_status(config_json, spec, where),
+                "capacityError": None,
+            }
+        except (ValueError, KeyError, TypeError) as exc:
+            return {"capacity": None, "capacityError": f"{where}: {exc}"}
+
+    def _write_status(
+        self, namespace: str, name: str, previous: Mapping[str, Any], status: Mapping[str, Any]
+    ) -> None:
+        merged = {**previous, **status}
+        if _without_nones(merged) == _without_nones(previous):
+            return  # no write, no event, no reconcile loop
+        try:
+            self.kube.patch_status(namespace, name, status)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def autoscale(self, namespace: str, name: str, logger: Log) -> Decision | None:
+        """One autoscaler tick: read the metric, decide, record, and apply a change."""
+        im = self.kube.get(API_VERSION, "InferenceModel", namespace, name)
+        key = (namespace, name)
+        spec_dict = (im or {}).get("spec") or {}
+        autoscaling = spec_dict.get("autoscaling") or {}
+        if im is None or not autoscaling.get("enabled"):
+            self._autoscalers.pop(key, None)
+            return None
+        bounds = Bounds.from_spec(autoscaling)
+        status = im.get("status") or {}
+        previous = status.get("autoscaling") or {}
+        current = previous.get("desiredReplicas")
+        if not isinstance(current, int):
+            current = bounds.clamp(int(status.get("replicas") or bounds.min_replicas))
+        metric = self._metric(namespace, name, bounds.metric, logger)
+        scaler = self._autoscalers.setdefault(key, Autoscaler())
+        decision = scaler.decide(self.monotonic(), current, metric, bounds)
+        record: dict[str, Any] = {
+            "desiredReplicas": decision.replicas,
+            "currentMetric": decision.metric,
+            "reason": decision.reason,
+            "lastScaleTime": previous.get("lastScaleTime"),
+        }
+        if decision.changed(current):
+            record["lastScaleTime"] = rfc3339(self.now())
+            direction = "up" if decision.replicas > current else "down"
+            metrics.SCALE_EVENTS.labels(direction).inc()
+            logger.info(
+                "scaling %s/%s %s from %d to %d: %s",
+                namespace,
+                name,
+                direction,
+                current,
+                decision.replicas,
+                decision.reason,
+            )
+        if record != previous:
+            self.kube.patch_status(namespace, name, {"autoscaling": record})
+        if decision.changed(current):
+            self.reconcile(namespace, name, "autoscale", logger)
+        return decision if decision.changed(current) else None
+
+    def _metric(
+        self,
+        namespace: str,
+        name: str,
+        metric: str,
+        logger: Log,
+    ) -> float | None:
+        pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
+        urls = [
+            u for u in (pod_metrics_url(self.config.metrics_url_template, p) for p in pods) if u
+        ]
+        values: list[float] = []
+        for url in urls:
+            try:
+                values.append(scrape(url, METRICS[metric]))
+            except (OSError, ValueError) as exc:
+                logger.warning("no metrics from %s: %s", url, exc)
+        return sum(values) if values else None
+
+
+def _api_reason(exc: ApiException) -> str:
+    try:
+        body = json.loads(exc.body or "{}")
+        return str(body.get("message") or exc.reason)
+    except (TypeError, ValueError):
+        return str(exc.reason)
+
+
+def _without_nones(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nones(v) for v in value]
+    return value

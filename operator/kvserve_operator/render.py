@@ -1,0 +1,478 @@
+"""Pure renderers: an InferenceModel's spec → the manifests of its children.
+
+No I/O and no clock, so the same spec always renders byte-identical objects: the
+operator server-side applies them on every reconcile and only real changes roll pods.
+Every object is a plain dict in the API's camelCase form. Quantities are rendered as
+strings (as the typed Kubernetes models hold them); the API server may still
+canonicalize one on write (a sizeLimit of 1000000000 reads back as "1G"), which
+server-side apply does not count as a change.
+
+Children (all named after the InferenceModel, in its namespace, owned by it):
+
+- Deployment: the engine pods (init container ``model-pull`` + container ``engine``)
+- Service: ClusterIP with ports http 8000, grpc 50051 and metrics 9090 (→ http)
+- PodDisruptionBudget: at most one engine pod evicted at a time
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.model.pull import DEFAULT_PVC_ROOT, PVC_ROOT_ENV, ModelSource
+from kvserve_operator.spec import InferenceModelSpec, SpecError
+
+API_GROUP = "kvserve.dev"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "InferenceModel"
+
+HTTP_PORT = 8000
+GRPC_PORT = 50051
+# The engine serves /metrics on its HTTP port; the Service's metrics port targets it, so
+# scrape configs and ServiceMonitors can select the port by name.
+METRICS_PORT = 9090
+
+MODEL_CACHE_DIR = "/models"
+HF_HOME = f"{MODEL_CACHE_DIR}/.hf-home"
+PVC_ROOT = DEFAULT_PVC_ROOT  # /mnt/pvc: claim CLAIM is mounted at /mnt/pvc/CLAIM
+TMP_DIR = "/tmp"
+RUN_AS = 1000
+
+SERVED_NAME_ANNOTATION = f"{API_GROUP}/served-name"
+MODEL_LABEL = f"{API_GROUP}/inference-model"
+ENGINE_APP_NAME = "kvserve-engine"
+MANAGED_BY = "kvserve-operator"
+
+# preStop sleep: endpoints controllers and the gateway drop the pod before SIGTERM starts
+# the engine's drain. The grace period is drain + 15 s: this sleep plus a 10 s margin for
+# the process to exit after the drain.
+PRESTOP_SLEEP_SECONDS = 5
+GRACE_MARGIN_SECONDS = 15
+# Startup: loading a large checkpoint onto the GPU may take minutes; 180 × 10 s = 30 min.
+# (Downloading is the init container's job and is not covered by this probe.)
+STARTUP_FAILURE_THRESHOLD = 180
+# A rollout may include a download of tens of GB plus loading; the Deployment controller
+# should not report ProgressDeadlineExceeded after its default 10 minutes.
+PROGRESS_DEADLINE_SECONDS = 3600
+
+_DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+MAX_NAME_LENGTH = 52
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """Operator-wide settings (command line / environment of the operator)."""
+
+    engine_image: str = "ghcr.io/kvserve/kvserve:0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+    cluster_domain: str = "cluster.local"
+
+
+# ---- names and labels -------------------------------------------------------------------
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Labels that select an InferenceModel's engine pods (immutable in a Deployment)."""
+    return {"app.kubernetes.io/name": ENGINE_APP_NAME, "app.kubernetes.io/instance": name}
+
+
+def selector_string(name: str) -> str:
+    """``selector_labels`` as a label selector string, for status.selector (scale)."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def child_labels(name: str, spec: InferenceModelSpec | None = None) -> dict[str, str]:
+    """Labels of every child and of the pods.
+
+    ``spec`` is accepted for callers' convenience; no label depends on it (the served
+    name may not fit a label value, so it goes in the ``kvserve.dev/served-name``
+    annotation instead).
+    """
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        MODEL_LABEL: name,
+    }
+
+
+def served_name(name: str, spec: InferenceModelSpec) -> str:
+    """What clients send as "model": spec.model.servedName, else the resource's name."""
+    return spec.model.served_name or name
+
+
+def owner_reference(name: str, uid: str) -> dict[str, Any]:
+    """Makes the InferenceModel the controller of a child: deleting it deletes them."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def check_name(name: str) -> None:
+    """The CRD enforces this too; repeated so an older CRD cannot produce bad children."""
+    if len(name) > MAX_NAME_LENGTH or not _DNS1035_LABEL.fullmatch(name):
+        raise SpecError(
+            "metadata.name",
+            f"{name!r} must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters",
+        )
+
+
+def _metadata(
+    name: str, namespace: str, uid: str, annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": child_labels(name),
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    meta["ownerReferences"] = [owner_reference(name, uid)]
+    return meta
+
+
+# ---- the engine's command line ----------------------------------------------------------
+
+
+def model_dir(spec: InferenceModelSpec) -> str:
+    """Where the engine reads the checkpoint (and where the init container puts it).
+
+    hf://: a directory in the model-cache emptyDir. pvc:// and file://: the source's own
+    path, so ``kvserve model pull`` only verifies it in place (no copy). Raises SpecError
+    for a file:// path that a volume of the pod would hide.
+    """
+    return _model_dir(spec.source)
+
+
+def _model_dir(source: ModelSource) -> str:
+    if source.kind == "hf":
+        assert source.repo_id is not None
+        # parse_source forbids "--" in repo ids, so "org--name" cannot collide.
+        dirname = re.sub(r"[^A-Za-z0-9._-]", "-", source.repo_id.replace("/", "--"))
+        return f"{MODEL_CACHE_DIR}/{dirname}"
+    if source.kind == "pvc":
+        base = f"{PVC_ROOT}/{source.claim}"
+        return f"{base}/{source.path}" if source.path else base
+    for mounted in (MODEL_CACHE_DIR, TMP_DIR, PVC_ROOT):
+        if source.path == mounted or source.path.startswith(f"{mounted}/"):
+            raise SpecError(
+                "spec.model.source",
+                f"file://{source.path} is hidden by the pod's {mounted} volume; "
+                f"a file:// model must live elsewhere in the image",
+            )
+    return source.path
+
+
+def engine_args(spec: InferenceModelSpec, model_dir: str, served_name: str) -> list[str]:
+    """Arguments of ``kvserve serve`` (after the command); extraArgs come last."""
+    e = spec.engine
+    args = [
+        "--model",
+        model_dir,
+        "--served-model-name",
+        served_name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(HTTP_PORT),
+        "--grpc-port",
+        str(GRPC_PORT),
+        # Explicit, so a pod without GPUs never grabs one it can see but did not request,
+        # and a GPU pod on a broken node fails fast instead of loading on the CPU.
+        "--device",
+        "cuda" if spec.resources.gpus > 0 else "cpu",
+        "--dtype",
+        e.dtype,
+        "--block-size",
+        str(e.block_size),
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
+    ]
+    if e.max_model_len is not None:
+        args += ["--max-model-len", str(e.max_model_len)]
+    args += ["--gpu-memory-utilization", repr(float(e.kv_cache_memory_fraction))]
+    if not e.enable_prefix_caching:
+        args.append("--no-prefix-caching")
+    args += ["--drain-timeout", str(e.drain_timeout_seconds)]
+    return args + list(e.extra_args)
+
+
+def desired_replicas(spec: InferenceModelSpec, autoscaler_replicas: int | None) -> int:
+    """Replicas for the Deployment: spec.replicas, or the autoscaler's choice within bounds.
+
+    Without a decision yet (``None``) the autoscaler starts at minReplicas.
+    """
+    a = spec.autoscaling
+    if not a.enabled:
+        return spec.replicas
+    wanted = a.min_replicas if autoscaler_replicas is None else autoscaler_replicas
+    wanted = max(wanted, a.min_replicas)
+    if a.max_replicas is not None:
+        wanted = min(wanted, a.max_replicas)
+    return wanted
+
+
+# ---- children ---------------------------------------------------------------------------
+
+
+def _env(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def _container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+def _engine_resources(spec: InferenceModelSpec) -> dict[str, Any]:
+    r = spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if r.cpu is not None:
+        requests["cpu"] = str(r.cpu)  # no CPU limit: throttling would stall decode steps
+    if r.memory is not None:
+        requests["memory"] = str(r.memory)
+        limits["memory"] = str(r.memory)
+    if r.gpus > 0:
+        # Extended resources: requests must equal limits; both are set explicitly so the
+        # rendered object matches what the API server stores.
+        requests[r.gpu_resource_name] = str(r.gpus)
+        limits[r.gpu_resource_name] = str(r.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def render_deployment(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: InferenceModelSpec,
+    settings: OperatorSettings,
+    replicas: int,
+) -> dict[str, Any]:
+    """The engine Deployment: pull the model in an init container, then serve it."""
+    source = spec.source
+    dest = _model_dir(source)
+    image = spec.image or settings.engine_image
+    pull_policy = spec.image_pull_policy or settings.image_pull_policy
+    name_served = served_name(name, spec)
+
+    mounts: list[dict[str, Any]] = [
+        {"name": "model-cache", "mountPath": MODEL_CACHE_DIR},
+        {"name": "tmp", "mountPath": TMP_DIR},
+    ]
+    cache: dict[str, Any] = {"sizeLimit": str(spec.model_cache.size_limit)}
+    if spec.model_cache.medium:
+        cache["medium"] = spec.model_cache.medium
+    volumes: list[dict[str, Any]] = [
+        {"name": "model-cache", "emptyDir": cache},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if source.kind == "pvc":
+        mounts.append(
+            {"name": "model-pvc", "mountPath": f"{PVC_ROOT}/{source.claim}", "readOnly": True}
+        )
+        volumes.append(
+            {
+                "name": "model-pvc",
+                "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True},
+            }
+        )
+
+    pull_env = [
+        _env("HOME", TMP_DIR),
+        _env("HF_HOME", HF_HOME),
+        _env(PVC_ROOT_ENV, PVC_ROOT),
+    ]
+    secret = spec.model.hf_token_secret
+    if secret is not None:
+        # Only the init container downloads, so only it sees the token.
+        pull_env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
+            }
+        )
+    init_container: dict[str, Any] = {
+        "name": "model-pull",
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        "command": ["kvserve", "model", "pull", spec.model.source, dest],
+        "env": pull_env,
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+        "securityContext": _container_security_context(),
+        "volumeMounts": mounts,
+    }
+
+    user_env = [dict(v) for v in spec.env]
+    engine_env = (
+        [] if any(v["name"] == "HOME" for v in user_env) else [_env("HOME", TMP_DIR)]
+    ) + user_env
+    engine: dict[str, Any] = {
+        "name": "engine",
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        "command": ["kvserve", "serve"],
+        "args": engine_args(spec, dest, name_served),
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+        ],
+        "env": engine_env,
+        "resources": _engine_resources(spec),
+        "startupProbe": _http_probe("/ready", 10, STARTUP_FAILURE_THRESHOLD),
+        "readinessProbe": _http_probe("/ready", 5, 2),
+        "livenessProbe": _http_probe("/health", 10, 6),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "securityContext": _container_security_context(),
+        "volumeMounts": [dict(m) for m in mounts],
+    }
+
+    r = spec.resources
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the engine never calls the Kubernetes API
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.engine.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            # Large model PVCs: do not chown every file on each mount.
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "initContainers": [init_container],
+        "containers": [engine],
+        "volumes": volumes,
+    }
+    if r.node_selector:
+        pod_spec["nodeSelector"] = dict(r.node_selector)
+    if r.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in r.tolerations]
+    if r.priority_class_name:
+        pod_spec["priorityClassName"] = r.priority_class_name
+
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, namespace, uid),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            # Zero downtime: a new pod must be ready before an old one goes, so the
+            # cluster needs room (GPUs) for one extra replica during a rollout.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
+            "template": {
+                "metadata": {
+                    "labels": child_labels(name),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(HTTP_PORT),
+                        "prometheus.io/path": "/metrics",
+                        SERVED_NAME_ANNOTATION: name_served,
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def render_service(name: str, namespace: str, uid: str, spec: InferenceModelSpec) -> dict[str, Any]:
+    """ClusterIP Service; the gateway finds replicas through its EndpointSlices."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(
+            name, namespace, uid, {SERVED_NAME_ANNOTATION: served_name(name, spec)}
+        ),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {
+                    "name": "grpc",
+                    "port": GRPC_PORT,
+                    "targetPort": "grpc",
+                    "protocol": "TCP",
+                    "appProtocol": "grpc",
+                },
+                {"name": "metrics", "port": METRICS_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def render_pdb(name: str, namespace: str, uid: str, spec: InferenceModelSpec) -> dict[str, Any]:
+    """Node drains evict at most one engine pod at a time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(name, namespace, uid),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            "maxUnavailable": 1,
+            # A pod that never became ready (stuck loading) must not block a drain.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def render_children(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: InferenceModelSpec,
+    settings: OperatorSettings,
+    replicas: int,
+) -> list[dict[str, Any]]:
+    """Deployment, Service and PodDisruptionBudget, in the order they should be applied."""
+    check_name(name)
+    return [
+        render_deployment(name, namespace, uid, spec, settings, replicas),
+        render_service(name, namespace, uid, spec),
+        render_pdb(name, namespace, uid, spec),
+    ]
+
+
+def endpoint_status(name: str, namespace: str, settings: OperatorSettings) -> dict[str, Any]:
+    """status.endpoint: how clients reach the model inside the cluster."""
+    host = f"{name}.{namespace}.svc.{settings.cluster_domain}"
+    return {
+        "service": name,
+        "host": host,
+        "httpPort": HTTP_PORT,
+        "grpcPort": GRPC_PORT,
+        "metricsPort": METRICS_PORT,
+        "url": f"http://{host}:{HTTP_PORT}",
+    }

@@ -1,0 +1,137 @@
+"""The InferenceModel's status, computed from its Deployment (pure: the clock is passed in).
+
+Conditions follow the Kubernetes convention: ``lastTransitionTime`` changes only when
+a condition's status flips, so ``kubectl wait --for=condition=Ready`` and dashboards see
+real transitions, not every reconcile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(
+    type_: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: Sequence[Mapping[str, Any]],
+    now: datetime,
+) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    last = next((c for c in previous if c.get("type") == type_), None)
+    since = (
+        last["lastTransitionTime"]
+        if last is not None and last.get("status") == status and last.get("lastTransitionTime")
+        else rfc3339(now)
+    )
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
+
+
+def deployment_counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
+    status = (deployment or {}).get("status") or {}
+    return {
+        key: int(status.get(key) or 0)
+        for key in ("replicas", "readyReplicas", "updatedReplicas", "availableReplicas")
+    }
+
+
+def deployment_condition(deployment: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
+    conditions = (deployment.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == type_), {})
+
+
+def rollout_in_progress(deployment: Mapping[str, Any], desired: int) -> bool:
+    """True until the Deployment controller reports the latest template fully available."""
+    meta = deployment.get("metadata") or {}
+    status = deployment.get("status") or {}
+    counts = deployment_counts(deployment)
+    progressing = deployment_condition(deployment, "Progressing")
+    return (
+        int(status.get("observedGeneration") or 0) < int(meta.get("generation") or 0)
+        or counts["updatedReplicas"] < desired
+        or counts["replicas"] > counts["updatedReplicas"]
+        or (
+            progressing.get("status") == "True"
+            and progressing.get("reason") != "NewReplicaSetAvailable"
+        )
+    )
+
+
+def compute_status(
+    *,
+    generation: int,
+    desired_replicas: int,
+    deployment: Mapping[str, Any] | None,
+    previous: Mapping[str, Any],
+    error: str | None,
+    now: datetime,
+) -> dict[str, Any]:
+    """Replica counts and the Ready / Progressing / Degraded conditions."""
+    counts = deployment_counts(deployment)
+    conditions = previous.get("conditions") or []
+    ready = counts["readyReplicas"]
+    if deployment is None:
+        ready_c = (False, "DeploymentMissing", "the engine Deployment does not exist yet")
+    elif desired_replicas == 0:
+        ready_c = (False, "ScaledToZero", "replicas is 0")
+    elif ready >= desired_replicas:
+        ready_c = (True, "ReplicasReady", f"{ready}/{desired_replicas} replicas ready")
+    else:
+        ready_c = (False, "ReplicasNotReady", f"{ready}/{desired_replicas} replicas ready")
+
+    progressing = deployment is not None and rollout_in_progress(deployment, desired_replicas)
+    progressing_c = (
+        (True, "RollingOut", f"{counts['updatedReplicas']}/{desired_replicas} replicas updated")
+        if progressing
+        else (False, "RolloutComplete", "all replicas run the latest spec")
+    )
+
+    deadline = deployment_condition(deployment or {}, "Progressing")
+    if error is not None:
+        degraded_c = (True, "ReconcileError", error)
+    elif deadline.get("reason") == "ProgressDeadlineExceeded":
+        degraded_c = (True, "ProgressDeadlineExceeded", str(deadline.get("message") or ""))
+    elif (
+        deployment is not None
+        and not progressing
+        and counts["availableReplicas"] < desired_replicas
+    ):
+        degraded_c = (
+            True,
+            "InsufficientReplicas",
+            f"{counts['availableReplicas']}/{desired_replicas} replicas available",
+        )
+    else:
+        degraded_c = (False, "AsExpected", "")
+
+    return {
+        "observedGeneration": generation,
+        **counts,
+        "conditions": [
+            condition(t, ok, reason, message, generation, conditions, now)
+            for t, (ok, reason, message) in (
+                (READY, ready_c),
+                (PROGRESSING, progressing_c),
+                (DEGRADED, degraded_c),
+            )
+        ],
+    }

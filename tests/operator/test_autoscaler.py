@@ -1,0 +1,93 @@
+"""The autoscaling rule with a fake clock, and reading the engine's metrics text."""
+
+from __future__ import annotations
+
+from kvserve_operator.autoscaler import (
+    METRICS,
+    Autoscaler,
+    Bounds,
+    metric_from_text,
+    pod_metrics_url,
+)
+
+BOUNDS = Bounds(
+    min_replicas=1, max_replicas=4, metric="queueDepth", target=2, up_window_s=10, down_window_s=60
+)
+
+
+def run(scaler: Autoscaler, samples: list[tuple[float, float | None]], current: int) -> list[int]:
+    out = []
+    for t, metric in samples:
+        current = scaler.decide(t, current, metric, BOUNDS).replicas
+        out.append(current)
+    return out
+
+
+def test_scale_up_waits_for_a_sustained_queue() -> None:
+    # A queue of 6 wants 3 replicas, but only once it has lasted the whole up window.
+    replicas = run(Autoscaler(), [(t, 6.0) for t in range(0, 12, 2)], current=1)
+    assert replicas == [1, 1, 1, 1, 1, 3]
+
+
+def test_a_burst_shorter_than_the_up_window_does_not_scale() -> None:
+    samples = [(0, 6.0), (2, 6.0), (4, 0.0), (6, 6.0), (8, 6.0), (10, 0.0), (12, 0.0)]
+    assert run(Autoscaler(), samples, current=1) == [1] * len(samples)
+
+
+def test_scale_up_never_exceeds_max() -> None:
+    replicas = run(Autoscaler(), [(t, 100.0) for t in range(0, 22, 2)], current=1)
+    assert max(replicas) == 4 and replicas[-1] == 4
+
+
+def test_scale_down_only_after_the_delay_and_never_below_min() -> None:
+    scaler = Autoscaler()
+    replicas = run(scaler, [(t, 0.0) for t in range(0, 70, 5)], current=4)
+    assert replicas[:12] == [4] * 12  # t < 60: within the scale-down delay
+    assert replicas[-1] == 1
+
+
+def test_scale_down_holds_the_highest_level_of_the_window() -> None:
+    scaler = Autoscaler()
+    # A high queue at t=50 keeps 3 replicas until it leaves the 60 s window.
+    samples = (
+        [(t, 0.0) for t in range(0, 50, 10)] + [(50, 6.0)] + [(t, 0.0) for t in range(60, 130, 10)]
+    )
+    replicas = run(scaler, samples, current=3)
+    assert replicas[samples.index((60, 0.0))] == 3
+    assert replicas[-1] == 1
+
+
+def test_missing_metrics_reset_the_window() -> None:
+    scaler = Autoscaler()
+    samples = [(0, 6.0), (4, 6.0), (8, None), (12, 6.0), (16, 6.0), (20, 6.0), (24, 6.0)]
+    assert run(scaler, samples, current=1) == [1, 1, 1, 1, 1, 1, 3]
+
+
+def test_out_of_bounds_is_corrected_at_once() -> None:
+    assert Autoscaler().decide(0, 9, None, BOUNDS).replicas == 4
+    assert Autoscaler().decide(0, 0, None, BOUNDS).replicas == 1
+
+
+def test_metric_from_engine_text() -> None:
+    text = (
+        "# HELP kvserve_num_requests_waiting Requests waiting.\n"
+        "# TYPE kvserve_num_requests_waiting gauge\n"
+        'kvserve_num_requests_waiting{model_name="a"} 3.0\n'
+        "# TYPE kvserve_num_requests_running gauge\n"
+        'kvserve_num_requests_running{model_name="a"} 5.0\n'
+    )
+    assert metric_from_text(text, METRICS["queueDepth"]) == 3.0
+    assert metric_from_text(text, METRICS["inFlight"]) == 8.0
+
+
+def test_only_ready_pods_with_an_ip_are_scraped() -> None:
+    ready = {"type": "Ready", "status": "True"}
+    pod = {
+        "metadata": {"name": "m-1", "namespace": "ns"},
+        "status": {"podIP": "10.0.0.5", "conditions": [ready]},
+    }
+    assert pod_metrics_url("http://{pod_ip}:8000/metrics", pod) == "http://10.0.0.5:8000/metrics"
+    assert pod_metrics_url("{namespace}/{pod_name}", pod) == "ns/m-1"
+    unready = {**pod, "status": {"podIP": "10.0.0.5", "conditions": [{**ready, "status": "False"}]}}
+    assert pod_metrics_url("x", unready) is None
+    assert pod_metrics_url("x", {**pod, "status": {"conditions": [ready]}}) is None

@@ -1,0 +1,284 @@
+"""The operator end to end on the real control plane (tests/cluster), as its ServiceAccount.
+
+kwok plays the kubelet: pods get scheduled onto fake GPU nodes and marked Ready, so the
+Deployment controller, garbage collector and API-server validation are all real; only
+the containers never run (the engine itself is tested elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import poll
+from tests.cluster.controlplane import Cluster
+from tests.operator.conftest import OPERATOR_NS, OPERATOR_SA, Operator
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def get(cluster: Cluster, kind: str, ns: str, name: str) -> dict[str, Any] | None:
+    proc = cluster.kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
+    if proc.returncode != 0:
+        assert "NotFound" in proc.stderr, proc.stderr
+        return None
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+def inference_model(name: str, ns: str, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": {"source": "file:///opt/models/tiny", "servedName": "tiny"}}
+    body.update(spec)
+    return {
+        "apiVersion": "kvserve.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": body,
+    }
+
+
+def apply(cluster: Cluster, obj: dict[str, Any], check: bool = True) -> Any:
+    return cluster.kubectl("apply", "-f", "-", input=json.dumps(obj), check=check)
+
+
+def condition(im: dict[str, Any] | None, type_: str) -> str | None:
+    for c in ((im or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return str(c["status"])
+    return None
+
+
+def wait_ready(cluster: Cluster, ns: str, name: str, replicas: int) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        im = get(cluster, "inferencemodel", ns, name)
+        status = (im or {}).get("status") or {}
+        if (
+            im is not None
+            and condition(im, "Ready") == "True"
+            and condition(im, "Progressing") == "False"
+            and status.get("readyReplicas") == replicas
+            and status.get("replicas") == replicas
+            and status.get("observedGeneration") == im["metadata"]["generation"]
+        ):
+            return im
+        return None
+
+    return poll(f"{ns}/{name} Ready with {replicas} replicas", ready, timeout=90)
+
+
+@pytest.fixture(scope="module")
+def ns(k8s_cluster: Cluster, operator: Operator) -> str:
+    k8s_cluster.kubectl("create", "namespace", "models")
+    return "models"
+
+
+def test_invalid_specs_are_refused_by_the_api_server(k8s_cluster: Cluster, ns: str) -> None:
+    cases = [
+        ({"model": None}, "model"),
+        ({"resources": {"gpus": -1}}, "gpus"),
+        ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}, "minReplicas"),
+        ({"model": {"source": "s3://bucket/x"}}, "source"),
+        ({"engine": {"dtype": "int3"}}, "dtype"),
+    ]
+    for spec, field in cases:
+        obj = inference_model("bad", ns)
+        obj["spec"].update(spec)
+        if obj["spec"]["model"] is None:
+            del obj["spec"]["model"]
+        proc = apply(k8s_cluster, obj, check=False)
+        assert proc.returncode != 0, f"{spec} was accepted"
+        assert field in proc.stderr, proc.stderr
+    assert get(k8s_cluster, "inferencemodel", ns, "bad") is None
+
+
+def test_create_renders_children_and_reports_ready(k8s_cluster: Cluster, ns: str) -> None:
+    apply(k8s_cluster, inference_model("llm", ns, replicas=2, resources={"gpus": 1}))
+    im = wait_ready(k8s_cluster, ns, "llm", 2)
+
+    deployment = get(k8s_cluster, "deployment", ns, "llm")
+    assert deployment is not None
+    owner = deployment["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"]) == (
+        "InferenceModel",
+        "llm",
+        im["metadata"]["uid"],
+    )
+    pod_spec = deployment["spec"]["template"]["spec"]
+    engine = next(c for c in pod_spec["containers"] if c["name"] == "engine")
+    assert engine["image"] == "registry.example/kvserve:test"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "--served-model-name" in engine["args"]
+    assert engine["args"][engine["args"].index("--served-model-name") + 1] == "tiny"
+    assert pod_spec["initContainers"][0]["command"][:3] == ["kvserve", "model", "pull"]
+    service = get(k8s_cluster, "service", ns, "llm")
+    assert service is not None
+    assert {p["name"] for p in service["spec"]["ports"]} >= {"http", "grpc", "metrics"}
+    assert get(k8s_cluster, "poddisruptionbudget", ns, "llm") is not None
+    assert im["status"]["endpoint"]["host"] == f"llm.{ns}.svc.cluster.local"
+
+    pods = json.loads(
+        k8s_cluster.kubectl(
+            "get", "pods", "-n", ns, "-l", "app.kubernetes.io/instance=llm", "-o", "json"
+        ).stdout
+    )
+    assert len(pods["items"]) == 2
+    assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in pods["items"])
+
+    table = k8s_cluster.kubectl("get", "im", "llm", "-n", ns).stdout
+    assert "tiny" in table and "2" in table
+
+
+def test_spec_changes_roll_out_and_status_follows(k8s_cluster: Cluster, ns: str) -> None:
+    k8s_cluster.kubectl(
+        "patch", "im", "llm", "-n", ns, "--type=merge",
+        "-p", json.dumps({"spec": {"replicas": 3, "engine": {"maxNumSeqs": 32}}}),
+    )  # fmt: skip
+    wait_ready(k8s_cluster, ns, "llm", 3)
+    deployment = get(k8s_cluster, "deployment", ns, "llm")
+    assert deployment is not None
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "32"
+    assert deployment["status"]["updatedReplicas"] == 3
+
+
+def test_deleted_deployment_is_recreated(k8s_cluster: Cluster, ns: str) -> None:
+    old = get(k8s_cluster, "deployment", ns, "llm")
+    assert old is not None
+    k8s_cluster.kubectl("delete", "deployment", "llm", "-n", ns, "--wait=false")
+
+    def recreated() -> bool:
+        new = get(k8s_cluster, "deployment", ns, "llm")
+        return new is not None and new["metadata"]["uid"] != old["metadata"]["uid"]
+
+    poll("the Deployment to be recreated", recreated, timeout=60)
+    wait_ready(k8s_cluster, ns, "llm", 3)
+
+
+def test_manual_scaling_of_the_deployment_is_reverted(k8s_cluster: Cluster, ns: str) -> None:
+    k8s_cluster.kubectl("scale", "deployment", "llm", "-n", ns, "--replicas=1")
+
+    def reverted() -> bool:
+        d = get(k8s_cluster, "deployment", ns, "llm")
+        return d is not None and d["spec"]["replicas"] == 3
+
+    poll("the operator to restore 3 replicas", reverted, timeout=60)
+    wait_ready(k8s_cluster, ns, "llm", 3)
+
+
+def test_restarted_operator_converges_without_duplicates(
+    k8s_cluster: Cluster, ns: str, operator: Operator
+) -> None:
+    operator.stop()
+    k8s_cluster.kubectl(
+        "patch", "im", "llm", "-n", ns, "--type=merge", "-p", '{"spec": {"replicas": 2}}'
+    )
+    operator.start()
+    wait_ready(k8s_cluster, ns, "llm", 2)
+    names = k8s_cluster.kubectl(
+        "get", "deployments,services,poddisruptionbudgets", "-n", ns, "-o", "name"
+    ).stdout.split()
+    assert sorted(names) == sorted(
+        ["deployment.apps/llm", "service/llm", "poddisruptionbudget.policy/llm"]
+    )
+
+
+def test_status_reports_capacity_from_a_config_map(k8s_cluster: Cluster, ns: str) -> None:
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    cm = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "llama-8b-config", "namespace": ns},
+        "data": {"config.json": json.dumps(config)},
+    }  # fmt: skip
+    apply(k8s_cluster, cm)
+    im = inference_model("sized", ns)
+    im["spec"]["model"]["configMap"] = "llama-8b-config"
+    apply(k8s_cluster, im)
+
+    def capacity() -> dict[str, Any] | None:
+        got = get(k8s_cluster, "inferencemodel", ns, "sized")
+        return ((got or {}).get("status") or {}).get("capacity")
+
+    cap = poll("status.capacity", capacity)
+    # 2 (K and V) × 32 layers × 8 KV heads × 128 head dim × 2 bytes (bf16)
+    assert cap["kvBytesPerToken"] == 131072
+    assert cap["tokensPerReplica"] > 0
+    k8s_cluster.kubectl("delete", "im", "sized", "-n", ns)
+
+
+def test_autoscaling_follows_the_fed_queue_within_bounds(
+    k8s_cluster: Cluster, ns: str, operator: Operator
+) -> None:
+    autoscaling = {
+        "enabled": True, "minReplicas": 1, "maxReplicas": 3, "metric": "queueDepth",
+        "target": 2, "scaleUpStabilizationSeconds": 1, "scaleDownDelaySeconds": 3,
+    }  # fmt: skip
+    apply(k8s_cluster, inference_model("auto", ns, autoscaling=autoscaling))
+    wait_ready(k8s_cluster, ns, "auto", 1)
+
+    operator.feed.waiting["auto-"] = 10.0  # 10 queued per replica: wants 5, max is 3
+    wait_ready(k8s_cluster, ns, "auto", 3)
+    im = get(k8s_cluster, "inferencemodel", ns, "auto")
+    assert im is not None
+    assert im["status"]["autoscaling"]["desiredReplicas"] == 3
+    events = k8s_cluster.kubectl(
+        "get", "events", "-n", ns, "--field-selector", "involvedObject.name=auto", "-o", "json"
+    ).stdout
+    assert "Scaled" in events
+
+    operator.feed.waiting["auto-"] = 0.0
+    wait_ready(k8s_cluster, ns, "auto", 1)
+    d = get(k8s_cluster, "deployment", ns, "auto")
+    assert d is not None and d["spec"]["replicas"] == 1
+
+
+def test_deleting_the_model_garbage_collects_its_children(k8s_cluster: Cluster, ns: str) -> None:
+    k8s_cluster.kubectl("delete", "im", "llm", "-n", ns)
+
+    def gone() -> bool:
+        out = k8s_cluster.kubectl(
+            "get", "deployments,services,poddisruptionbudgets,pods", "-n", ns,
+            "-l", "app.kubernetes.io/instance=llm", "-o", "name",
+        ).stdout  # fmt: skip
+        return out.strip() == ""
+
+    poll("the children of llm to be garbage-collected", gone, timeout=90)
+
+
+def test_operator_exports_its_metrics(operator: Operator) -> None:
+    text = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics").text
+    reconciles = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvserve_operator_reconciles_total{") and 'result="ok"' in line
+    ]
+    assert sum(reconciles) > 0
+    assert "kvserve_operator_reconcile_duration_seconds_count" in text
+    assert 'kvserve_operator_scale_events_total{direction="up"}' in text
+
+
+def test_operator_rbac_is_least_privilege(k8s_cluster: Cluster) -> None:
+    who = f"--as=system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}"
+    allowed = [
+        ("patch", "deployments.apps"),
+        ("patch", "inferencemodels.kvserve.dev", "--subresource=status"),
+        ("list", "pods"),
+    ]
+    denied = [
+        ("get", "secrets"),
+        ("delete", "nodes"),
+        ("create", "clusterroles.rbac.authorization.k8s.io"),
+        ("delete", "inferencemodels.kvserve.dev"),
+    ]
+    for args in allowed:
+        answer = k8s_cluster.kubectl("auth", "can-i", *args, who, "-A", check=False).stdout
+        assert answer.strip() == "yes", args
+    for args in denied:
+        answer = k8s_cluster.kubectl("auth", "can-i", *args, who, "-A", check=False).stdout
+        assert answer.strip() == "no", args
