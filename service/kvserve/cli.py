@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from kvserve import __version__, capacity, chat, demo
+    from kvserve.bench import gateway as bench_gateway
     from kvserve.bench import offline as bench_offline
     from kvserve.bench import serving as bench_serving
     from kvserve.demo_model import evaluate as demo_eval
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_serving.add_arguments(srv)
     srv.set_defaults(func=bench_serving.run)
+    gw = bench_sub.add_parser(
+        "gateway",
+        help="the gateway's added latency and CPU cost, and prefix vs round-robin routing "
+        "(replica and gateway processes)",
+    )
+    bench_gateway.add_arguments(gw)
+    gw.set_defaults(func=bench_gateway.run)
 
     model = sub.add_parser("model", help="fetch and check model checkpoints")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="MODEL")

@@ -1,0 +1,991 @@
+"""``kvserve bench gateway``: what the gateway adds to a streaming workload, and what
+prefix routing buys over round-robin.
+
+Everything runs as separate processes on 127.0.0.1, as in production: the replicas are
+``kvserve serve`` processes (HTTP for the direct path, gRPC for the gateway), the gateway
+a ``kvserve gateway --config FILE`` process with a generated config and keys file, and
+this process is the client. Separate processes let the gateway's own CPU time be read
+from ``/proc/PID/stat`` around each measured window.
+
+Two phases (``--phase``):
+
+* **overhead**: one replica (prefix caching off, so repeating the workload costs the
+  engine the same each time). The same workload, ``--requests`` streamed completions of
+  ``--max-tokens`` tokens each (``ignore_eos``, greedy) from ``--streams`` concurrent
+  clients, goes direct to the replica's HTTP API and through the gateway, alternated
+  within each of ``--rounds`` rounds (ABBA order, so drift in machine load falls on both
+  paths alike). Client-side TTFT and every inter-token gap are recorded per request
+  (``serving._stream_one``: send = the request's last byte on the socket, chunks timed
+  when their bytes arrive). The gateway's added latency is the difference of the medians;
+  its efficiency is the text chunks it streamed per CPU-second of its process.
+* **routing**: ``--replicas`` replicas, an agent workload: ``--agents`` agents share one
+  system prompt of about ``--system-tokens`` tokens (built deterministically from
+  ``--seed``, counted with the model's tokenizer) and each asks ``--questions`` short
+  questions in turn, keeping its conversation (``--no-history``: each question alone
+  after the system prompt). It runs once with ``routing.policy: prefix`` and once with
+  ``round_robin``, each on freshly started replicas (cold prefix caches) behind a freshly
+  started gateway. Reported: the cached-token ratio (Σ cached_tokens / Σ prompt_tokens
+  from the streams' usage), TTFT, and the gateway's routing decisions per replica.
+
+Why conversations by default: the gateway's prefix key is a chat's messages up to the
+first user message, cut to ``routing.prefix_chars`` (512). A ~200-token system prompt is
+shorter than that with the demo tokenizer (~2 characters per token), so the key also
+holds the agent's first question: prefix routing keeps each agent on one replica, where
+its conversation so far is cached, while round-robin scatters its turns. Independent
+questions share only the system prompt, which every replica caches after its first
+request under either policy.
+
+On a small machine the replicas, the gateway and the client share the CPUs, so the
+gateway's added latency includes waiting for a CPU; the output says how many there are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvserve.bench.offline import Workload
+from kvserve.bench.serving import (
+    MODEL_NAME,
+    ClientRecord,
+    _body,
+    _client,
+    _ms,
+    _percentile,
+    _stream_one,
+)
+from kvserve.config import DTYPES
+from kvserve.telemetry import definitions
+
+if TYPE_CHECKING:
+    import httpx
+
+# The issue's targets, printed next to the measured figures.
+TARGET_TTFT_ADDED_MS = 5.0
+TARGET_ITL_ADDED_MS = 0.5
+TARGET_CHUNKS_PER_CPU_S = 10_000.0
+
+POLICIES = ("prefix", "round_robin")
+DESCRIPTION = (
+    "The gateway's added latency and CPU cost on a streaming workload, and prefix vs "
+    "round-robin routing on a shared-prefix agent workload (docs/gateway-config.md)."
+)
+STARTUP_POLL_S = 0.1  # how often readiness is polled (each poll has a deadline)
+STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--phase", choices=("overhead", "routing", "all"), default="all")
+    p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size of the replicas")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="replicas' max_num_seqs (default: enough for --streams and --agents)",
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds for a process to be ready"
+    )
+    o = p.add_argument_group("overhead phase")
+    o.add_argument("--streams", type=int, default=64, help="concurrent streaming clients")
+    o.add_argument("--requests", type=int, default=128, help="requests per pass")
+    o.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    o.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    o.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of direct + gateway passes (order alternates between rounds)",
+    )
+    r = p.add_argument_group("routing phase")
+    r.add_argument("--replicas", type=int, default=3)
+    r.add_argument("--agents", type=int, default=8, help="agents running concurrently")
+    r.add_argument("--questions", type=int, default=4, help="questions each agent asks in turn")
+    r.add_argument(
+        "--system-tokens", type=int, default=200, help="size of the shared system prompt"
+    )
+    r.add_argument(
+        "--routing-max-tokens", type=int, default=32, help="output tokens per agent answer"
+    )
+    r.add_argument(
+        "--no-history",
+        dest="history",
+        action="store_false",
+        help="send each question alone after the system prompt (default: each agent keeps "
+        "its conversation, so later questions carry the earlier turns)",
+    )
+
+
+# ---- processes -------------------------------------------------------------------------
+def _default_sigint() -> None:
+    # Parents like make or CI may ignore SIGINT, and children inherit that; a child must
+    # die on Ctrl-C like this process does.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@dataclass
+class Proc:
+    """A child process (replica or gateway) with its output in a log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the process (all its threads) so far, from /proc/PID/stat."""
+        stat = Path(f"/proc/{self.popen.pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        if self.popen.poll() is not None:
+            raise RuntimeError(
+                f"{self.name} exited with status {self.popen.returncode}; its log ends:\n"
+                + self.tail()
+            )
+
+
+def _spawn(name: str, argv: list[str], log: Path, env: dict[str, str]) -> Proc:
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_default_sigint,
+        )
+    return Proc(name, popen, log)
+
+
+def _stop(procs: Sequence[Proc]) -> None:
+    """SIGTERM to all at once, then SIGKILL whatever is still running after the grace."""
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all held open until all are chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _wait_ready(
+    proc: Proc, url: str, deadline: float, ok: Callable[[httpx.Response], bool] | None = None
+) -> None:
+    """Poll ``url`` until it answers 200 (and ``ok(response)``), the process dies, or the
+    deadline passes."""
+    import httpx
+
+    while True:
+        proc.check_alive()
+        try:
+            r = httpx.get(url, timeout=5)
+            if r.status_code == 200 and (ok is None or ok(r)):
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{proc.name} was not ready within the deadline; log:\n{proc.tail()}"
+            )
+        time.sleep(STARTUP_POLL_S)
+
+
+@dataclass
+class ReplicaProc:
+    proc: Proc
+    http_url: str
+    grpc_address: str  # host:port, as the gateway's metrics label it
+
+
+class Launcher:
+    """Starts replicas and gateways for one benchmark run, and stops everything it started
+    (also on errors and Ctrl-C: ``run`` calls ``stop_all`` in a ``finally``)."""
+
+    def __init__(self, args: argparse.Namespace, model: str, workdir: Path) -> None:
+        self.args = args
+        self.model = model
+        self.workdir = workdir
+        self.started: list[Proc] = []
+        self._count = 0
+
+    def stop_all(self) -> None:
+        _stop(self.started)
+
+    def _name(self, kind: str) -> tuple[str, Path]:
+        self._count += 1
+        name = f"{kind}-{self._count}"
+        return name, self.workdir / f"{name}.log"
+
+    def _env(self, threads: int | None) -> dict[str, str]:
+        env = dict(os.environ)
+        if threads is not None and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(threads)
+        return env
+
+    def start_replicas(self, n: int, *extra: str, threads: int | None = None) -> list[ReplicaProc]:
+        """``n`` replicas started together; returns once every one answers /ready."""
+        a = self.args
+        max_seqs = a.max_num_seqs or max(a.streams, a.agents, 1)
+        reps: list[ReplicaProc] = []
+        for _ in range(n):
+            http_port, grpc_port = _free_ports(2)
+            name, log = self._name("replica")
+            argv = [
+                sys.executable, "-m", "kvserve", "serve", "--model", self.model,
+                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
+                "--port", str(http_port), "--grpc-port", str(grpc_port),
+                "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
+                "--max-num-seqs", str(max_seqs),
+                "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+                "--seed", str(a.seed), "--drain-timeout", "2", "--log-level", "warning", *extra,
+            ]  # fmt: skip
+            proc = _spawn(name, argv, log, self._env(threads))
+            self.started.append(proc)
+            reps.append(
+                ReplicaProc(proc, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+            )
+        deadline = time.monotonic() + a.startup_timeout
+        for rep in reps:
+            _wait_ready(rep.proc, f"{rep.http_url}/ready", deadline)
+        return reps
+
+    def start_gateway(self, replicas: list[ReplicaProc], policy: str) -> tuple[Proc, str, str]:
+        """A gateway for ``replicas`` with routing ``policy``; returns once it can route to
+        every replica. Returns the process, its URL and the API key."""
+        import yaml
+
+        from kvserve.gateway.config import new_key
+
+        a = self.args
+        (port,) = _free_ports(1)
+        name, log = self._name("gateway")
+        key, digest = new_key()
+        keys_path = self.workdir / f"{name}-keys.yaml"
+        config_path = self.workdir / f"{name}.yaml"
+        # One key, no rate limits (null = unlimited), highest priority.
+        entry = {"tenant": "bench", "sha256": digest, "models": ["*"], "priority": "critical"}
+        keys = {"keys": [entry]}
+        in_flight = max(a.streams, a.agents, 1)
+        config = {
+            "listen": {"host": "127.0.0.1", "port": port},
+            "models": {
+                MODEL_NAME: {
+                    "replicas": [f"grpc://{r.grpc_address}" for r in replicas],
+                    # Never the bottleneck: the gateway must not queue what the replica
+                    # would run, or the comparison measures the queue.
+                    "max_in_flight_per_replica": in_flight,
+                }
+            },
+            "routing": {"policy": policy},
+            "admission": {"queue_size": max(256, a.requests, a.agents)},
+            "keys_file": keys_path.name,
+        }
+        keys_path.write_text(yaml.safe_dump(keys))
+        config_path.write_text(yaml.safe_dump(config))
+        argv = [
+            sys.executable, "-m", "kvserve", "gateway", "--config", str(config_path),
+            "--log-level", "warning",
+        ]  # fmt: skip
+        proc = _spawn(name, argv, log, self._env(None))
+        self.started.append(proc)
+        url = f"http://127.0.0.1:{port}"
+
+        def all_routable(r: httpx.Response) -> bool:
+            return bool(r.json().get("replicas", {}).get(MODEL_NAME) == len(replicas))
+
+        _wait_ready(proc, f"{url}/ready", time.monotonic() + a.startup_timeout, all_routable)
+        return proc, url, key
+
+
+# ---- figures -------------------------------------------------------------------------
+def _ttfts(records: Sequence[ClientRecord]) -> list[float]:
+    return [definitions.ttft(r.send, r.first) for r in records if r.ok and r.first is not None]
+
+
+def _itls(records: Sequence[ClientRecord]) -> list[float]:
+    return [gap for r in records if r.ok for gap in definitions.itls(r.chunk_times)]
+
+
+def _chunks(records: Sequence[ClientRecord]) -> int:
+    return sum(len(r.chunk_times) for r in records if r.ok)
+
+
+@dataclass
+class PassResult:
+    """One timed pass of the overhead workload on one path."""
+
+    path: str  # "direct" or "gateway"
+    round: int
+    seconds: float
+    requests_ok: int
+    requests_failed: int
+    chunks: int  # SSE chunks with text, as received
+    ttft_p50_ms: float | None
+    itl_p50_ms: float | None
+    gateway_cpu_seconds: float | None  # None on the direct path
+    replica_cpu_seconds: float
+
+
+@dataclass
+class PathStats:
+    """One path over all rounds (medians and p90s of the pooled requests)."""
+
+    requests_ok: int
+    requests_failed: int
+    chunks: int
+    seconds: float  # sum of its passes' wall times
+    chunks_per_second: float
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    itl_p50_ms: float | None
+    itl_p90_ms: float | None
+    replica_cpu_seconds: float
+
+
+@dataclass
+class OverheadResult:
+    streams: int
+    requests: int
+    max_tokens: int
+    prompt_tokens: int
+    rounds: int
+    direct: PathStats
+    gateway: PathStats
+    ttft_p50_added_ms: float | None  # gateway − direct
+    ttft_p90_added_ms: float | None
+    itl_p50_added_ms: float | None
+    itl_p90_added_ms: float | None
+    gateway_cpu_seconds: float  # Δ(utime + stime) over the gateway passes
+    gateway_chunks: int
+    gateway_chunks_per_cpu_second: float | None
+    gateway_cpu_busy: float | None  # CPU-seconds / wall seconds of the gateway passes
+    target_ttft_added_ms: float = TARGET_TTFT_ADDED_MS
+    target_itl_added_ms: float = TARGET_ITL_ADDED_MS
+    target_chunks_per_cpu_second: float = TARGET_CHUNKS_PER_CPU_S
+    passes: list[PassResult] = field(default_factory=list)
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    seconds: float
+    requests_ok: int
+    requests_failed: int
+    prompt_tokens: int  # Σ usage.prompt_tokens
+    cached_tokens: int  # Σ usage.prompt_tokens_details.cached_tokens
+    cached_ratio: float | None
+    ttft_mean_ms: float | None
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    requests_per_replica: list[int]  # the gateway's routing decisions, by replica
+    routing_overrides: int  # prefix routes sent elsewhere (load bound or retry)
+
+
+@dataclass
+class RoutingResult:
+    replicas: int
+    agents: int
+    questions: int
+    history: bool
+    system_prompt_tokens: int
+    max_tokens: int
+    replica_omp_threads: int | None  # OMP_NUM_THREADS given to each replica (None: inherited)
+    policies: list[PolicyResult]
+
+
+@dataclass
+class Report:
+    model: str
+    dtype: str
+    device: str
+    cpus: int
+    overhead: OverheadResult | None = None
+    routing: RoutingResult | None = None
+
+
+def _path_stats(passes: Sequence[tuple[PassResult, list[ClientRecord]]]) -> PathStats:
+    records = [rec for _, recs in passes for rec in recs]
+    seconds = sum(p.seconds for p, _ in passes)
+    ttfts, itls = _ttfts(records), _itls(records)
+    return PathStats(
+        requests_ok=sum(r.ok for r in records),
+        requests_failed=sum(not r.ok for r in records),
+        chunks=_chunks(records),
+        seconds=round(seconds, 3),
+        chunks_per_second=round(_chunks(records) / seconds, 1) if seconds > 0 else 0.0,
+        ttft_p50_ms=_ms(_percentile(ttfts, 50)),
+        ttft_p90_ms=_ms(_percentile(ttfts, 90)),
+        itl_p50_ms=_ms(_percentile(itls, 50)),
+        itl_p90_ms=_ms(_percentile(itls, 90)),
+        replica_cpu_seconds=round(sum(p.replica_cpu_seconds for p, _ in passes), 2),
+    )
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 2)
+
+
+# ---- phase 1: overhead -------------------------------------------------------------------
+def _overhead_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
+    """``--requests`` prompts of ``--prompt-len`` random ordinary token ids (seeded)."""
+    rng = random.Random(args.seed)
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    prompts = [[rng.choice(ids) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    return Workload(prompts, [args.max_tokens] * args.requests)
+
+
+async def _overhead_pass(
+    url: str, key: str | None, work: Workload, streams: int, procs: Sequence[Proc]
+) -> tuple[float, list[ClientRecord], list[float]]:
+    """``streams`` clients drain the workload; returns wall seconds, the records, and each
+    of ``procs``' CPU seconds over the timed window (warm-up excluded)."""
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(work.prompts)):
+        todo.put_nowait(i)
+    records: list[ClientRecord | None] = [None] * len(work.prompts)
+    async with _client(url, streams) as client:
+        if key is not None:
+            client.headers["authorization"] = f"Bearer {key}"
+        # Warm-up: connections (and the gateway's channel), outside the timed window.
+        warm = await asyncio.gather(
+            *(_stream_one(client, _body(p, 2)) for p in work.prompts[: min(4, streams)])
+        )
+        if any(rec.error for rec in warm):
+            raise RuntimeError(f"warm-up request to {url} failed: {warm[0].error}")
+
+        async def worker() -> None:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                records[i] = await _stream_one(client, _body(work.prompts[i], work.output_lens[i]))
+
+        cpu0 = [p.cpu_seconds() for p in procs]
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(streams, len(work.prompts)))))
+        seconds = time.perf_counter() - start
+        cpu = [p.cpu_seconds() - c for p, c in zip(procs, cpu0, strict=True)]
+    return seconds, [r for r in records if r is not None], cpu
+
+
+def run_overhead(
+    args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
+) -> OverheadResult:
+    work = _overhead_workload(args, tokenizer)
+    say("overhead: starting 1 replica (prefix caching off) and the gateway ...")
+    # Prefix caching off: every pass repeats the same prompts, and must cost the same.
+    (rep,) = launcher.start_replicas(1, "--no-prefix-caching")
+    gateway, gw_url, key = launcher.start_gateway([rep], "prefix")
+    # An untimed pass of one request per stream on each path first: the engine's first
+    # steps at each batch size, and the gRPC path's first calls, are several times slower
+    # than later ones, and would otherwise fall on whichever path runs first.
+    n = min(args.streams, args.requests)
+    warm = Workload(work.prompts[:n], work.output_lens[:n])
+    say(f"  warm-up: {n} requests on each path (not measured) ...")
+    for url, k in ((rep.http_url, None), (gw_url, key)):
+        _, recs, _ = asyncio.run(_overhead_pass(url, k, warm, args.streams, []))
+        errors = [r.error or "no finish_reason" for r in recs if not r.ok]
+        if errors:
+            raise RuntimeError(f"{len(errors)} warm-up requests to {url} failed: {errors[0]}")
+    passes: list[tuple[PassResult, list[ClientRecord]]] = []
+    for r in range(args.rounds):
+        order = ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")
+        for path in order:
+            via_gw = path == "gateway"
+            procs = [rep.proc, gateway] if via_gw else [rep.proc]
+            seconds, recs, cpu = asyncio.run(
+                _overhead_pass(
+                    gw_url if via_gw else rep.http_url,
+                    key if via_gw else None,
+                    work,
+                    args.streams,
+                    procs,
+                )
+            )
+            result = PassResult(
+                path=path,
+                round=r + 1,
+                seconds=round(seconds, 3),
+                requests_ok=sum(x.ok for x in recs),
+                requests_failed=sum(not x.ok for x in recs),
+                chunks=_chunks(recs),
+                ttft_p50_ms=_ms(_percentile(_ttfts(recs), 50)),
+                itl_p50_ms=_ms(_percentile(_itls(recs), 50)),
+                gateway_cpu_seconds=round(cpu[1], 2) if via_gw else None,
+                replica_cpu_seconds=round(cpu[0], 2),
+            )
+            passes.append((result, recs))
+            say(
+                f"  round {r + 1}/{args.rounds} {path:<7} {seconds:6.2f} s, TTFT p50 "
+                f"{result.ttft_p50_ms} ms, ITL p50 {result.itl_p50_ms} ms"
+                + (f", gateway CPU {cpu[1]:.2f} s" if via_gw else "")
+                + (f" ({result.requests_failed} failed)" if result.requests_failed else "")
+            )
+    launcher.stop_all()
+    direct = _path_stats([p for p in passes if p[0].path == "direct"])
+    via = _path_stats([p for p in passes if p[0].path == "gateway"])
+    gw_cpu = sum(p.gateway_cpu_seconds or 0.0 for p, _ in passes)
+    return OverheadResult(
+        streams=args.streams,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        prompt_tokens=args.prompt_len,
+        rounds=args.rounds,
+        direct=direct,
+        gateway=via,
+        ttft_p50_added_ms=_diff(via.ttft_p50_ms, direct.ttft_p50_ms),
+        ttft_p90_added_ms=_diff(via.ttft_p90_ms, direct.ttft_p90_ms),
+        itl_p50_added_ms=_diff(via.itl_p50_ms, direct.itl_p50_ms),
+        itl_p90_added_ms=_diff(via.itl_p90_ms, direct.itl_p90_ms),
+        gateway_cpu_seconds=round(gw_cpu, 2),
+        gateway_chunks=via.chunks,
+        gateway_chunks_per_cpu_second=round(via.chunks / gw_cpu, 1) if gw_cpu > 0 else None,
+        gateway_cpu_busy=round(gw_cpu / via.seconds, 3) if via.seconds > 0 else None,
+        passes=[p for p, _ in passes],
+    )
+
+
+# ---- phase 2: routing ----------------------------------------------------------------------
+_WORDS = (
+    "travel", "train", "flight", "hotel", "booking", "ticket", "station", "airport",
+    "luggage", "refund", "delay", "platform", "passport", "itinerary", "connection",
+    "seat", "window", "aisle", "breakfast", "checkout", "museum", "harbour", "ferry",
+    "bicycle", "map", "weather", "budget", "receipt", "schedule", "guide",
+)  # fmt: skip
+_CITIES = ("Lisbon", "Vienna", "Oslo", "Porto", "Prague", "Seville", "Ghent", "Turin")
+
+
+def system_prompt(tokenizer: Any, tokens: int, seed: int) -> tuple[str, int]:
+    """A deterministic system prompt of about ``tokens`` tokens, and its exact count."""
+    rng = random.Random(seed)
+    text = "You are a travel desk agent. Follow these notes:"
+
+    def count(t: str) -> int:
+        return len(tokenizer.encode(t, add_special_tokens=False))
+
+    while count(text) < tokens:
+        text += " " + rng.choice(_WORDS)
+    return text, count(text)
+
+
+def agent_questions(agents: int, questions: int, seed: int) -> list[list[str]]:
+    """Each agent's questions: short, distinct, deterministic."""
+    rng = random.Random(seed + 1)
+    return [
+        [
+            f"Agent {a + 1}, question {q + 1}: the {rng.choice(_WORDS)} from "
+            f"{rng.choice(_CITIES)} to {rng.choice(_CITIES)}?"
+            for q in range(questions)
+        ]
+        for a in range(agents)
+    ]
+
+
+@dataclass
+class ChatRecord(ClientRecord):
+    """A streamed chat request, with the usage the routing comparison needs."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    text: str = ""
+
+
+async def _stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> ChatRecord:
+    """Stream one chat completion; timing as in ``serving._stream_one`` (send = the last
+    request byte on the socket, chunks timed on arrival), plus usage and the reply."""
+    rec = ChatRecord(send=time.perf_counter())
+    parts: list[str] = []
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event == "http11.send_request_body.complete":
+            rec.send = time.perf_counter()
+
+    def handle(event: dict[str, Any], now: float) -> None:
+        if "error" in event:
+            rec.error = str(event["error"].get("message"))
+        usage = event.get("usage")
+        if usage:
+            rec.output_tokens = int(usage["completion_tokens"])
+            rec.prompt_tokens = int(usage["prompt_tokens"])
+            details = usage.get("prompt_tokens_details") or {}
+            rec.cached_tokens = int(details.get("cached_tokens") or 0)
+        for choice in event.get("choices", ()):
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                rec.chunk_times.append(now)
+                parts.append(content)
+            if choice.get("finish_reason") is not None:
+                rec.finish_reason = choice["finish_reason"]
+
+    try:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, extensions={"trace": trace}
+        ) as r:
+            if r.status_code != 200:
+                await r.aread()
+                rec.error = f"HTTP {r.status_code}: {r.text[:300]}"
+                return rec
+            pending = b""
+            async for raw in r.aiter_bytes():
+                now = time.perf_counter()
+                *lines, pending = (pending + raw).split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                        handle(json.loads(line[6:]), now)
+    except Exception as exc:  # a benchmark reports failures rather than dying on one
+        rec.error = f"{type(exc).__name__}: {exc}"
+    if rec.chunk_times:
+        rec.first, rec.last = rec.chunk_times[0], rec.chunk_times[-1]
+    rec.text = "".join(parts)
+    return rec
+
+
+def _chat_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _warm_replicas(replicas: Sequence[ReplicaProc]) -> None:
+    """One tiny request to each replica directly (first forward passes, lazy set-up).
+
+    It starts with a user message, so it shares no KV block with the agents' prompts
+    (which start with the system prompt): the caches stay cold for what is measured.
+    """
+    for rep in replicas:
+        async with _client(rep.http_url, 1) as client:
+            body = _chat_body([{"role": "user", "content": "warm up"}], 2)
+            rec = await _stream_chat(client, body)
+            if rec.error:
+                raise RuntimeError(f"warm-up request to {rep.http_url} failed: {rec.error}")
+
+
+async def _agents_pass(
+    url: str, key: str, system: str, questions: list[list[str]], args: argparse.Namespace
+) -> tuple[float, list[ChatRecord]]:
+    """Every agent at once, each asking its questions one after another."""
+    records: list[ChatRecord] = []
+    async with _client(url, len(questions)) as client:
+        client.headers["authorization"] = f"Bearer {key}"
+
+        async def agent(asks: list[str]) -> None:
+            history: list[dict[str, str]] = []
+            for question in asks:
+                messages = [
+                    {"role": "system", "content": system},
+                    *history,
+                    {"role": "user", "content": question},
+                ]
+                rec = await _stream_chat(client, _chat_body(messages, args.routing_max_tokens))
+                records.append(rec)
+                if args.history:
+                    history += [
+                        {"role": "user", "content": question},
+                        {"role": "assistant", "content": rec.text},
+                    ]
+
+        start = time.perf_counter()
+        await asyncio.gather(*(agent(asks) for asks in questions))
+        seconds = time.perf_counter() - start
+    return seconds, records
+
+
+def _routing_counts(url: str, replicas: Sequence[ReplicaProc]) -> tuple[list[int], int]:
+    """The gateway's routing decisions per replica (in ``replicas`` order), and its
+    overrides, from its /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    per: dict[str, float] = {}
+    overrides = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == "kvserve_gateway_routing_decisions_total":
+                per[s.labels["replica"]] = per.get(s.labels["replica"], 0.0) + s.value
+            elif s.name == "kvserve_gateway_routing_overrides_total":
+                overrides += s.value
+    return [round(per.get(r.grpc_address, 0.0)) for r in replicas], round(overrides)
+
+
+def run_routing(
+    args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
+) -> RoutingResult:
+    system, system_tokens = system_prompt(tokenizer, args.system_tokens, args.seed)
+    questions = agent_questions(args.agents, args.questions, args.seed)
+    # Replicas share the CPUs: one OpenMP thread team each sized to its share, unless the
+    # caller set OMP_NUM_THREADS (oversubscribed teams spin and throttle each other).
+    threads = max(1, _cpus() // args.replicas)
+    results: list[PolicyResult] = []
+    for policy in POLICIES:
+        say(f"routing: {policy}: starting {args.replicas} replicas and the gateway ...")
+        reps = launcher.start_replicas(args.replicas, threads=threads)
+        asyncio.run(_warm_replicas(reps))
+        _, gw_url, key = launcher.start_gateway(reps, policy)
+        seconds, recs = asyncio.run(_agents_pass(gw_url, key, system, questions, args))
+        per_replica, overrides = _routing_counts(gw_url, reps)
+        launcher.stop_all()  # fresh replicas (cold caches) for the next policy
+        ok = [r for r in recs if r.ok]
+        prompt = sum(r.prompt_tokens for r in ok)
+        cached = sum(r.cached_tokens for r in ok)
+        ttfts = _ttfts(ok)
+        res = PolicyResult(
+            policy=policy,
+            seconds=round(seconds, 3),
+            requests_ok=len(ok),
+            requests_failed=len(recs) - len(ok),
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            cached_ratio=round(cached / prompt, 4) if prompt else None,
+            ttft_mean_ms=_ms(statistics.fmean(ttfts)) if ttfts else None,
+            ttft_p50_ms=_ms(_percentile(ttfts, 50)),
+            ttft_p90_ms=_ms(_percentile(ttfts, 90)),
+            requests_per_replica=per_replica,
+            routing_overrides=overrides,
+        )
+        results.append(res)
+        say(
+            f"  {policy}: {seconds:.2f} s, cached ratio {res.cached_ratio}, TTFT mean "
+            f"{res.ttft_mean_ms} ms, per replica {per_replica}"
+            + (f" ({res.requests_failed} failed)" if res.requests_failed else "")
+        )
+        failed = [r.error for r in recs if r.error]
+        if failed:
+            say(f"  first failure: {failed[0]}")
+    return RoutingResult(
+        replicas=args.replicas,
+        agents=args.agents,
+        questions=args.questions,
+        history=args.history,
+        system_prompt_tokens=system_tokens,
+        max_tokens=args.routing_max_tokens,
+        replica_omp_threads=None if "OMP_NUM_THREADS" in os.environ else threads,
+        policies=results,
+    )
+
+
+# ---- output ---------------------------------------------------------------------------------
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _f(x: float | None, width: int = 12, spec: str = ".2f", sign: bool = False) -> str:
+    if x is None:
+        return f"{'-':>{width}}"
+    return format(x, f">{'+' if sign else ''}{width}{spec}")
+
+
+def print_report(rep: Report) -> None:
+    print(f"model: {rep.model} ({rep.dtype}, {rep.device}); {rep.cpus} CPU(s) on this machine")
+    print(
+        f"note: the replica(s), the gateway and this benchmark's client share these {rep.cpus} "
+        "CPU(s),"
+    )
+    print(
+        "      so latencies include waiting for a CPU"
+        + (" (too few CPUs for separate cores each)" if rep.cpus < 4 else "")
+    )
+    o = rep.overhead
+    if o is not None:
+        print()
+        print(
+            f"gateway overhead: 1 replica, {o.streams} concurrent streams, {o.requests} "
+            f"requests per pass ({o.prompt_tokens}-token prompts, {o.max_tokens} output tokens, "
+            f"ignore_eos), {o.rounds} round(s) alternating direct and gateway"
+        )
+        print(
+            f"{'':<26}{'TTFT p50 ms':>12}{'TTFT p90 ms':>12}{'ITL p50 ms':>12}{'ITL p90 ms':>12}"
+            f"{'chunks':>9}{'chunks/s':>10}{'failed':>8}"
+        )
+        for label, s in (("direct (HTTP)", o.direct), ("through the gateway", o.gateway)):
+            print(
+                f"{label:<26}{_f(s.ttft_p50_ms)}{_f(s.ttft_p90_ms)}{_f(s.itl_p50_ms)}"
+                f"{_f(s.itl_p90_ms)}{s.chunks:>9}{s.chunks_per_second:>10.0f}"
+                f"{s.requests_failed:>8}"
+            )
+        print(
+            f"{'added by the gateway':<26}{_f(o.ttft_p50_added_ms, sign=True)}"
+            f"{_f(o.ttft_p90_added_ms, sign=True)}{_f(o.itl_p50_added_ms, sign=True)}"
+            f"{_f(o.itl_p90_added_ms, sign=True)}"
+        )
+        print(
+            f"{'target (added, median)':<26}{'≤ ' + format(o.target_ttft_added_ms, '.1f'):>12}"
+            f"{'':>12}{'≤ ' + format(o.target_itl_added_ms, '.1f'):>12}"
+        )
+        rate = o.gateway_chunks_per_cpu_second
+        print(
+            f"gateway CPU: {o.gateway_cpu_seconds:.2f} s (utime+stime) for {o.gateway_chunks} "
+            f"streamed chunks = "
+            + ("-" if rate is None else f"{rate:,.0f}")
+            + f" chunks per CPU-second (target ≥ {o.target_chunks_per_cpu_second:,.0f} on one "
+            "core)"
+        )
+        if o.gateway_cpu_busy is not None:
+            print(
+                f"  the gateway was busy {o.gateway_cpu_busy:.0%} of one CPU during its passes; "
+                f"replica CPU: {o.direct.replica_cpu_seconds:.2f} s direct, "
+                f"{o.gateway.replica_cpu_seconds:.2f} s via the gateway (gRPC)"
+            )
+    r = rep.routing
+    if r is not None:
+        print()
+        print(
+            f"routing: {r.replicas} replicas, {r.agents} agents × {r.questions} questions, one "
+            f"{r.system_prompt_tokens}-token system prompt, "
+            + ("each agent keeping its conversation" if r.history else "independent questions")
+            + f", {r.max_tokens} output tokens per answer, cold caches for each policy"
+        )
+        print(
+            f"{'policy':<14}{'requests':>9}{'prompt tok':>11}{'cached tok':>11}{'cached':>8}"
+            f"{'TTFT mean':>10}{'TTFT p50':>10}{'TTFT p90':>10}{'seconds':>9}  per replica"
+        )
+        for p in r.policies:
+            ratio = "-" if p.cached_ratio is None else f"{p.cached_ratio:.1%}"
+            print(
+                f"{p.policy:<14}{p.requests_ok:>9}{p.prompt_tokens:>11}{p.cached_tokens:>11}"
+                f"{ratio:>8}{_f(p.ttft_mean_ms, 10, '.1f')}{_f(p.ttft_p50_ms, 10, '.1f')}"
+                f"{_f(p.ttft_p90_ms, 10, '.1f')}{p.seconds:>9.2f}  "
+                f"{'/'.join(map(str, p.requests_per_replica))}"
+                + (f"  ({p.requests_failed} failed)" if p.requests_failed else "")
+            )
+        print("  (TTFT in ms; cached = Σ cached_tokens / Σ prompt_tokens from the streams' usage)")
+
+
+# ---- the run ---------------------------------------------------------------------------------
+def _check_args(args: argparse.Namespace) -> str | None:
+    positive = (
+        "streams", "requests", "max_tokens", "prompt_len", "rounds", "replicas", "agents",
+        "questions", "system_tokens", "routing_max_tokens", "block_size",
+    )  # fmt: skip
+    for name in positive:
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be ≥ 1"
+    return None
+
+
+def _failures(rep: Report) -> int:
+    n = 0
+    if rep.overhead is not None:
+        n += rep.overhead.direct.requests_failed + rep.overhead.gateway.requests_failed
+    if rep.routing is not None:
+        n += sum(p.requests_failed for p in rep.routing.policies)
+    return n
+
+
+@contextlib.contextmanager
+def _launcher(args: argparse.Namespace, model: str) -> Iterator[Launcher]:
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-gateway-") as tmp:
+        launcher = Launcher(args, model, Path(tmp))
+        try:
+            yield launcher
+        finally:
+            launcher.stop_all()
+
+
+def run(args: argparse.Namespace) -> int:
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    problem = _check_args(args)
+    if problem:
+        say(f"kvserve bench gateway: error: {problem}")
+        return 2
+    model = args.model
+    if not model:
+        from kvserve.demo_model import default_model_dir
+
+        try:
+            model = str(default_model_dir())
+        except FileNotFoundError as exc:
+            say(f"kvserve bench gateway: error: {exc}")
+            return 2
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    report = Report(model=Path(model).name, dtype=args.dtype, device=args.device, cpus=_cpus())
+    try:
+        with _launcher(args, model) as launcher:
+            if args.phase in ("overhead", "all"):
+                report.overhead = run_overhead(args, launcher, tokenizer, say)
+            if args.phase in ("routing", "all"):
+                report.routing = run_routing(args, launcher, tokenizer, say)
+    except KeyboardInterrupt:
+        say("interrupted; every process the benchmark started is stopped")
+        return 130
+    except RuntimeError as exc:
+        say(f"kvserve bench gateway: error: {exc}")
+        return 1
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(report), indent=2) + "\n")
+        say(f"wrote {args.json}")
+    failed = _failures(report)
+    if failed:
+        say(f"{failed} requests failed")
+    return 0 if failed == 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark without the ``kvserve`` CLI (``python -m kvserve.bench.gateway``)."""
+    p = argparse.ArgumentParser(prog="kvserve bench gateway", description=DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""``kvserve bench gateway`` end to end at tiny sizes: real replica and gateway processes.
+
+Only the report's structure and the consistency of its counts are checked; timings never
+are (they depend on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# Runs the module's own entry point, so the test does not depend on the CLI registration.
+RUN = "import sys; from kvserve.bench.gateway import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.mark.slow
+def test_bench_gateway_reports_both_phases(
+    checkpoint_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "report.json"
+    streams, requests, max_tokens, rounds = 4, 8, 4, 1
+    replicas, agents, questions = 2, 2, 2
+    proc = subprocess.run(
+        [
+            sys.executable, "-c", RUN, "--model", str(checkpoint_dir("llama")),
+            "--streams", str(streams), "--requests", str(requests),
+            "--max-tokens", str(max_tokens), "--prompt-len", "8", "--rounds", str(rounds),
+            "--replicas", str(replicas), "--agents", str(agents),
+            "--questions", str(questions), "--system-tokens", "40",
+            "--routing-max-tokens", "4", "--json", str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "added by the gateway" in proc.stdout
+    assert "round_robin" in proc.stdout
+    report = json.loads(out.read_text())
+
+    o = report["overhead"]
+    assert (o["streams"], o["requests"], o["rounds"]) == (streams, requests, rounds)
+    assert len(o["passes"]) == 2 * rounds
+    assert {p["path"] for p in o["passes"]} == {"direct", "gateway"}
+    for side in ("direct", "gateway"):
+        stats = o[side]
+        assert stats["requests_ok"] == requests * rounds
+        assert stats["requests_failed"] == 0
+        # ignore_eos: every request generates max_tokens tokens, shown in at most as many chunks
+        assert 0 < stats["chunks"] <= requests * rounds * max_tokens
+        for name in ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms"):
+            assert stats[name] is not None and stats[name] >= 0
+    # Both paths stream the same greedy tokens of the same prompts: the same chunks.
+    assert o["gateway"]["chunks"] == o["direct"]["chunks"] == o["gateway_chunks"]
+    assert o["gateway_cpu_seconds"] >= 0
+    for name in ("ttft_p50_added_ms", "itl_p50_added_ms"):
+        assert isinstance(o[name], float)
+    assert o["target_ttft_added_ms"] == 5.0 and o["target_itl_added_ms"] == 0.5
+    assert o["target_chunks_per_cpu_second"] == 10_000
+
+    r = report["routing"]
+    assert (r["replicas"], r["agents"], r["questions"]) == (replicas, agents, questions)
+    assert r["history"] is True
+    assert r["system_prompt_tokens"] >= 40
+    assert [p["policy"] for p in r["policies"]] == ["prefix", "round_robin"]
+    for p in r["policies"]:
+        assert p["requests_ok"] == agents * questions and p["requests_failed"] == 0
+        assert len(p["requests_per_replica"]) == replicas
+        assert sum(p["requests_per_replica"]) == agents * questions
+        assert p["prompt_tokens"] >= agents * questions * r["system_prompt_tokens"]
+        assert 0 <= p["cached_tokens"] <= p["prompt_tokens"]
+        assert 0.0 <= p["cached_ratio"] <= 1.0
+        assert p["ttft_mean_ms"] is not None and p["ttft_mean_ms"] > 0
+    # Round-robin alternates strictly over the replicas.
+    assert r["policies"][1]["requests_per_replica"] == [agents * questions // replicas] * replicas
