@@ -38,6 +38,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.gateway.admission import AdmissionQueue, AdmissionRejected, Slot
 from kvserve.gateway.auth import AuthError, KeyStore, Tenant
 from kvserve.gateway.config import ConfigWatcher, GatewayConfig, KeysFile, parse_replica_url
+from kvserve.gateway.discovery import KubernetesDiscovery, Snapshot
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.ratelimit import Admission, LimitExceeded, RateLimited, RateLimiter
 from kvserve.gateway.replicas import Fleet, Replica
@@ -72,6 +73,10 @@ class GatewayState:
     watcher: ConfigWatcher | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     ready: bool = False
+
+    def model_names(self) -> list[str]:
+        """Models in the config, plus those discovery found replicas for."""
+        return sorted(set(self.config.models) | set(self.fleet.models()))
 
     def update_gauges(self) -> None:
         m = self.metrics
@@ -127,8 +132,10 @@ def create_gateway_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         for name, model in config.models.items():
-            addresses = [_address(url) for url in model.replicas]
-            fleet.set_replicas(name, addresses, model.max_in_flight_per_replica)
+            if model.replicas:
+                addresses = [_address(url) for url in model.replicas]
+                fleet.set_replicas(name, addresses, model.max_in_flight_per_replica)
+        discovery = _start_discovery(state) if config.discovery.kubernetes else None
         state.tasks.append(asyncio.create_task(_poll_loads(state)))
         if watcher is not None:
             state.tasks.append(asyncio.create_task(_watch_keys(state, watcher)))
@@ -137,6 +144,8 @@ def create_gateway_app(
             yield
         finally:
             state.ready = False
+            if discovery is not None:
+                await asyncio.to_thread(discovery.stop)
             for task in state.tasks:
                 task.cancel()
             await asyncio.gather(*state.tasks, return_exceptions=True)
@@ -161,6 +170,34 @@ def create_gateway_app(
         ).inc(),
     )
     return app
+
+
+def _start_discovery(state: GatewayState) -> KubernetesDiscovery:
+    """Watch the cluster; each snapshot becomes the models' replica sets (static ones kept)."""
+    cfg = state.config.discovery.kubernetes
+    assert cfg is not None
+    loop = asyncio.get_running_loop()
+    discovered: set[str] = set()
+
+    def apply(snapshot: Snapshot) -> None:
+        for model in sorted(discovered | set(snapshot)):
+            settings = state.config.model_settings(model)
+            static = [_address(url) for url in settings.replicas]
+            state.fleet.set_replicas(
+                model, [*static, *snapshot.get(model, [])], settings.max_in_flight_per_replica
+            )
+        discovered.update(snapshot)
+        state.update_gauges()
+
+    discovery = KubernetesDiscovery(
+        namespaces=cfg.namespaces,
+        label_selector=cfg.label_selector,
+        port_name=cfg.port_name,
+        kubeconfig=cfg.kubeconfig,
+        on_change=lambda snapshot: loop.call_soon_threadsafe(apply, snapshot),
+    )
+    discovery.start()
+    return discovery
 
 
 def _address(url: str) -> str:
@@ -227,7 +264,7 @@ def _router(state: GatewayState) -> APIRouter:
     @router.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         tenant = _authenticate(state, request)
-        names = [m for m in state.config.models if tenant.allows(m)]
+        names = [m for m in state.model_names() if tenant.allows(m)]
         return {
             "object": "list",
             "data": [
@@ -290,12 +327,11 @@ async def _serve(
     rid: str = request.state.request_id
     chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
     tenant = _authenticate(state, request)
-    model_cfg = state.config.models.get(body.model)
-    if model_cfg is None:
+    if body.model not in state.model_names():
         raise OpenAIError(
             404,
             f"model {body.model!r} is not served here (available: "
-            f"{', '.join(sorted(state.config.models))})",
+            f"{', '.join(state.model_names())})",
             param="model",
             code="model_not_found",
         )
@@ -307,7 +343,7 @@ async def _serve(
         raise _invalid(state, f"n={body.n} is not supported (only n=1)", "n")
     if limit is not None and limit < 1:
         raise _invalid(state, f"{limit_param} must be ≥ 1, got {limit}", limit_param)
-    ceiling = model_cfg.max_tokens_ceiling
+    ceiling = state.config.model_settings(body.model).max_tokens_ceiling
     if limit is not None and ceiling is not None and limit > ceiling:
         raise _invalid(
             state, f"{limit_param}={limit} is over this model's limit of {ceiling}", limit_param

@@ -38,6 +38,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 log = logging.getLogger("kvserve.gateway")
@@ -128,9 +129,13 @@ ReplicaUrl = Annotated[str, AfterValidator(_replica_url)]
 
 
 class ModelConfig(_Strict):
-    """One served model name and the engine replicas that serve it (static discovery)."""
+    """One served model name: its static replicas (if any) and its limits.
 
-    replicas: list[ReplicaUrl] = Field(min_length=1)
+    With Kubernetes discovery, a model needs no entry unless it wants non-default
+    limits; discovered replicas are added to the static ones.
+    """
+
+    replicas: list[ReplicaUrl] = Field(default_factory=list)
     max_tokens_ceiling: int | None = Field(default=None, ge=1)
     max_in_flight_per_replica: int = Field(default=32, ge=1)
 
@@ -166,12 +171,29 @@ class RetryConfig(_Strict):
     max_attempts: int = Field(default=2, ge=1, le=10)
 
 
+class KubernetesDiscoveryConfig(_Strict):
+    """Replicas from the EndpointSlices of Services that match ``label_selector``."""
+
+    namespaces: list[str] = Field(default_factory=list)  # empty: every namespace
+    label_selector: str = Field(
+        default="app.kubernetes.io/managed-by=kvserve-operator", min_length=1
+    )
+    port_name: str = Field(default="grpc", min_length=1)
+    # Default: in-cluster credentials, else $KUBECONFIG / ~/.kube/config.
+    kubeconfig: Annotated[Path | None, Field(strict=False)] = None
+
+
+class DiscoveryConfig(_Strict):
+    kubernetes: KubernetesDiscoveryConfig | None = None
+
+
 class GatewayConfig(_Strict):
     """The whole config file. Only the keys file it points to hot-reloads."""
 
     listen: ListenConfig = Field(default_factory=ListenConfig)
     max_body_bytes: int = Field(default=1 << 20, ge=1)
-    models: dict[str, ModelConfig] = Field(min_length=1)
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
@@ -189,6 +211,24 @@ class GatewayConfig(_Strict):
             if name == WILDCARD:
                 raise ValueError("'*' is reserved for 'every model' in the keys file")
         return models
+
+    @model_validator(mode="after")
+    def _replicas_come_from_somewhere(self) -> GatewayConfig:
+        if self.discovery.kubernetes is not None:
+            return self
+        if not self.models:
+            raise ValueError("models: at least one model is needed (or discovery.kubernetes)")
+        for name, model in self.models.items():
+            if not model.replicas:
+                raise ValueError(
+                    f"models.{name}.replicas: at least one replica is needed "
+                    "(or discovery.kubernetes)"
+                )
+        return self
+
+    def model_settings(self, name: str) -> ModelConfig:
+        """The model's entry, or the defaults for a model found by discovery."""
+        return self.models.get(name) or ModelConfig()
 
     @field_validator("keys_file")
     @classmethod
@@ -372,6 +412,11 @@ def _problems(exc: ValidationError, *, show_input: bool) -> list[str]:
             if index is not None:
                 loc = (*loc, int(index[1]))
                 message = message[index.end() :]
+            # Whole-file validators name the field themselves ("models.x.replicas: ...").
+            named = re.match(r"([A-Za-z_][\w.-]*): ", message)
+            if not loc and named is not None:
+                loc = tuple(named[1].split("."))
+                message = message[named.end() :]
         elif kind == "extra_forbidden":
             message = "unknown field (misspelt? see docs/gateway-config.md)"
         elif kind == "missing":

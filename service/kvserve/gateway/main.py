@@ -47,7 +47,15 @@ def run(args: argparse.Namespace) -> int:
     app = create_gateway_app(config, watcher.keys, watcher=watcher)
     for name, model in config.models.items():
         print(
-            f"model {name!r}: {len(model.replicas)} replica(s) {', '.join(model.replicas)}",
+            f"model {name!r}: {len(model.replicas)} static replica(s) {', '.join(model.replicas)}",
+            file=sys.stderr,
+        )
+    if config.discovery.kubernetes is not None:
+        k8s = config.discovery.kubernetes
+        print(
+            f"discovering replicas from EndpointSlices of Services matching "
+            f"{k8s.label_selector!r} (port {k8s.port_name!r}) in "
+            f"{', '.join(k8s.namespaces) or 'all namespaces'}",
             file=sys.stderr,
         )
     print(

@@ -1,0 +1,227 @@
+"""Kubernetes replica discovery: EndpointSlices of the Services that carry a label.
+
+The operator gives every InferenceModel's Service the label
+``app.kubernetes.io/managed-by=kvserve-operator`` and the annotation
+``kvserve.dev/served-name`` (what clients send as ``"model"``); the EndpointSlice
+controller copies the Service's labels onto its slices. So the gateway lists and
+watches two things with one label selector — Services (for the served name) and
+EndpointSlices (for the ready pod addresses) — and hands the fleet a snapshot
+``served name → ["ip:grpc-port", ...]`` whenever it changes. A pod that stops being
+ready (or starts terminating) leaves the snapshot, and the fleet drains it.
+
+The watches run in threads (the Kubernetes client is synchronous); ``on_change`` is
+called from those threads, so callers hop back to their event loop themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kvserve.gateway.discovery")
+
+SERVED_NAME_ANNOTATION = "kvserve.dev/served-name"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+Snapshot = dict[str, list[str]]  # served model name → sorted "host:port"
+
+
+def slice_addresses(endpoint_slice: Mapping[str, Any], port_name: str) -> list[str]:
+    """``host:port`` of the slice's ready endpoints on the named port."""
+    port = next(
+        (p.get("port") for p in endpoint_slice.get("ports") or [] if p.get("name") == port_name),
+        None,
+    )
+    if port is None:
+        return []
+    ipv6 = endpoint_slice.get("addressType") == "IPv6"
+    out = []
+    for endpoint in endpoint_slice.get("endpoints") or []:
+        conditions = endpoint.get("conditions") or {}
+        # The API says an unset `ready` means ready; terminating pods are never ready.
+        if conditions.get("ready") is False or conditions.get("terminating") is True:
+            continue
+        for address in (endpoint.get("addresses") or [])[:1]:  # all addresses are one pod
+            out.append(f"[{address}]:{port}" if ipv6 else f"{address}:{port}")
+    return out
+
+
+def served_name(service: Mapping[str, Any], annotation: str = SERVED_NAME_ANNOTATION) -> str:
+    meta = service.get("metadata") or {}
+    return str((meta.get("annotations") or {}).get(annotation) or meta.get("name"))
+
+
+class DiscoveryState:
+    """Services and slices seen so far; pure, so the snapshot logic is easy to test."""
+
+    def __init__(self, port_name: str, annotation: str = SERVED_NAME_ANNOTATION) -> None:
+        self.port_name = port_name
+        self.annotation = annotation
+        self.services: dict[tuple[str, str], str] = {}  # (namespace, name) → served name
+        self.slices: dict[tuple[str, str], tuple[str, list[str]]] = {}  # → (service, addresses)
+
+    def apply(self, kind: str, event_type: str, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace")), str(meta.get("name")))
+        if kind == "Service":
+            if event_type == "DELETED":
+                self.services.pop(key, None)
+            else:
+                self.services[key] = served_name(obj, self.annotation)
+        else:
+            if event_type == "DELETED":
+                self.slices.pop(key, None)
+            else:
+                service = str((meta.get("labels") or {}).get(SERVICE_NAME_LABEL, ""))
+                self.slices[key] = (service, slice_addresses(obj, self.port_name))
+
+    def replace(self, kind: str, objects: list[Mapping[str, Any]], namespace: str | None) -> None:
+        """A fresh list replaces what was known for that kind (and namespace)."""
+        table: dict[tuple[str, str], Any] = self.services if kind == "Service" else self.slices
+        for key in [k for k in table if namespace is None or k[0] == namespace]:
+            del table[key]
+        for obj in objects:
+            self.apply(kind, "ADDED", obj)
+
+    def snapshot(self) -> Snapshot:
+        models: dict[str, set[str]] = {}
+        for (namespace, _), (service, addresses) in self.slices.items():
+            model = self.services.get((namespace, service))
+            if model is not None:
+                models.setdefault(model, set()).update(addresses)
+        return {model: sorted(addresses) for model, addresses in sorted(models.items())}
+
+
+class KubernetesDiscovery:
+    """List-and-watch threads feeding a ``DiscoveryState``; calls ``on_change`` on changes."""
+
+    def __init__(
+        self,
+        *,
+        namespaces: list[str],
+        label_selector: str,
+        port_name: str,
+        on_change: Callable[[Snapshot], object],
+        kubeconfig: Path | None = None,
+        watch_timeout_seconds: int = 60,
+    ) -> None:
+        from kubernetes import client, config
+
+        if kubeconfig is not None:
+            config.load_kube_config(config_file=str(kubeconfig))
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+        self._api = client.ApiClient()
+        if not self._api.configuration.verify_ssl:
+            import urllib3
+
+            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+        self.namespaces: list[str | None] = list(namespaces) or [None]
+        self.label_selector = label_selector
+        self.state = DiscoveryState(port_name)
+        self.on_change = on_change
+        self.watch_timeout_seconds = watch_timeout_seconds
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._last: Snapshot | None = None
+
+    def start(self) -> None:
+        for namespace in self.namespaces:
+            for kind in ("Service", "EndpointSlice"):
+                thread = threading.Thread(
+                    target=self._run,
+                    args=(kind, namespace),
+                    name=f"discovery-{kind}-{namespace or 'all'}",
+                    daemon=True,
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _list_fn(self, kind: str, namespace: str | None) -> Callable[..., Any]:
+        from kubernetes import client
+
+        # Always a lambda: the watch then yields plain dicts (it cannot find a model type
+        # to deserialize into), which is all this module reads.
+        if kind == "Service":
+            core = client.CoreV1Api(self._api)
+            if namespace is None:
+                return lambda **kw: core.list_service_for_all_namespaces(**kw)
+            return lambda **kw: core.list_namespaced_service(namespace, **kw)
+        disc = client.DiscoveryV1Api(self._api)
+        if namespace is None:
+            return lambda **kw: disc.list_endpoint_slice_for_all_namespaces(**kw)
+        return lambda **kw: disc.list_namespaced_endpoint_slice(namespace, **kw)
+
+    def _run(self, kind: str, namespace: str | None) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                for _ in self._list_and_watch(kind, namespace):
+                    backoff = 0.5
+                    if self._stop.is_set():
+                        return
+            except Exception as exc:  # network, 410 Gone, auth: relist after a pause
+                if self._stop.is_set():
+                    return
+                log.warning(
+                    "watching %s in %s failed (%s); relisting",
+                    kind,
+                    namespace or "all namespaces",
+                    exc,
+                )
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def _list_and_watch(self, kind: str, namespace: str | None) -> Iterator[None]:
+        from kubernetes import watch
+
+        list_fn = self._list_fn(kind, namespace)
+        listed = list_fn(label_selector=self.label_selector, _preload_content=False)
+        body = json.loads(listed.data)
+        with self._lock:
+            self.state.replace(kind, body.get("items") or [], namespace)
+        self._publish()
+        yield
+        version = body["metadata"]["resourceVersion"]
+        while not self._stop.is_set():
+            stream = watch.Watch().stream(
+                list_fn,
+                label_selector=self.label_selector,
+                resource_version=version,
+                timeout_seconds=self.watch_timeout_seconds,
+                allow_watch_bookmarks=True,
+            )
+            for event in stream:
+                obj = event["raw_object"]
+                if event["type"] == "ERROR":
+                    raise RuntimeError(f"watch error: {obj.get('message')}")
+                version = obj["metadata"]["resourceVersion"]
+                if event["type"] != "BOOKMARK":
+                    with self._lock:
+                        self.state.apply(kind, event["type"], obj)
+                    self._publish()
+                yield
+                if self._stop.is_set():
+                    return
+
+    def _publish(self) -> None:
+        with self._lock:
+            snapshot = self.state.snapshot()
+            if snapshot == self._last:
+                return
+            self._last = snapshot
+        log.info("discovered replicas: %s", snapshot)
+        self.on_change(snapshot)
