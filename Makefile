@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest bench clean
+.PHONY: install run test lint typecheck pytest bench clean cluster-bins
 
 # Create .venv and install kvserve with its test extras (all from PyPI, by name).
 $(STAMP): pyproject.toml
@@ -26,7 +26,13 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install
+# With Go on PATH, build (once; cached in ~/.cache/kvserve/k8s) the Kubernetes control
+# plane the cluster tests use, with progress shown; without Go those tests skip.
+cluster-bins:
+	@if command -v go >/dev/null 2>&1; then python3 tests/cluster/build.py >/dev/null; \
+	else echo "go not found: the Kubernetes cluster tests will be skipped"; fi
+
+pytest: install cluster-bins
 	$(BIN)/python -m pytest
 
 # The whole suite: lint, types, tests.
