@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest bench clean cluster-bins
+.PHONY: install run test lint typecheck pytest bench clean cluster-bins prometheus-tools
 
 # Create .venv and install kvserve with its test extras (all from PyPI, by name).
 $(STAMP): pyproject.toml
@@ -32,7 +32,17 @@ cluster-bins:
 	@if command -v go >/dev/null 2>&1; then python3 tests/cluster/build.py >/dev/null; \
 	else echo "go not found: the Kubernetes cluster tests will be skipped"; fi
 
-pytest: install cluster-bins
+# Prometheus and promtool (Debian package `prometheus`) for the alert-rule and dashboard
+# tests; without them (and without root to install them) those tests skip.
+prometheus-tools:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y --no-install-recommends prometheus >/dev/null \
+	    || { apt-get update >/dev/null && apt-get install -y --no-install-recommends prometheus >/dev/null; }; \
+	  else echo "promtool not found (Debian: apt-get install prometheus): Prometheus tests will skip"; fi; }
+
+pytest: install cluster-bins prometheus-tools
 	$(BIN)/python -m pytest
 
 # The whole suite: lint, types, tests.
