@@ -45,6 +45,21 @@ def config_from_env() -> OperatorConfig:
     )
 
 
+class _QuietTimers(logging.Filter):
+    """Drop the INFO line Kopf writes after every successful timer run: one per object
+    every few seconds would bury the lines that matter."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.levelno == logging.INFO
+            and record.getMessage().startswith(
+                ("Timer 'autoscale' succeeded", "Timer 'restore_drift' succeeded")
+            )
+        )
+
+
+logging.getLogger("kopf.objects").addFilter(_QuietTimers())
+
 CONFIG = config_from_env()  # timer intervals are fixed when the handlers are registered
 
 

@@ -521,7 +521,10 @@ def run_overhead(
     work = _overhead_workload(args, tokenizer)
     say("overhead: starting 1 replica (prefix caching off) and the gateway ...")
     # Prefix caching off: every pass repeats the same prompts, and must cost the same.
-    (rep,) = launcher.start_replicas(1, "--no-prefix-caching")
+    # The replica leaves one CPU to the gateway and the client: an OpenMP team as wide as
+    # the machine stalls at every barrier while those run, which swamped the comparison
+    # (5x slower steps on 2 cores) unless the caller set OMP_NUM_THREADS.
+    (rep,) = launcher.start_replicas(1, "--no-prefix-caching", threads=max(1, _cpus() - 1))
     gateway, gw_url, key = launcher.start_gateway([rep], "prefix")
     # An untimed pass of one request per stream on each path first: the engine's first
     # steps at each batch size, and the gRPC path's first calls, are several times slower

@@ -82,8 +82,10 @@ class GatewayState:
         m = self.metrics
         m.queue_length.set(self.queue.queue_length)
         for model in self.fleet.models():
+            m.add_model(model)
             counts = {"healthy": 0, "unhealthy": 0, "draining": 0}
             for view in self.fleet.views(model):
+                m.add_replica(model, self.config.routing.policy, view.address)
                 state = "draining" if view.draining else "healthy" if view.healthy else "unhealthy"
                 counts[state] += 1
                 m.in_flight.labels(model, view.address).set(view.in_flight)

@@ -114,6 +114,16 @@ class GatewayMetrics:
             ("model",), registry=reg,
         )  # fmt: skip
 
+    def add_model(self, model: str) -> None:
+        """Create the model's counters at 0, so ``rate()`` sees their first increment
+        (a series that appears at 1 has no earlier sample to rise from)."""
+        for counter in (self.overrides, self.retries, self.disconnects):
+            counter.labels(model)
+        self.requests.labels(model, "200")
+
+    def add_replica(self, model: str, policy: str, replica: str) -> None:
+        self.routing.labels(model, policy, replica)
+
     def observe_timeline(self, model: str, s: float, f: float | None, e: float | None) -> None:
         """One finished request's client-side TTFT and E2E (when it showed any text)."""
         if f is not None:
