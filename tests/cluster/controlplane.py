@@ -73,6 +73,32 @@ class Cluster:
             raise ClusterError(f"kubectl {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}")
         return proc
 
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
+        """A kubeconfig with a real token of a ServiceAccount (TokenRequest API), so a
+        process using it gets exactly that account's RBAC."""
+        token = self.kubectl(
+            "create", "token", name, "-n", namespace, "--duration=2h"
+        ).stdout.strip()
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {
+                            "name": "c",
+                            "cluster": {"server": self.server, "insecure-skip-tls-verify": True},
+                        }
+                    ],
+                    "users": [{"name": name, "user": {"token": token}}],
+                    "contexts": [{"name": "c", "context": {"cluster": "c", "user": name}}],
+                    "current-context": "c",
+                }
+            )
+        )
+        path.chmod(0o600)
+        return path
+
     def stop(self) -> None:
         stop(self.state_dir)
 
@@ -329,6 +355,10 @@ def _start(
             "--manage-all-nodes=false",
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
             "--node-ip=127.0.0.1",
+            # The heartbeat stage refreshes node status only every 10 minutes and relies on
+            # Leases for liveness; without them the node lifecycle controller marks the
+            # nodes NotReady after ~40 s and every pod Ready=False, for good.
+            "--node-lease-duration-seconds=40",
             "--cidr=10.244.0.0/16",
             f"--server-address=127.0.0.1:{_free_port()}",
         ],
@@ -373,6 +403,10 @@ def stop(state_dir: Path) -> None:
     """Stop every process recorded in ``state_dir`` and remove the directory."""
     pids_file = state_dir / "pids.json"
     pids: dict[str, int] = json.loads(pids_file.read_text()) if pids_file.exists() else {}
+    for name, pid in pids.items():
+        if not _alive(pid):  # died on its own: whatever failed after that starts here
+            tail = (state_dir / f"{name}.log").read_text(errors="replace")[-4000:]
+            _log(f"{name} had exited before the plane was stopped; its log ends:\n{tail}")
     # Reverse start order: clients first, etcd last.
     for name, pid in reversed(list(pids.items())):
         if _alive(pid) and _is_ours(pid, state_dir, name):

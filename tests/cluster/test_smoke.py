@@ -64,3 +64,14 @@ def test_gpu_deployment_runs_on_a_fake_gpu_node_and_is_garbage_collected(
         return out.strip() == ""
 
     poll("the ReplicaSet and pods to be garbage-collected", no_pods)
+
+
+def test_fake_nodes_renew_their_leases(k8s_cluster: Cluster) -> None:
+    # Without lease renewals the node lifecycle controller marks the nodes NotReady after
+    # its grace period, and then every pod Ready=False for good (kwok does not undo it).
+    def renewed() -> bool:
+        out = k8s_cluster.kubectl("get", "leases", "-n", "kube-node-lease", "-o", "json").stdout
+        leases = {i["metadata"]["name"]: i["spec"] for i in json.loads(out)["items"]}
+        return all(leases.get(n, {}).get("renewTime") for n in GPU_NODES)
+
+    poll("node leases renewed by kwok", renewed, timeout=30)
