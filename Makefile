@@ -51,5 +51,21 @@ test: lint typecheck pytest
 bench: install
 	$(BIN)/kvserve bench offline
 
+# Container images (docker/; README.md "Container images"): docker or podman.
+CONTAINER_ENGINE ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+REGISTRY         ?= ghcr.io/kvserve
+VERSION          ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+.PHONY: images push-images
+
+images:
+	@test -n "$(CONTAINER_ENGINE)" || { echo "make images: needs docker or podman on PATH" >&2; exit 1; }
+	$(CONTAINER_ENGINE) build -f docker/kvserve.Dockerfile --build-arg VERSION=$(VERSION) -t $(REGISTRY)/kvserve:$(VERSION) .
+	$(CONTAINER_ENGINE) build -f docker/operator.Dockerfile --build-arg VERSION=$(VERSION) -t $(REGISTRY)/kvserve-operator:$(VERSION) .
+
+push-images: images
+	$(CONTAINER_ENGINE) push $(REGISTRY)/kvserve:$(VERSION)
+	$(CONTAINER_ENGINE) push $(REGISTRY)/kvserve-operator:$(VERSION)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -15,7 +15,7 @@ import pytest
 
 from tests.cluster.conftest import poll
 from tests.cluster.controlplane import Cluster
-from tests.operator.conftest import OPERATOR_NS, OPERATOR_SA, Operator
+from tests.operator.conftest import OPERATOR_NS, OPERATOR_SA, OperatorProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -65,11 +65,20 @@ def wait_ready(cluster: Cluster, ns: str, name: str, replicas: int) -> dict[str,
             return im
         return None
 
-    return poll(f"{ns}/{name} Ready with {replicas} replicas", ready, timeout=90)
+    try:
+        return poll(f"{ns}/{name} Ready with {replicas} replicas", ready, timeout=90)
+    except AssertionError as exc:
+        state = cluster.kubectl(
+            "get", "nodes,im,deploy,rs,pods", "-n", ns, "-o", "wide", check=False
+        )
+        im = get(cluster, "inferencemodel", ns, name)
+        raise AssertionError(
+            f"{exc}\n{state.stdout}{state.stderr}\nstatus: {json.dumps((im or {}).get('status'))}"
+        ) from None
 
 
 @pytest.fixture(scope="module")
-def ns(k8s_cluster: Cluster, operator: Operator) -> str:
+def ns(k8s_cluster: Cluster, operator: OperatorProcess) -> str:
     k8s_cluster.kubectl("create", "namespace", "models")
     return "models"
 
@@ -168,7 +177,7 @@ def test_manual_scaling_of_the_deployment_is_reverted(k8s_cluster: Cluster, ns: 
 
 
 def test_restarted_operator_converges_without_duplicates(
-    k8s_cluster: Cluster, ns: str, operator: Operator
+    k8s_cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
     operator.stop()
     k8s_cluster.kubectl(
@@ -213,7 +222,7 @@ def test_status_reports_capacity_from_a_config_map(k8s_cluster: Cluster, ns: str
 
 
 def test_autoscaling_follows_the_fed_queue_within_bounds(
-    k8s_cluster: Cluster, ns: str, operator: Operator
+    k8s_cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
     autoscaling = {
         "enabled": True, "minReplicas": 1, "maxReplicas": 3, "metric": "queueDepth",
@@ -222,6 +231,7 @@ def test_autoscaling_follows_the_fed_queue_within_bounds(
     apply(k8s_cluster, inference_model("auto", ns, autoscaling=autoscaling))
     wait_ready(k8s_cluster, ns, "auto", 1)
 
+    assert operator.feed is not None
     operator.feed.waiting["auto-"] = 10.0  # 10 queued per replica: wants 5, max is 3
     wait_ready(k8s_cluster, ns, "auto", 3)
     im = get(k8s_cluster, "inferencemodel", ns, "auto")
@@ -251,7 +261,7 @@ def test_deleting_the_model_garbage_collects_its_children(k8s_cluster: Cluster, 
     poll("the children of llm to be garbage-collected", gone, timeout=90)
 
 
-def test_operator_exports_its_metrics(operator: Operator) -> None:
+def test_operator_exports_its_metrics(operator: OperatorProcess) -> None:
     text = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics").text
     reconciles = [
         float(line.rsplit(" ", 1)[1])
