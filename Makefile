@@ -20,8 +20,8 @@ run: install
 	$(BIN)/kvserve serve
 
 lint: install
-	$(BIN)/ruff check service operator tests
-	$(BIN)/ruff format --check service operator tests
+	$(BIN)/ruff check service operator tests loadtests
+	$(BIN)/ruff format --check service operator tests loadtests
 
 typecheck: install
 	$(BIN)/mypy

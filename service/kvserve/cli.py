@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.demo_model import evaluate as demo_eval
     from kvserve.demo_model import train as demo_train
     from kvserve.gateway import main as gateway_main
+    from kvserve.loadtest import cli as loadtest_cli
     from kvserve.model import pull as model_pull
     from kvserve.server import main as server_main
 
@@ -103,6 +104,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_gateway.add_arguments(gw)
     gw.set_defaults(func=bench_gateway.run)
+
+    loadtest = sub.add_parser(
+        "loadtest",
+        help="Locust load tests that measure SLO goodput (run, sweep)",
+        description="Locust load tests of the OpenAI API (engine server or gateway): "
+        "client-side TTFT/TPOT/ITL/E2E, goodput and SLO attainment. See loadtests/README.md.",
+    )
+    loadtest_sub = loadtest.add_subparsers(
+        dest="loadtest_command", required=True, metavar="LOADTEST"
+    )
+    lt_run = loadtest_sub.add_parser(
+        "run", help="one load test (headless, or --web for Locust's UI)"
+    )
+    loadtest_cli.add_run_arguments(lt_run)
+    lt_run.set_defaults(func=loadtest_cli.run_loadtest)
+    lt_sweep = loadtest_sub.add_parser(
+        "sweep", help="raise the Poisson arrival rate step by step: the max goodput rate"
+    )
+    loadtest_cli.add_sweep_arguments(lt_sweep)
+    lt_sweep.set_defaults(func=loadtest_cli.run_sweep)
+    report_p = sub.add_parser(
+        "report",
+        help="recompute a load test's summary from its records.jsonl",
+        description="Goodput, attainment and latency percentiles from saved load-test "
+        "records, with the run's SLO or new ones; --compare another run. Exit 1 below the "
+        "target.",
+    )
+    loadtest_cli.add_report_arguments(report_p)
+    report_p.set_defaults(func=loadtest_cli.run_report)
 
     model = sub.add_parser("model", help="fetch and check model checkpoints")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="MODEL")

@@ -59,3 +59,84 @@ def prefill_time(first_scheduled: float, f: float) -> float:
 def decode_time(f: float, e: float) -> float:
     """Decode phase: last token − first token."""
     return e - f
+
+
+# ---- a set of requests over a window (DESIGN.md §3: goodput, throughput, error rate) -------
+def request_throughput(num_succeeded: int, window_seconds: float) -> float:
+    """Request throughput, requests/s: successful requests / window seconds."""
+    return num_succeeded / _window(window_seconds)
+
+
+def goodput(num_good: int, window_seconds: float) -> float:
+    """Goodput, requests/s: requests that succeeded AND met every SLO / window seconds."""
+    return num_good / _window(window_seconds)
+
+
+def error_rate(num_failed: int, num_attempted: int) -> float | None:
+    """Failed / attempted; None when nothing was attempted."""
+    if num_attempted <= 0:
+        return None
+    return num_failed / num_attempted
+
+
+def slo_attainment(num_good: int, num_judged: int) -> float | None:
+    """Share of the judged requests that succeeded and met every SLO; None if none judged.
+
+    ``num_judged`` counts failed requests too (a failure never meets an SLO); which requests
+    are judged at all (e.g. client-cancelled ones are not) is the caller's stated rule.
+    """
+    if num_judged <= 0:
+        return None
+    return num_good / num_judged
+
+
+def meets_slo(
+    ttft_s: float | None,
+    tpot_s: float | None,
+    *,
+    ttft_slo_s: float | None = None,
+    tpot_slo_s: float | None = None,
+) -> bool:
+    """Whether one successful request met every SLO given (None = no such SLO).
+
+    A missing TTFT (no visible output at all) fails a TTFT SLO: the user saw nothing. A
+    missing TPOT (one output token, so no gaps) passes a TPOT SLO: there was nothing to wait
+    for after the first token.
+    """
+    if ttft_slo_s is not None and (ttft_s is None or ttft_s > ttft_slo_s):
+        return False
+    return tpot_slo_s is None or tpot_s is None or tpot_s <= tpot_slo_s
+
+
+def max_goodput_rate(
+    steps: Sequence[tuple[float, float | None]], target_attainment: float
+) -> float | None:
+    """Max goodput rate (DistServe): the highest offered rate whose attainment ≥ target.
+
+    ``steps`` are (offered requests/s, attainment) pairs; None when no step reaches it.
+    """
+    passing = [rate for rate, att in steps if att is not None and att >= target_attainment]
+    return max(passing) if passing else None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (q in [0, 100]) by linear interpolation between closest ranks.
+
+    The same method as numpy's default ("linear"): position (n − 1)·q/100 in the sorted
+    values. None for no values, so an empty distribution is never reported as 0.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _window(window_seconds: float) -> float:
+    if not window_seconds > 0:
+        raise ValueError(f"a rate needs a window longer than 0 s, got {window_seconds}")
+    return window_seconds

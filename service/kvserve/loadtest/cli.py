@@ -1,0 +1,310 @@
+"""``kvserve loadtest run|sweep`` and ``kvserve report``: argument sets and entry points.
+
+``run`` and ``sweep`` start Locust (``python -m locust``) on the repository's
+``loadtests/locustfile.py`` as a subprocess, so the load test behaves exactly as when Locust
+is called by hand; ``report`` only reads records. Each has ``add_*_arguments(parser)`` and
+``run_*(args) -> exit code``, the style of ``kvserve.cli``; ``main(argv)`` runs them without
+it (``python -m kvserve.loadtest ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvserve.loadtest.options import DEFAULT_STOP_TIMEOUT_S, OPTIONS, add_options, to_argv
+
+
+def default_locustfile() -> Path | None:
+    """``./loadtests/locustfile.py``, else the one next to this source tree (editable install)."""
+    for base in (Path.cwd(), Path(__file__).resolve().parents[3]):
+        path = base / "loadtests" / "locustfile.py"
+        if path.is_file():
+            return path
+    return None
+
+
+def _locustfile(args: argparse.Namespace) -> Path:
+    path = Path(args.locustfile) if args.locustfile else default_locustfile()
+    if path is None or not path.is_file():
+        raise SystemExit(
+            "kvserve loadtest: error: no locustfile found; run from the kvserve repository or "
+            "pass --locustfile PATH/TO/loadtests/locustfile.py"
+        )
+    return path
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-H",
+        "--host",
+        required=True,
+        help="base URL of the engine server or gateway, e.g. http://127.0.0.1:8000",
+    )
+    p.add_argument("--locustfile", help="default: loadtests/locustfile.py of this repository")
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=DEFAULT_STOP_TIMEOUT_S,
+        help="seconds the end of a run waits for requests in flight",
+    )
+
+
+# ---- kvserve loadtest run -----------------------------------------------------------------------
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("-u", "--users", type=int, default=4, help="constant shape: users")
+    p.add_argument(
+        "-r", "--spawn-rate", type=float, help="users started per second (default: all at once)"
+    )
+    p.add_argument("-t", "--run-time", default="60s", help="e.g. 60s, 5m (default 60s)")
+    p.add_argument(
+        "--web",
+        action="store_true",
+        help="open Locust's web UI (with the SLO tab) instead of running headless",
+    )
+    add_options(p.add_argument)
+    p.add_argument(
+        "locust_args",
+        nargs=argparse.REMAINDER,
+        help="after --: more Locust arguments (e.g. -- --csv out/locust)",
+    )
+
+
+def run_command(args: argparse.Namespace) -> list[str]:
+    extra = list(args.locust_args or [])
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    argv = [sys.executable, "-m", "locust", "-f", str(_locustfile(args)), "-H", args.host]
+    if not args.web:
+        argv += ["--headless", "-t", str(args.run_time)]
+    argv += ["-u", str(args.users), "-r", str(args.spawn_rate or args.users)]
+    argv += ["--stop-timeout", f"{args.stop_timeout:g}", *to_argv(args), *extra]
+    return argv
+
+
+def run_loadtest(args: argparse.Namespace) -> int:
+    from kvserve.loadtest.options import describe_argv
+
+    argv = run_command(args)
+    print(describe_argv(argv), file=sys.stderr, flush=True)
+    return subprocess.run(argv, check=False).returncode
+
+
+# ---- kvserve loadtest sweep ---------------------------------------------------------------------
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument(
+        "--rates",
+        default="0.5,1,2,4,8",
+        help="offered Poisson rates, requests/s: a list (0.5,1,2,4) or "
+        "START:STOP:STEP (1:8:1); run in ascending order",
+    )
+    p.add_argument("--step-seconds", type=int, default=60, help="seconds of arrivals per step")
+    p.add_argument(
+        "--stop-after-failures",
+        type=int,
+        default=1,
+        help="stop after this many steps in a row below the attainment target (0: run every rate)",
+    )
+    p.add_argument(
+        "--require-rate",
+        type=float,
+        help="exit 1 unless the max goodput rate is at least this (a CI gate)",
+    )
+    for opt in OPTIONS:  # the step shape is fixed: Poisson at each rate, one directory each
+        if opt.dest not in (
+            "load_shape",
+            "rate",
+            "step_users",
+            "step_seconds",
+            "steps",
+            "think_time",
+        ):
+            p.add_argument(opt.flag, **opt.kwargs)
+    p.set_defaults(out_dir="loadtest-sweep")
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from kvserve.loadtest.options import Settings
+    from kvserve.loadtest.sweep import (
+        format_table,
+        locust_runner,
+        parse_rates,
+        sweep,
+        write_outputs,
+    )
+
+    try:
+        rates = parse_rates(args.rates)
+        settings = Settings.from_namespace(args)
+    except ValueError as exc:
+        print(f"kvserve loadtest sweep: error: {exc}", file=sys.stderr)
+        return 2
+    options = [a for a in to_argv(args) if a]
+    # Each step writes its own directory; the sweep's --out-dir is their parent.
+    if "--out-dir" in options:
+        i = options.index("--out-dir")
+        del options[i : i + 2]
+    runner = locust_runner(
+        _locustfile(args), args.host, args.step_seconds, options, args.stop_timeout
+    )
+    out = settings.out_dir
+    print(
+        f"sweep: {len(rates)} rates ({', '.join(f'{r:g}' for r in rates)} req/s), "
+        f"{args.step_seconds} s each, {settings.workload} workload → {out}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        result = sweep(
+            rates,
+            runner,
+            out,
+            settings.slo,
+            settings.window,
+            args.stop_after_failures,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except RuntimeError as exc:
+        print(f"kvserve loadtest sweep: error: {exc}", file=sys.stderr)
+        return 2
+    paths = write_outputs(result, out, settings.plots)
+    print("\n" + format_table(result))
+    print("wrote " + ", ".join(map(str, paths)), file=sys.stderr)
+    if result.max_goodput_rate is None:
+        return 1
+    if args.require_rate is not None and result.max_goodput_rate < args.require_rate:
+        print(
+            f"max goodput rate {result.max_goodput_rate:g} < required {args.require_rate:g} req/s",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+# ---- kvserve report ----------------------------------------------------------------------------
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "records",
+        nargs="+",
+        type=Path,
+        help="records.jsonl files of one run (several: e.g. one per Locust worker)",
+    )
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        help="default: the SLO in summary.json next to the records, if any",
+    )
+    p.add_argument("--slo-tpot-ms", type=float)
+    p.add_argument("--slo-attainment", type=float)
+    p.add_argument("--window", choices=("cohort", "steady"), default="cohort")
+    p.add_argument("--warmup-s", type=float, default=0.0)
+    p.add_argument("--cooldown-s", type=float, default=0.0)
+    p.add_argument(
+        "--compare",
+        type=Path,
+        nargs="+",
+        metavar="RECORDS",
+        help="another run's records: show both side by side, same SLO and rule",
+    )
+    p.add_argument(
+        "--out-dir", type=Path, help="also write summary.json, summary.csv and the PNGs here"
+    )
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def _slo_from(args: argparse.Namespace) -> tuple[float | None, float | None, float]:
+    """The SLO flags, completed from the run's own summary.json when not given."""
+    saved: dict[str, float | None] = {}
+    summary_json = args.records[0].parent / "summary.json"
+    if summary_json.is_file():
+        try:
+            saved = json.loads(summary_json.read_text())["slo"]
+        except (ValueError, KeyError):
+            saved = {}
+    explicit = (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_attainment)
+    if any(v is not None for v in explicit):
+        saved = {}  # any SLO flag given: use the flags alone
+    return (
+        args.slo_ttft_ms if args.slo_ttft_ms is not None else saved.get("ttft_ms"),
+        args.slo_tpot_ms if args.slo_tpot_ms is not None else saved.get("tpot_ms"),
+        args.slo_attainment
+        if args.slo_attainment is not None
+        else float(saved.get("attainment") or 0.9),
+    )
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from kvserve.loadtest.records import read_records
+    from kvserve.loadtest.report import (
+        Slo,
+        WindowRule,
+        format_summary,
+        summarize,
+        write_summary,
+    )
+
+    try:
+        slo = Slo(*_slo_from(args))
+        rule = WindowRule(args.window, args.warmup_s, args.cooldown_s)
+        records = read_records(*args.records)
+        summary = summarize(records, slo, rule)
+        other = summarize(read_records(*args.compare), slo, rule) if args.compare else None
+    except (OSError, ValueError) as exc:
+        print(f"kvserve report: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        print(format_summary(summary))
+    if other is not None:
+        from kvserve.loadtest.report import format_comparison
+
+        print(
+            "\n"
+            + format_comparison(
+                summary, other, ", ".join(map(str, args.records)), ", ".join(map(str, args.compare))
+            )
+        )
+    if args.out_dir:
+        paths = write_summary(summary, args.out_dir, {"records": [str(p) for p in args.records]})
+        if not args.no_plots:
+            from kvserve.loadtest.plots import plot_run
+
+            paths += plot_run(records, slo, args.out_dir)
+        print("wrote " + ", ".join(map(str, paths)), file=sys.stderr)
+    return 0 if summary.attainment_met else 1
+
+
+# ---- python -m kvserve.loadtest ---------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvserve.loadtest",
+        description="Locust load tests that measure SLO goodput, and their reports.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run_p = sub.add_parser("run", help="one Locust load test (headless, or --web)")
+    add_run_arguments(run_p)
+    run_p.set_defaults(func=run_loadtest)
+    sweep_p = sub.add_parser("sweep", help="raise the Poisson rate step by step: max goodput rate")
+    add_sweep_arguments(sweep_p)
+    sweep_p.set_defaults(func=run_sweep)
+    report_p = sub.add_parser("report", help="recompute the summary from saved records")
+    add_report_arguments(report_p)
+    report_p.set_defaults(func=run_report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,100 @@
+"""``kvserve report`` / ``python -m kvserve.loadtest`` arguments, and the shared options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserve.loadtest import cli
+from kvserve.loadtest.options import Settings, add_options, describe_argv, to_argv
+from kvserve.loadtest.records import write_records
+from kvserve.loadtest.report import Slo, summarize, write_summary
+from tests.loadtest.helpers import cohort_100
+
+
+def test_report_recomputes_and_gates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "records.jsonl"
+    write_records(path, cohort_100())
+    assert cli.main(["report", str(path), "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "goodput             9.50 req/s" in out and "attainment          95.0%" in out
+    # A stricter target fails the gate.
+    args = ["report", str(path), "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]
+    assert cli.main([*args, "--slo-attainment", "0.99"]) == 1
+    capsys.readouterr()
+    assert cli.main([*args, "--json", "--out-dir", str(tmp_path / "again")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["goodput_rps"] == pytest.approx(9.5)
+    assert (tmp_path / "again" / "summary.json").is_file()
+    assert (tmp_path / "again" / "latency_cdf.png").is_file()
+
+
+def test_report_takes_the_runs_slo_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "records.jsonl"
+    write_records(path, cohort_100())
+    write_summary(
+        summarize(cohort_100(), Slo(ttft_ms=1000, tpot_ms=100, attainment=0.96)), tmp_path
+    )
+    assert cli.main(["report", str(path)]) == 1  # 95% < the run's 96%
+    assert "TTFT ≤ 1000 ms and TPOT ≤ 100 ms, attainment target 96%" in capsys.readouterr().out
+    other = tmp_path / "other.jsonl"
+    write_records(other, [r for r in cohort_100() if r.ok])
+    assert cli.main(["report", str(path), "--slo-ttft-ms", "1000", "--compare", str(other)]) == 0
+    assert "B − A" in capsys.readouterr().out
+
+
+def test_report_errors_are_explained(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["report", str(tmp_path / "missing.jsonl")]) == 2
+    assert "kvserve report: error:" in capsys.readouterr().err
+
+
+def test_options_round_trip() -> None:
+    parser = argparse.ArgumentParser()
+    add_options(parser.add_argument)
+    argv = ["--workload", "agents", "--slo-ttft-ms", "500", "--ignore-eos", "--rate", "2.5",
+            "--api-key", "sk-x"]  # fmt: skip
+    ns = parser.parse_args(argv)
+    assert parser.parse_args(to_argv(ns)) == ns
+    assert to_argv(ns)[:2] == ["--workload", "agents"]
+    assert to_argv(parser.parse_args([])) == []
+    s = Settings.from_namespace(ns)
+    assert s.slo == Slo(ttft_ms=500.0, tpot_ms=None, attainment=0.9)
+    assert s.headers() == {"authorization": "Bearer sk-x"}
+    assert s.extra_body() == {"ignore_eos": True}
+    assert "sk-x" not in describe_argv(argv)
+    with pytest.raises(ValueError, match="--rate"):
+        Settings.from_namespace(parser.parse_args(["--load-shape", "poisson", "--rate", "0"]))
+
+
+def test_settings_from_the_web_form_strings() -> None:
+    parser = argparse.ArgumentParser()
+    add_options(parser.add_argument)
+    ns = parser.parse_args([])
+    ns.slo_ttft_ms, ns.max_tokens, ns.slo_tpot_ms = "1000", "", " "  # as Locust's form sets them
+    s = Settings.from_namespace(ns)
+    assert s.slo.ttft_ms == 1000.0 and s.max_tokens is None and s.slo.tpot_ms is None
+
+
+def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_API_KEY", "sk-env")
+    parser = argparse.ArgumentParser()
+    add_options(parser.add_argument)
+    assert Settings.from_namespace(parser.parse_args([])).api_key == "sk-env"
+
+
+def test_run_builds_the_locust_command() -> None:
+    command = "run -H http://gw:8080 -u 8 -t 30s --workload rag -- --csv out/locust"
+    args = cli.build_parser().parse_args(command.split(" "))
+    argv = cli.run_command(args)
+    assert argv[:3] == [sys.executable, "-m", "locust"]
+    assert argv[argv.index("-f") + 1].endswith("loadtests/locustfile.py")
+    joined = " ".join(argv)
+    for part in ("-H http://gw:8080", "--headless -t 30s", "-u 8 -r 8", "--workload rag",
+                 "--csv out/locust", "--stop-timeout 300"):  # fmt: skip
+        assert part in joined

@@ -1,0 +1,117 @@
+"""The locustfile, headless for a few seconds, against a real ``kvserve serve`` replica.
+
+Each run's report is recomputed here from its records.jsonl and must equal the run's own
+summary.json; Locust's CSV must hold the custom TTFT/TPOT/ITL/E2E events. No timing is
+asserted: the SLOs are either far above anything a loopback run takes, or impossible.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvserve.loadtest import cli
+from kvserve.loadtest.records import read_records
+from kvserve.loadtest.report import Slo, WindowRule, read_summary, summarize
+from kvserve.loadtest.sweep import locust_runner, sweep
+from tests.gateway.conftest import Replica, start_replicas
+
+LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
+GENEROUS = ["--slo-ttft-ms", "120000", "--slo-tpot-ms", "60000"]
+
+
+@pytest.fixture(scope="module")
+def replica(checkpoint_dir: Callable[[str], Path]) -> Iterator[Replica]:
+    (rep,) = start_replicas(checkpoint_dir("llama"), 1)
+    yield rep
+    rep.stop()
+
+
+def locust(host: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+        "-H", host, "--out-dir", str(out), "--ignore-eos", "--seed", "1", *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+
+
+def locust_stats(prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
+    with open(f"{prefix}_stats.csv", newline="") as f:
+        return {(row["Type"], row["Name"]): row for row in csv.DictReader(f)}
+
+
+def test_constant_users_run_and_report(replica: Replica, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = locust(
+        replica.http, out, "-u", "3", "-r", "3", "-t", "4s", "--max-tokens", "8",
+        "--csv", str(tmp_path / "locust"), *GENEROUS,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = read_records(out / "records.jsonl")
+    assert len(records) >= 3
+    assert {r.status for r in records} == {"ok"}, [r.error for r in records]
+    assert {r.output_tokens for r in records} == {8}  # usage chunk, ignore_eos
+    assert all(r.chunk_times_s and r.request_id for r in records)
+    assert {r.scenario for r in records} <= {"chat", "completion"}
+
+    # The report, recomputed from the records, is the run's own summary.
+    slo = Slo(ttft_ms=120000, tpot_ms=60000, attainment=0.9)
+    again = summarize(records, slo, WindowRule())
+    assert read_summary(out / "summary.json") == again
+    assert again.requests.good == len(records) and again.attainment == 1.0
+    assert "closed cohort" in proc.stderr  # the printed report states its window rule
+    assert (out / "latency_cdf.png").is_file() and (out / "latency_over_time.png").is_file()
+
+    # Locust's own CSV has the custom events, one TTFT/TPOT/E2E per request, ITL per gap.
+    stats = locust_stats(tmp_path / "locust")
+    ok = {name: [r for r in records if r.scenario == name] for name in ("chat", "completion")}
+    for name, recs in ok.items():
+        if not recs:
+            continue
+        for kind in ("TTFT", "TPOT", "E2E"):
+            assert int(stats[(kind, name)]["Request Count"]) == len(recs)
+        itl_count = sum(len(r.itls()) for r in recs)
+        assert int(stats[("ITL", name)]["Request Count"]) == itl_count
+
+    # The same records as a CI gate: an impossible SLO fails it.
+    assert cli.main(["report", str(out / "records.jsonl"), "--slo-ttft-ms", "0.001"]) == 1
+
+
+@pytest.mark.slow
+def test_poisson_cancellation_mix_gates_on_attainment(replica: Replica, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = locust(
+        replica.http, out, "--load-shape", "poisson", "--rate", "6", "-t", "4s",
+        "--workload", "cancel", "--slo-ttft-ms", "0.001",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-4000:]  # attainment below target
+    assert "is below the target 90% → exit code 1" in proc.stderr
+    records = read_records(out / "records.jsonl")
+    assert records
+    for r in records:  # the client disconnects exactly when the workload says so
+        expected = "cancelled" if r.cancel_after_chunks is not None else "ok"
+        assert r.status == expected, r.error
+        if r.cancel_after_chunks is not None:
+            assert len(r.chunk_times_s) == r.cancel_after_chunks
+    summary = read_summary(out / "summary.json")
+    assert summary.requests.attempted == len(records)
+    assert summary.requests.judged == sum(r.ok for r in records)
+    assert summary == summarize(records, Slo(ttft_ms=0.001), WindowRule())
+
+
+@pytest.mark.slow
+def test_tiny_sweep(replica: Replica, tmp_path: Path) -> None:
+    runner = locust_runner(
+        LOCUSTFILE, replica.http, 3, ["--max-tokens", "8", "--ignore-eos", *GENEROUS], 60
+    )
+    result = sweep([1, 2], runner, tmp_path, Slo(120000, 60000), WindowRule())
+    assert [s.rate for s in result.steps] == [1, 2]
+    assert all(s.locust_exit_code == 0 and s.met for s in result.steps)
+    assert result.max_goodput_rate == 2
+    for step in result.steps:
+        assert read_summary(step.out_dir / "summary.json") == step.summary
