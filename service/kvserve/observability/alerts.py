@@ -33,6 +33,7 @@ import yaml
 from kvserve.observability import metric_names
 from kvserve.observability import queries as q
 from kvserve.observability.dashboards import default_root, slo_defaults
+from kvserve.observability.generated import sync_files
 
 RULE_FILES: Final = (
     "dashboards/prometheus-rules.yaml",
@@ -473,24 +474,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     root = args.root or default_root()
-    paths = [root / p for p in RULE_FILES]
+    files = {root / p: text for p in RULE_FILES}
+    if not sync_files(
+        files, root, check=args.check, regenerate="python -m kvserve.observability.alerts"
+    ):
+        return 1
     if args.check:
-        stale = [p for p in paths if not p.exists() or p.read_text(encoding="utf-8") != text]
-        if stale:
-            print(
-                "stale generated files (run: python -m kvserve.observability.alerts):",
-                file=sys.stderr,
-            )
-            for p in stale:
-                print(f"  - {p.relative_to(root)}", file=sys.stderr)
-            return 1
-        print(f"rules up to date: {len(paths)} files, {len(alert_names(groups))} alerts")
-        return 0
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {path.relative_to(root)}")
+        print(f"rules up to date: {len(files)} files, {len(alert_names(groups))} alerts")
     return 0
 
 

@@ -32,6 +32,7 @@ from typing import Any, Final
 
 from kvserve.observability import metric_names
 from kvserve.observability import queries as q
+from kvserve.observability.generated import sync_files
 from kvserve.observability.queries import E2E, FINISHED, ITL, QUEUE_TIME, TPOT, TTFT
 
 DS: Final = {"type": "prometheus", "uid": "${datasource}"}
@@ -1191,30 +1192,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     root = args.root or default_root()
     files = expected_files(root, ds)
+    if not sync_files(
+        files, root, check=args.check, regenerate="python -m kvserve.observability.dashboards"
+    ):
+        return 1
     if args.check:
-        stale = [
-            p
-            for p, text in files.items()
-            if not p.exists() or p.read_text(encoding="utf-8") != text
-        ]
-        if stale:
-            print(
-                "stale generated files (run: python -m kvserve.observability.dashboards):",
-                file=sys.stderr,
-            )
-            for p in stale:
-                print(f"  - {p.relative_to(root)}", file=sys.stderr)
-            return 1
         print(
             f"dashboards up to date: {len(files)} files, {sum(1 for _ in _all_targets(ds))} "
             "queries, every metric exported"
         )
-        return 0
-    for path, text in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {path.relative_to(root)}")
     return 0
 
 
