@@ -118,6 +118,10 @@ class ListenConfig(_Strict):
 
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8080, ge=1, le=65535)
+    # Longer than the idle timeout of the load balancer in front (60 s on most): if the
+    # gateway closed idle connections first, the balancer would reuse a closed one and
+    # answer 502. uvicorn's own default is 5 s.
+    keep_alive_seconds: int = Field(default=75, ge=1)
 
 
 def _replica_url(url: str) -> str:

@@ -65,5 +65,12 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=config.listen.keep_alive_seconds,
+    )
     return 0
