@@ -15,7 +15,7 @@ Two phases (``--phase``):
   clients, goes direct to the replica's HTTP API and through the gateway, alternated
   within each of ``--rounds`` rounds (ABBA order, so drift in machine load falls on both
   paths alike). Client-side TTFT and every inter-token gap are recorded per request
-  (``serving._stream_one``: send = the request's last byte on the socket, chunks timed
+  (``serving.stream_sse``: send = the request's last byte on the socket, chunks timed
   when their bytes arrive). The gateway's added latency is the difference of the medians;
   its efficiency is the text chunks it streamed per CPU-second of its process.
 * **routing**: ``--replicas`` replicas, an agent workload: ``--agents`` agents share one
@@ -68,6 +68,7 @@ from kvserve.bench.serving import (
     _ms,
     _percentile,
     _stream_one,
+    stream_sse,
 )
 from kvserve.config import DTYPES
 from kvserve.telemetry import definitions
@@ -641,18 +642,12 @@ class ChatRecord(ClientRecord):
 
 
 async def _stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> ChatRecord:
-    """Stream one chat completion; timing as in ``serving._stream_one`` (send = the last
-    request byte on the socket, chunks timed on arrival), plus usage and the reply."""
+    """Stream one chat completion (timing: ``serving.stream_sse``), keeping the usage
+    (cached tokens) and the reply."""
     rec = ChatRecord(send=time.perf_counter())
     parts: list[str] = []
 
-    async def trace(event: str, info: dict[str, Any]) -> None:
-        if event == "http11.send_request_body.complete":
-            rec.send = time.perf_counter()
-
     def handle(event: dict[str, Any], now: float) -> None:
-        if "error" in event:
-            rec.error = str(event["error"].get("message"))
         usage = event.get("usage")
         if usage:
             rec.output_tokens = int(usage["completion_tokens"])
@@ -667,25 +662,7 @@ async def _stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> ChatR
             if choice.get("finish_reason") is not None:
                 rec.finish_reason = choice["finish_reason"]
 
-    try:
-        async with client.stream(
-            "POST", "/v1/chat/completions", json=body, extensions={"trace": trace}
-        ) as r:
-            if r.status_code != 200:
-                await r.aread()
-                rec.error = f"HTTP {r.status_code}: {r.text[:300]}"
-                return rec
-            pending = b""
-            async for raw in r.aiter_bytes():
-                now = time.perf_counter()
-                *lines, pending = (pending + raw).split(b"\n")
-                for line in lines:
-                    if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
-                        handle(json.loads(line[6:]), now)
-    except Exception as exc:  # a benchmark reports failures rather than dying on one
-        rec.error = f"{type(exc).__name__}: {exc}"
-    if rec.chunk_times:
-        rec.first, rec.last = rec.chunk_times[0], rec.chunk_times[-1]
+    await stream_sse(client, "/v1/chat/completions", body, rec, handle)
     rec.text = "".join(parts)
     return rec
 

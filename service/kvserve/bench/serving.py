@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -255,30 +255,59 @@ def _body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     }
 
 
-async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> ClientRecord:
-    """Stream one completion; ``send`` is when the request's last byte went to the socket.
+async def stream_sse(
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    rec: ClientRecord,
+    on_event: Callable[[dict[str, Any], float], None],
+) -> None:
+    """POST ``body`` and hand each SSE event to ``on_event`` with its arrival time.
 
-    (httpcore's trace events give that moment, so the client library's own work before it
-    is not charged to the server; the call time stands in if the event never comes.)
-    Chunks are timed when their bytes arrive, before any parsing.
+    ``rec.send`` becomes the moment the request's last byte went to the socket (httpcore's
+    trace events give it, so the client library's own work before it is not charged to the
+    server; the call time stands in if the event never comes). Chunks are timed when their
+    bytes arrive, before any parsing. HTTP and transport failures land in ``rec.error``;
+    ``rec.first``/``rec.last`` are set from ``rec.chunk_times`` at the end.
     """
-    rec = ClientRecord(send=time.perf_counter())
+    rec.send = time.perf_counter()
 
     async def trace(event: str, info: dict[str, Any]) -> None:
         if event == "http11.send_request_body.complete":
             rec.send = time.perf_counter()
 
-    def handle(line: bytes, now: float) -> bool:
-        """One SSE line; False at ``[DONE]``."""
-        if not line.startswith(b"data: "):
-            return True
-        data = line[len(b"data: ") :].strip()
-        if data == b"[DONE]":
-            return False
-        event = json.loads(data)
-        if "error" in event:
-            rec.error = str(event["error"].get("message"))
-            return True
+    try:
+        async with client.stream("POST", path, json=body, extensions={"trace": trace}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                rec.error = f"HTTP {r.status_code}: {r.text[:300]}"
+                return
+            pending = b""
+            async for raw in r.aiter_bytes():
+                now = time.perf_counter()
+                *lines, pending = (pending + raw).split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[len(b"data: ") :].strip()
+                    if data == b"[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        rec.error = str(event["error"].get("message"))
+                    on_event(event, now)
+    except Exception as exc:  # a benchmark reports failures rather than dying on one
+        rec.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if rec.chunk_times:
+            rec.first, rec.last = rec.chunk_times[0], rec.chunk_times[-1]
+
+
+async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> ClientRecord:
+    """Stream one completion (timing: ``stream_sse``)."""
+    rec = ClientRecord(send=time.perf_counter())
+
+    def handle(event: dict[str, Any], now: float) -> None:
         if event.get("usage"):
             rec.output_tokens = int(event["usage"]["completion_tokens"])
         for choice in event.get("choices", ()):
@@ -286,29 +315,8 @@ async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> Client
                 rec.chunk_times.append(now)
             if choice.get("finish_reason") is not None:
                 rec.finish_reason = choice["finish_reason"]
-        return True
 
-    try:
-        async with client.stream(
-            "POST", "/v1/completions", json=body, extensions={"trace": trace}
-        ) as r:
-            if r.status_code != 200:
-                await r.aread()
-                rec.error = f"HTTP {r.status_code}: {r.text[:300]}"
-                return rec
-            pending = b""
-            more = True
-            async for raw in r.aiter_bytes():
-                now = time.perf_counter()
-                *lines, pending = (pending + raw).split(b"\n")
-                for line in lines:
-                    more = more and handle(line, now)
-                if not more:
-                    break
-    except Exception as exc:  # a benchmark reports failures rather than dying on one
-        rec.error = f"{type(exc).__name__}: {exc}"
-    if rec.chunk_times:
-        rec.first, rec.last = rec.chunk_times[0], rec.chunk_times[-1]
+    await stream_sse(client, "/v1/completions", body, rec, handle)
     return rec
 
 
