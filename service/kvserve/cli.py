@@ -12,6 +12,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench import gateway as bench_gateway
     from kvserve.bench import offline as bench_offline
     from kvserve.bench import serving as bench_serving
+    from kvserve.bench import suite as bench_suite
     from kvserve.demo_model import evaluate as demo_eval
     from kvserve.demo_model import train as demo_train
     from kvserve.gateway import main as gateway_main
@@ -104,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_gateway.add_arguments(gw)
     gw.set_defaults(func=bench_gateway.run)
+    suite = bench_sub.add_parser(
+        "suite",
+        help="the performance suite: vs transformers, batching, prefix caching, roofline, "
+        "KV memory, serving path (JSON + Markdown + PNG)",
+        description=bench_suite.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_suite.add_arguments(suite)
+    suite.set_defaults(func=bench_suite.run)
 
     loadtest = sub.add_parser(
         "loadtest",

@@ -59,7 +59,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvserve.bench.offline import Workload
 from kvserve.bench.serving import (
     MODEL_NAME,
     ClientRecord,
@@ -70,6 +69,7 @@ from kvserve.bench.serving import (
     _stream_one,
     stream_sse,
 )
+from kvserve.bench.timelines import Workload
 from kvserve.config import DTYPES
 from kvserve.telemetry import definitions
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -20,17 +19,9 @@ from pathlib import Path
 
 import torch
 
+from kvserve.bench.suite import MODEL_SHAPES
+from kvserve.bench.timelines import Workload, random_workload
 from kvserve.config import DTYPES
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
 
 
 @dataclass
@@ -71,35 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-MODEL_SIZES = {
-    # ~33.6M parameters: 8 layers, GQA 8 query / 4 KV heads, untied 8192-token vocab.
-    "30m": dict(
-        hidden_size=512,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=1536,
-        vocab_size=8192,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-    ),
-}
+MODEL_SIZES = {name: MODEL_SHAPES[name] for name in ("30m", "tiny")}
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
-    rng = random.Random(args.seed)
-    prompts = [
-        [rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_len))]
-        for _ in range(args.num_prompts)
-    ]
-    outs = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
-    return Workload(prompts, outs)
+    return random_workload(
+        args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), vocab, args.seed
+    )
 
 
 def kvserve_runner(

@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvserve.bench.offline import MODEL_SIZES, Workload, make_workload
+from kvserve.bench.offline import MODEL_SIZES, make_workload
+from kvserve.bench.timelines import Workload
 from kvserve.config import DTYPES
 from kvserve.telemetry import definitions
 

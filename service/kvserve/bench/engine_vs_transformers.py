@@ -1,0 +1,305 @@
+"""kvserve vs Hugging Face transformers on one model and one mixed workload, one process.
+
+Three engines, the same requests (random token ids, greedy, no EOS, each request's own
+output length), the same dtype and device, the same concurrency ``C``:
+
+* **kvserve**: ``LLM.generate`` over the whole workload with ``max_num_seqs = C``;
+* **transformers static**: ``generate`` on left-padded batches of ``C`` requests in input
+  order; each batch runs until its longest request is done (the usual way to batch with
+  ``generate``). Token times come from a ``StoppingCriteria`` that only records the
+  clock, called once per generated position;
+* **transformers continuous**: transformers' own continuous batching (the manager behind
+  ``generate_batch``; used directly because ``generate_batch`` takes one
+  ``max_new_tokens`` for all), ``max_requests_per_batch = C``, per-token timestamps.
+
+All requests arrive at once (an offline burst): TTFT is measured from the start of the
+run, so it includes waiting for earlier batches. Throughput counts the output tokens the
+requests asked for, not the padding rows static batching computes past a request's end.
+The engines alternate for ``rounds`` rounds (this machine's speed drifts); each one's
+best round is reported, with that round's latency.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.bench.results import Column, Section, Table, Target, model_setup
+from kvserve.bench.suite import SuiteContext
+from kvserve.bench.timelines import Latency, Timeline, Workload, latency, random_workload
+from kvserve.config import DTYPES
+
+NAME = "engine_vs_transformers"
+TITLE = "Engine vs Hugging Face transformers"
+TARGET_VS_STATIC = 2.5
+TARGET_VS_CONTINUOUS = 1.0
+
+Runner = Callable[[], tuple[float, list[Timeline]]]  # → (seconds, timelines)
+
+
+def kvserve_runner(
+    model_dir: Path, work: Workload, concurrency: int, dtype: str, device: str, seed: int
+) -> Runner:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(
+        str(model_dir),
+        dtype=dtype,
+        device=device,
+        max_num_seqs=concurrency,
+        max_model_len=work.max_len,
+        seed=seed,
+        enable_prefix_caching=False,  # random prompts share nothing; keep rounds identical
+    )
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
+    ]
+    llm.generate(work.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+
+    def once() -> tuple[float, list[Timeline]]:
+        from kvserve.bench.timelines import from_output
+
+        t0 = llm.engine.clock()
+        outs = llm.generate(work.prompts, params, use_tqdm=False)
+        seconds = llm.engine.clock() - t0
+        return seconds, [from_output(o, arrival=t0) for o in outs]
+
+    return once
+
+
+def _load_hf(model_dir: Path, dtype: str, device: str) -> Any:
+    import transformers
+
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+    return model.to(device).eval()
+
+
+def hf_static_runner(
+    model_dir: Path, work: Workload, concurrency: int, dtype: str, device: str
+) -> Runner:
+    import transformers
+
+    model = _load_hf(model_dir, dtype, device)
+    pad = 0
+
+    class StepClock(transformers.StoppingCriteria):
+        """Records when each position of the batch was generated; never stops."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> Any:
+            if input_ids.device.type == "cuda":
+                torch.cuda.synchronize(input_ids.device)
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def batch(prompts: list[list[int]], max_new: int) -> list[float]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        clock = StepClock()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+                stopping_criteria=transformers.StoppingCriteriaList([clock]),
+            )
+        return clock.times
+
+    batch(work.prompts[:2], 4)  # warm-up
+
+    def once() -> tuple[float, list[Timeline]]:
+        t0 = time.perf_counter()
+        timelines = []
+        for i in range(0, len(work.prompts), concurrency):
+            lens = work.output_lens[i : i + concurrency]
+            times = batch(work.prompts[i : i + concurrency], max(lens))
+            timelines += [Timeline(t0, times[0], times[n - 1], n) for n in lens]
+        return time.perf_counter() - t0, timelines
+
+    return once
+
+
+def hf_continuous_runner(
+    model_dir: Path, work: Workload, concurrency: int, dtype: str, device: str
+) -> tuple[Runner, Callable[[], None]]:
+    """transformers' continuous batching; returns (runner, stop)."""
+    import transformers
+
+    model = _load_hf(model_dir, dtype, device)
+    gen = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=max(work.output_lens), eos_token_id=None, pad_token_id=0
+    )
+    # Sized like kvserve's engine: room for `concurrency` full-length requests and the
+    # same 2048-token step budget. Left to itself it sizes the cache from the device's
+    # free memory, which on a CPU means zeroing most of the RAM.
+    page = 256
+    cb = transformers.ContinuousBatchingConfig(
+        max_requests_per_batch=concurrency,
+        page_size=page,
+        num_blocks=concurrency * -(-work.max_len // page) + 1,
+        max_batch_tokens=2048,
+    )
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.start()
+
+    def submit(prompts: list[list[int]], lens: list[int]) -> tuple[float, list[Timeline]]:
+        t0 = time.perf_counter()  # the manager's timestamps are perf_counter seconds
+        ids = [
+            manager.add_request(p, max_new_tokens=n, record_timestamps=True)
+            for p, n in zip(prompts, lens, strict=True)
+        ]
+        results = {}
+        for _ in ids:
+            r = manager.get_result(timeout=600)
+            if r is None:
+                raise RuntimeError("transformers continuous batching returned no result in 600 s")
+            if r.error:
+                raise RuntimeError(f"transformers continuous batching failed: {r.error}")
+            results[r.request_id] = r
+        seconds = time.perf_counter() - t0
+        timelines = []
+        for rid, n in zip(ids, lens, strict=True):
+            r = results[rid]
+            ts = r.timestamps or []
+            if len(ts) != n or len(r.generated_tokens) != n:
+                raise RuntimeError(f"transformers produced {len(r.generated_tokens)} of {n} tokens")
+            timelines.append(Timeline(t0, ts[0], ts[-1], n))
+        return seconds, timelines
+
+    submit(work.prompts[:2], [4, 4])  # warm-up
+
+    def stop() -> None:
+        manager.stop(block=True)
+
+    return (lambda: submit(work.prompts, work.output_lens)), stop
+
+
+def _row(name: str, seconds: float, work: Workload, lat: Latency) -> list[Any]:
+    return [
+        name,
+        round(seconds, 2),
+        round(work.output_tokens / seconds, 1),
+        lat.ttft_p50_ms,
+        lat.ttft_p99_ms,
+        lat.tpot_p50_ms,
+        lat.tpot_p99_ms,
+    ]
+
+
+def run(ctx: SuiteContext) -> Section:
+    from kvserve.model.config import ModelConfig
+
+    dtype, concurrency = "float32", 16
+    model_dir = ctx.checkpoint("30m")
+    config = ModelConfig.from_file(model_dir)
+    if ctx.smoke:
+        work = random_workload(6, (4, 24), (2, 8), config.vocab_size, ctx.seed)
+        concurrency = 4
+    else:
+        work = random_workload(48, (16, 256), (16, 128), config.vocab_size, ctx.seed)
+    ctx.say(
+        f"  {len(work.prompts)} prompts, {work.prompt_tokens} prompt and {work.output_tokens} "
+        f"output tokens, concurrency {concurrency}, {dtype}"
+    )
+    runners: dict[str, Runner] = {
+        "kvserve (continuous batching)": kvserve_runner(
+            model_dir, work, concurrency, dtype, ctx.device, ctx.seed
+        ),
+        "transformers generate (static batches)": hf_static_runner(
+            model_dir, work, concurrency, dtype, ctx.device
+        ),
+    }
+    stops = []
+    try:
+        cb_run, cb_stop = hf_continuous_runner(model_dir, work, concurrency, dtype, ctx.device)
+        runners["transformers continuous batching"] = cb_run
+        stops.append(cb_stop)
+        notes = []
+    except (AttributeError, ImportError) as e:  # older transformers: no continuous batching
+        notes = [f"transformers' continuous batching is not available here ({e})."]
+    try:
+        best: dict[str, tuple[float, list[Timeline]]] = {}
+        for r in range(ctx.rounds):
+            for name, once in runners.items():
+                seconds, timelines = once()
+                ctx.say(f"  round {r + 1}/{ctx.rounds}: {name:<40} {seconds:7.2f} s")
+                if name not in best or seconds < best[name][0]:
+                    best[name] = (seconds, timelines)
+    finally:
+        for stop in stops:
+            stop()
+        gc.collect()
+
+    rows = [_row(name, s, work, latency(tl)) for name, (s, tl) in best.items()]
+    kv_s = best["kvserve (continuous batching)"][0]
+    vs_static = round(best["transformers generate (static batches)"][0] / kv_s, 2)
+    targets = [
+        Target("throughput vs transformers static batching", vs_static, TARGET_VS_STATIC, "x")
+    ]
+    if "transformers continuous batching" in best:
+        vs_cb = round(best["transformers continuous batching"][0] / kv_s, 2)
+        targets.append(
+            Target(
+                "throughput vs transformers continuous batching", vs_cb, TARGET_VS_CONTINUOUS, "x"
+            )
+        )
+    setup = model_setup(config, dtype, ctx.device) | {
+        "requests": len(work.prompts),
+        "prompt tokens": work.prompt_tokens,
+        "output tokens": work.output_tokens,
+        "concurrency": concurrency,
+        "rounds": ctx.rounds,
+    }
+    notes.append(
+        "All requests arrive at t=0; TTFT includes the wait for earlier batches. Best of "
+        f"{ctx.rounds} interleaved rounds per engine; ratios are time ratios on the same "
+        "requests."
+    )
+    table = Table(
+        "Throughput and latency (same requests, same process)",
+        [
+            Column("engine"),
+            Column("wall", "s"),
+            Column("output", "tok/s"),
+            Column("TTFT p50", "ms"),
+            Column("TTFT p99", "ms"),
+            Column("TPOT p50", "ms"),
+            Column("TPOT p99", "ms"),
+        ],
+        rows,
+    )
+    plots = [
+        p
+        for p in [ctx.save_plot("engine_vs_transformers_ttft.png", _ttft_cdf(best))]
+        if p is not None
+    ]
+    return Section(NAME, TITLE, setup, [table], targets, notes, plots)
+
+
+def _ttft_cdf(best: dict[str, tuple[float, list[Timeline]]]) -> Callable[[Any], None]:
+    from kvserve.telemetry import definitions
+
+    def draw(fig: Any) -> None:
+        ax = fig.add_subplot()
+        for name, (_, tl) in best.items():
+            xs = sorted(definitions.ttft(t.s, t.f) for t in tl)
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+        ax.set_xlabel("TTFT (s), all requests arriving at t=0")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title("Time to first token: kvserve vs transformers")
+        ax.grid(alpha=0.3)
+        ax.legend()
+
+    return draw

@@ -1,0 +1,211 @@
+"""What every ``kvserve bench suite`` section returns, and how results are written.
+
+A section measures one thing and returns a :class:`Section`: its setup (model shape,
+dtype, workload), tables whose columns carry their units, the targets it checks, notes
+(why a figure is what it is), and the PNG files it drew. The suite stamps the whole run
+with the date and the hardware (:func:`hardware`) and writes ``results.json`` (the same
+data, machine-readable) and ``results.md`` (the tables for ``docs/performance.md``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Column:
+    name: str
+    unit: str = ""  # "" for counts and labels
+
+    @property
+    def header(self) -> str:
+        return f"{self.name} ({self.unit})" if self.unit else self.name
+
+
+@dataclass
+class Table:
+    title: str
+    columns: list[Column]
+    rows: list[list[Any]]
+
+    def __post_init__(self) -> None:
+        for row in self.rows:
+            if len(row) != len(self.columns):
+                raise ValueError(f"table {self.title!r}: row {row} has the wrong width")
+
+
+@dataclass
+class Target:
+    """One target from the issue: ``measured`` compared with ``target`` by ``op``."""
+
+    name: str
+    measured: float | None
+    target: float
+    unit: str
+    op: str = ">="  # ">=" or "<="
+
+    @property
+    def met(self) -> bool | None:
+        if self.measured is None:
+            return None
+        return self.measured >= self.target if self.op == ">=" else self.measured <= self.target
+
+
+@dataclass
+class Section:
+    name: str  # machine name, e.g. "roofline"
+    title: str
+    setup: dict[str, Any]
+    tables: list[Table]
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)  # file names in the output directory
+    seconds: float = 0.0  # how long the section took
+
+
+def model_setup(config: Any, dtype: str, device: str) -> dict[str, Any]:
+    """The model facts every section reports (``config`` is a ``ModelConfig``)."""
+    return {
+        "model": "random Llama",
+        "parameters": config.num_params(),
+        "layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "heads": f"{config.num_heads} query / {config.num_kv_heads} KV",
+        "vocab_size": config.vocab_size,
+        "dtype": dtype,
+        "device": device,
+    }
+
+
+def hardware(device: str) -> dict[str, Any]:
+    """The machine the run is on: CPU model and count, memory, torch threads, GPU."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": _memory_gib(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class SuiteResult:
+    date: str
+    command: str
+    hardware: dict[str, Any]
+    smoke: bool
+    sections: list[Section]
+    schema_version: int = SCHEMA_VERSION
+
+    @staticmethod
+    def now() -> str:
+        return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=str) + "\n"
+
+    def write(self, out_dir: Path) -> tuple[Path, Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        js, md = out_dir / "results.json", out_dir / "results.md"
+        js.write_text(self.to_json())
+        md.write_text(render_markdown(self))
+        return js, md
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 0.01:
+            return f"{value:.2g}"
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_section(s: Section) -> str:
+    parts = [f"### {s.title}", ""]
+    setup = ", ".join(f"{k}: {_cell(v)}" for k, v in s.setup.items())
+    parts += [f"Setup: {setup}. Took {s.seconds:.0f} s.", ""]
+    for t in s.tables:
+        parts += [f"**{t.title}**", "", markdown_table([c.header for c in t.columns], t.rows), ""]
+    if s.targets:
+        rows = [
+            [
+                t.name,
+                f"{_cell(t.measured)} {t.unit}".strip(),
+                f"{t.op} {_cell(t.target)} {t.unit}".strip(),
+                {True: "met", False: "**not met**", None: "–"}[t.met],
+            ]
+            for t in s.targets
+        ]
+        parts += ["**Targets**", "", markdown_table(["target", "measured", "goal", ""], rows), ""]
+    parts += [f"- {n}" for n in s.notes]
+    if s.notes:
+        parts.append("")
+    parts += [f"![{p}]({p})" for p in s.plots]
+    if s.plots:
+        parts.append("")
+    return "\n".join(parts)
+
+
+def render_markdown(r: SuiteResult) -> str:
+    hw = ", ".join(f"{k}: {_cell(v)}" for k, v in r.hardware.items())
+    head = [
+        f"## kvserve bench suite — {r.date}"
+        + (" (smoke mode: sizes too small to mean anything)" if r.smoke else ""),
+        "",
+        f"Command: `{r.command}`",
+        "",
+        f"Hardware: {hw}.",
+        "",
+    ]
+    return "\n".join(head + [render_section(s) for s in r.sections])

@@ -1,0 +1,210 @@
+"""``kvserve bench suite``: the performance benchmarks, one command, one report.
+
+Sections (``--only`` picks some; each is a module of ``kvserve.bench``):
+
+=========================  ==========================================================
+``engine_vs_transformers``  kvserve vs transformers ``generate`` (static batches) and
+                            transformers' own continuous batching, same workload
+``batching``                kvserve static vs continuous batching at concurrency 1/4/16
+``prefix_caching``          the shared-prefix agent scenario, prefix caching on vs off
+``roofline``                decode and prefill vs this machine's measured bandwidth and
+                            matmul peak, ≥100M-parameter model, bf16 and fp32
+``kv_memory``               allocated KV slots vs tokens held over a mixed run
+``serving_path``            gateway + engine server vs the offline engine, 32 streams
+=========================  ==========================================================
+
+Every section runs its sides side by side in this one process (interleaved rounds where
+the machine's speed drifts), on random checkpoints it builds itself (no downloads).
+Output in ``--out``: ``results.json``, ``results.md`` and the PNG plots. ``--smoke``
+runs every section at tiny sizes: it checks the machinery, and its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvserve.bench.results import Section, SuiteResult, hardware
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+SECTIONS = (
+    "engine_vs_transformers",
+    "batching",
+    "prefix_caching",
+    "roofline",
+    "kv_memory",
+    "serving_path",
+)
+
+# Model shapes (random Llama checkpoints). vocab_size None = the test tokenizer's own
+# vocabulary, so every generated id decodes to text (the serving path streams text).
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    # ~34M parameters: the workload model of most sections.
+    "30m": dict(
+        hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+        intermediate_size=1536, vocab_size=8192,
+    ),
+    # ~158M parameters: the roofline's "≥100M-parameter model".
+    "150m": dict(
+        hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=8,
+        intermediate_size=2816, vocab_size=8192,
+    ),
+    "tiny": dict(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        intermediate_size=128, vocab_size=512,
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class SuiteContext:
+    """What every section gets: where to write, which device, smoke or not, and a cache
+    of the checkpoints built so far (each shape is built once per run)."""
+
+    out_dir: Path
+    work_dir: Path
+    device: str = "cpu"
+    smoke: bool = False
+    seed: int = 0
+    rounds: int = 2
+    _checkpoints: dict[tuple[str, bool], Path] = field(default_factory=dict)
+
+    def say(self, msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def shape(self, name: str) -> str:
+        """The model shape a section asked for, or ``tiny`` in smoke mode."""
+        return "tiny" if self.smoke else name
+
+    def checkpoint(self, shape: str, *, tokenizer_vocab: bool = False) -> Path:
+        """A random Llama checkpoint of ``shape`` (``tiny`` in smoke mode).
+        ``tokenizer_vocab``: use the test tokenizer's vocabulary (ids decode to text)."""
+        from kvserve.testing.checkpoints import build_random_checkpoint
+
+        shape = self.shape(shape)
+        key = (shape, tokenizer_vocab)
+        if key not in self._checkpoints:
+            dims = dict(MODEL_SHAPES[shape])
+            if tokenizer_vocab:
+                dims["vocab_size"] = None
+            suffix = "-textvocab" if tokenizer_vocab else ""
+            self.say(f"building a random {shape} Llama checkpoint{suffix} ...")
+            self._checkpoints[key] = build_random_checkpoint(
+                self.work_dir / f"model-{shape}{suffix}",
+                "llama",
+                max_position_embeddings=2048,
+                seed=self.seed,
+                initializer_range=0.02,
+                **dims,
+            )
+        return self._checkpoints[key]
+
+    def save_plot(self, name: str, draw: Callable[[Figure], None]) -> str | None:
+        """Draw a figure with ``draw`` and save it as ``name`` (a .png) in the output
+        directory; returns the file name, or None when matplotlib is not installed."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            from matplotlib.figure import Figure
+        except ImportError:
+            self.say(f"matplotlib is not installed: skipping {name} (pip install matplotlib)")
+            return None
+        fig = Figure(figsize=(7, 4.5), dpi=110)
+        draw(fig)
+        fig.tight_layout()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        fig.savefig(self.out_dir / name)
+        return name
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        metavar="SECTION",
+        help=f"run only these sections (of: {', '.join(SECTIONS)})",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="interleaved rounds per comparison; each side's best round is reported",
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: checks the machinery, not speed"
+    )
+
+
+def run_sections(ctx: SuiteContext, names: Sequence[str]) -> list[Section]:
+    sections = []
+    for name in names:
+        module = importlib.import_module(f"kvserve.bench.{name}")
+        ctx.say(f"== {name} ==")
+        start = time.perf_counter()
+        section: Section = module.run(ctx)
+        section.seconds = round(time.perf_counter() - start, 1)
+        sections.append(section)
+        for t in section.targets:
+            verdict = {True: "met", False: "NOT MET", None: "n/a"}[t.met]
+            ctx.say(f"  target {t.name}: {t.measured} {t.unit} ({t.op} {t.target}) {verdict}")
+    return sections
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (for the report)."""
+    parts = ["kvserve", "bench", "suite"]
+    if args.only:
+        parts += ["--only", *args.only]
+    if args.smoke:
+        parts.append("--smoke")
+    if args.device != "cpu":
+        parts += ["--device", args.device]
+    if args.rounds != 2:
+        parts += ["--rounds", str(args.rounds)]
+    if args.seed != 0:
+        parts += ["--seed", str(args.seed)]
+    return shlex.join([*parts, "--out", str(args.out)])
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        print("error: --rounds must be at least 1", file=sys.stderr)
+        return 2
+    names = [s for s in SECTIONS if args.only is None or s in args.only]
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
+        ctx = SuiteContext(
+            out_dir=args.out,
+            work_dir=Path(tmp),
+            device=args.device,
+            smoke=args.smoke,
+            seed=args.seed,
+            rounds=args.rounds,
+        )
+        date = SuiteResult.now()
+        sections = run_sections(ctx, names)
+    result = SuiteResult(
+        date=date,
+        command=_command(args),
+        hardware=hardware(args.device),
+        smoke=args.smoke,
+        sections=sections,
+    )
+    js, md = result.write(args.out)
+    print(md.read_text())
+    print(f"wrote {js} and {md}", file=sys.stderr)
+    return 0

@@ -1,0 +1,95 @@
+"""Per-request timelines and their latency figures, for the benchmark sections.
+
+Every engine (kvserve, transformers static or continuous batching) is reduced to the same
+four numbers per request — ``s`` (arrival), ``f`` (first output token), ``e`` (last
+output token), ``n`` (output tokens) — on one clock, and every figure is computed from
+them by ``kvserve.telemetry.definitions`` (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvserve.telemetry import definitions
+
+if TYPE_CHECKING:
+    from kvserve.outputs import RequestOutput
+
+
+@dataclass(frozen=True)
+class Timeline:
+    s: float
+    f: float
+    e: float
+    n: int
+
+
+def from_output(out: RequestOutput, arrival: float | None = None) -> Timeline:
+    """A kvserve output's timeline; ``arrival`` overrides the engine's arrival time (a
+    burst's start, when requests were queued outside the engine)."""
+    m = out.metrics
+    assert m.first_token_time is not None and m.token_times, "request produced no token"
+    s = m.arrival_time if arrival is None else arrival
+    return Timeline(s, m.first_token_time, m.token_times[-1], len(out.outputs[0].token_ids))
+
+
+@dataclass
+class Latency:
+    """Latency percentiles of a run, in milliseconds."""
+
+    ttft_mean_ms: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float | None
+    tpot_p99_ms: float | None
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000, 2)
+
+
+def latency(timelines: Sequence[Timeline]) -> Latency:
+    ttfts = [definitions.ttft(t.s, t.f) for t in timelines]
+    tpots = [v for t in timelines if (v := definitions.tpot(t.f, t.e, t.n)) is not None]
+    return Latency(
+        ttft_mean_ms=round(statistics.fmean(ttfts) * 1000, 2),
+        ttft_p50_ms=_ms(definitions.percentile(ttfts, 50)) or 0.0,
+        ttft_p99_ms=_ms(definitions.percentile(ttfts, 99)) or 0.0,
+        tpot_p50_ms=_ms(definitions.percentile(tpots, 50)),
+        tpot_p99_ms=_ms(definitions.percentile(tpots, 99)),
+    )
+
+
+@dataclass
+class Workload:
+    """Token-id prompts and the output length each request asks for (``ignore_eos``)."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def max_len(self) -> int:
+        return max(map(len, self.prompts)) + max(self.output_lens)
+
+
+def random_workload(
+    num: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+) -> Workload:
+    """``num`` random prompts with uniform lengths in the given (inclusive) ranges."""
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(num)
+    ]
+    return Workload(prompts, [rng.randint(*output_len) for _ in range(num)])
