@@ -3,7 +3,9 @@
 Both run the same workload, in the same process, in the same dtype, at the same
 concurrency: ``max_num_seqs`` requests at a time for kvserve; static batches of that
 size for transformers (left-padded, each batch runs until its longest request is done).
-Throughput counts only the output tokens each request asked for.
+Throughput counts only the output tokens each request asked for. A quick check of one
+ratio; ``kvserve bench suite --only engine_vs_transformers`` runs the same engines (and
+transformers' own continuous batching) and reports latency percentiles too.
 """
 
 from __future__ import annotations
@@ -12,13 +14,10 @@ import argparse
 import json
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
+from kvserve.bench.engine_vs_transformers import hf_static_runner, kvserve_runner
 from kvserve.bench.suite import MODEL_SHAPES
 from kvserve.bench.timelines import Workload, random_workload
 from kvserve.config import DTYPES
@@ -71,78 +70,6 @@ def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
     )
 
 
-def kvserve_runner(
-    model_dir: Path, work: Workload, args: argparse.Namespace
-) -> Callable[[], float]:
-    """Load kvserve once; the returned function runs the workload and returns seconds."""
-    from kvserve import LLM, SamplingParams
-
-    max_len = max(map(len, work.prompts)) + max(work.output_lens)
-    llm = LLM(
-        str(model_dir),
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=max_len,
-        seed=args.seed,
-        enable_prefix_caching=False,  # random prompts share nothing; keep rounds identical
-    )
-    params = [
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
-    ]
-    llm.generate(work.prompts[:2], params[:2], use_tqdm=False)  # warm-up
-
-    def once() -> float:
-        start = time.perf_counter()
-        outs = llm.generate(work.prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert produced == work.output_tokens, (produced, work.output_tokens)
-        return elapsed
-
-    return once
-
-
-def transformers_runner(
-    model_dir: Path, work: Workload, args: argparse.Namespace
-) -> Callable[[], float]:
-    """Static batching with transformers ``generate``: left-padded batches of
-    ``max_num_seqs`` in input order, each run until its longest request is done."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype])
-    model = model.to(args.device).eval()
-    pad = 0
-
-    def batch_generate(prompts: list[list[int]], max_new: int) -> None:
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=args.device)
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device
-        )
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=pad,
-            )
-
-    batch_generate(work.prompts[:2], 4)  # warm-up
-
-    def once() -> float:
-        n = args.max_num_seqs
-        start = time.perf_counter()
-        for i in range(0, len(work.prompts), n):
-            batch_generate(work.prompts[i : i + n], max(work.output_lens[i : i + n]))
-        return time.perf_counter() - start
-
-    return once
-
-
 def run(args: argparse.Namespace) -> int:
     from kvserve.model.config import ModelConfig
     from kvserve.testing.checkpoints import build_random_checkpoint
@@ -169,14 +96,15 @@ def run(args: argparse.Namespace) -> int:
             f"{work.output_tokens} output tokens, concurrency {args.max_num_seqs}, {args.dtype}"
         )
         say("loading both engines ...")
+        c, dtype, device = args.max_num_seqs, args.dtype, args.device
         runners = {
-            "kvserve": kvserve_runner(model_dir, work, args),
-            "transformers": transformers_runner(model_dir, work, args),
+            "kvserve": kvserve_runner(model_dir, work, c, dtype, device, args.seed),
+            "transformers": hf_static_runner(model_dir, work, c, dtype, device),
         }
         times: dict[str, list[float]] = {name: [] for name in runners}
         for r in range(args.rounds):
             for name, once in runners.items():
-                times[name].append(once())
+                times[name].append(once()[0])
                 say(f"  round {r + 1}/{args.rounds}: {name:<13} {times[name][-1]:7.2f} s")
         t_kv, t_hf = min(times["kvserve"]), min(times["transformers"])
 
