@@ -1,0 +1,335 @@
+"""Serving path: ``kvserve gateway`` + ``kvserve serve`` vs the offline engine, 32 streams.
+
+The same workload (random token-id prompts of 16-256 tokens, 16-128 output tokens each,
+greedy, ``ignore_eos``), the same engine settings (dtype, ``max_num_seqs`` 32, prefix
+caching off so every round costs the same), the same concurrency, on two paths:
+
+* **offline engine**: an ``LLM``'s engine in this process, driven as a closed loop of 32
+  streams: 32 requests are added at the start and each finished request's slot goes to
+  the next one, as the serving side's clients do (``LLM.generate`` would add all 64 at
+  once, and the TTFT of the last 32 would include their wait in the engine's queue, a
+  wait the clients spend in their own queue, before sending). Same scheduling, same
+  throughput as ``generate``.
+* **gateway + server**: one ``kvserve serve`` replica process behind a ``kvserve gateway``
+  process (``kvserve.bench.gateway.Launcher``), and 32 streaming clients in this process
+  (``bench.gateway._overhead_pass``: HTTP + SSE to the gateway, gRPC from it to the
+  replica), taking requests from a shared queue.
+
+Per request ``s`` = arrival in the engine (offline) or the request's last byte on the
+socket (client); ``f``/``e`` = the first/last output with visible text, ``n`` = the outputs
+with text (definitions' "visible output tokens": engine steps whose ``delta_text`` is
+non-empty; SSE chunks with text), so TPOT is the mean gap between visible outputs on both
+sides. Every figure comes from ``kvserve.telemetry.definitions`` (via ``bench.timelines``).
+Throughput = output tokens / wall seconds (the serving side counts each stream's
+``usage``). With random weights, greedy decoding often emits byte tokens the byte-level
+tokenizer cannot show yet (not valid UTF-8); a request stuck on such bytes shows text late,
+which stretches TTFT's tail on both sides alike; the section counts those requests.
+
+Threads: both engines compute with the same number of threads, ``CPUs − 1`` (at least 1;
+``OMP_NUM_THREADS`` when set, for both), so the comparison measures the path and not the
+thread count. On the serving side the free CPU is where the gateway and the clients run:
+an OpenMP team as wide as the machine stalls at every barrier while other processes run
+(``bench.gateway``'s overhead phase saw 5x slower steps on 2 cores). On the offline side
+it is left idle. The offline engine loads and steps in short-lived threads
+(``kvserve.engine.cpu_threads``). The replica and gateway stay up across rounds and idle
+during the offline passes. Each pass is charged the CPU time of this process, the replica
+and the gateway (``/proc/PID/stat``), and of every other process on the machine
+(``/proc/stat`` minus those three): on a shared machine that shows what each side competed
+with.
+
+The paths alternate for ``ctx.rounds`` rounds after an untimed warm-up of each; each
+side's best round (throughput) is reported with that round's latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ParamSpec
+
+from kvserve.bench import gateway as gw
+from kvserve.bench.results import Column, Section, Table, model_setup
+from kvserve.bench.suite import SuiteContext
+from kvserve.bench.timelines import Latency, Timeline, Workload, latency, random_workload
+from kvserve.telemetry import definitions
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.model.config import ModelConfig
+
+P = ParamSpec("P")
+NAME = "serving_path"
+TITLE = "Serving path: gateway + server vs offline engine, 32 concurrent streams"
+DTYPE = "float32"
+CONCURRENCY = 32
+WARMUP_TOKENS = 4
+
+
+@dataclass
+class Pass:
+    """One timed pass of the workload on one side."""
+
+    side: str
+    seconds: float
+    ok: int  # requests that finished with all their tokens ("length", ignore_eos)
+    failed: int
+    output_tokens: int  # of the ok requests
+    text_outputs: int  # engine steps / SSE chunks that carried text
+    late_text: int  # requests whose first token showed no text (offline only)
+    timelines: list[Timeline]  # the ok requests that showed text
+    # CPU s over the pass: this process, the replica, the gateway, every other process
+    cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    cpu_window: float = 0.0  # wall seconds those were measured over
+    round: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def busy(self) -> float:
+        """CPUs this benchmark's processes kept busy over the CPU window."""
+        return sum(self.cpu[:3]) / self.cpu_window
+
+    @property
+    def cpu_per_token_ms(self) -> float:
+        """This benchmark's CPU time per output token: independent of other processes'
+        load, unlike the wall time."""
+        return sum(self.cpu[:3]) / self.output_tokens * 1000
+
+
+def _offline_pass(engine: LLMEngine, work: Workload, streams: int, tag: str) -> Pass:
+    """A closed loop of ``streams`` requests in flight until the workload is done."""
+    from kvserve import SamplingParams
+
+    todo = iter(range(len(work.prompts)))
+    shown: dict[str, list[float]] = {}  # request id → engine times of outputs with text
+    timelines: list[Timeline] = []
+    ok = tokens = late = 0
+
+    def add() -> None:
+        i = next(todo, None)
+        if i is not None:
+            params = SamplingParams(max_tokens=work.output_lens[i], temperature=0, ignore_eos=True)
+            engine.add_request(f"{tag}-{i}", work.prompts[i], params)
+
+    start = time.perf_counter()
+    for _ in range(streams):
+        add()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs[0].delta_text:
+                shown.setdefault(out.request_id, []).append(out.metrics.token_times[-1])
+            if out.finished:
+                add()
+                if out.outputs[0].finish_reason != "length":
+                    continue
+                times = shown.get(out.request_id)
+                ok, tokens = ok + 1, tokens + len(out.outputs[0].token_ids)
+                late += not times or times[0] != out.metrics.token_times[0]
+                if times:
+                    s = out.metrics.arrival_time
+                    timelines.append(Timeline(s, times[0], times[-1], len(times)))
+    seconds = time.perf_counter() - start
+    text = sum(map(len, shown.values()))
+    return Pass("offline", seconds, ok, len(work.prompts) - ok, tokens, text, late, timelines)
+
+
+def _serving_pass(url: str, key: str, work: Workload, streams: int) -> Pass:
+    """``streams`` clients drain the workload through the gateway (HTTP + SSE, the key)."""
+    seconds, recs, _ = asyncio.run(gw._overhead_pass(url, key, work, streams, []))
+    ok = [r for r in recs if r.ok]
+    timelines = [
+        Timeline(r.send, r.first, r.last, len(r.chunk_times))
+        for r in ok
+        if r.first is not None and r.last is not None
+    ]
+    return Pass("serving", seconds, len(ok), len(work.prompts) - len(ok),
+                sum(r.output_tokens for r in ok), sum(len(r.chunk_times) for r in ok), 0,
+                timelines)  # fmt: skip
+
+
+def _cpu_now(procs: list[gw.Proc]) -> list[float]:
+    """CPU seconds so far of this process, of each of ``procs``, and of the whole machine
+    (/proc/stat: user + nice + system + irq + softirq of all CPUs); then the clock."""
+    user, nice, system, _, _, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
+    machine = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    return [time.process_time(), *(p.cpu_seconds() for p in procs), machine, time.perf_counter()]
+
+
+def _with_cpu(
+    procs: list[gw.Proc], pass_: Callable[P, Pass], *args: P.args, **kwargs: P.kwargs
+) -> Pass:
+    """Run a pass and charge it the CPU time of each process over the whole call (a
+    window slightly longer than the timed pass: the serving pass's 4 tiny warm-up
+    requests are in it)."""
+    before = _cpu_now(procs)
+    x = pass_(*args, **kwargs)
+    mine, rep, gate, machine, x.cpu_window = (
+        b - a for a, b in zip(before, _cpu_now(procs), strict=True)
+    )
+    x.cpu = (mine, rep, gate, max(0.0, machine - mine - rep - gate))
+    return x
+
+
+def run(ctx: SuiteContext) -> Section:
+    import torch
+
+    from kvserve import LLM
+    from kvserve.engine.cpu_threads import call_in_short_lived_thread
+    from kvserve.model.config import ModelConfig
+
+    model_dir = ctx.checkpoint("30m", tokenizer_vocab=True)
+    config = ModelConfig.from_file(model_dir)
+    streams = 4 if ctx.smoke else CONCURRENCY
+    if ctx.smoke:
+        work = random_workload(6, (4, 16), (4, 8), config.vocab_size, ctx.seed)
+    else:
+        work = random_workload(64, (16, 256), (16, 128), config.vocab_size, ctx.seed)
+    warm = Workload(work.prompts[:streams], [WARMUP_TOKENS] * min(streams, len(work.prompts)))
+    cpus = gw._cpus()
+    threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else max(1, cpus - 1)
+    parser = argparse.ArgumentParser()
+    gw.add_arguments(parser)
+    gw_args = parser.parse_args(
+        ["--dtype", DTYPE, "--device", ctx.device, "--max-num-seqs", str(streams),
+         "--streams", str(streams), "--requests", str(len(work.prompts)),
+         "--seed", str(ctx.seed)]
+    )  # fmt: skip
+    saved_threads = torch.get_num_threads()
+    launcher = gw.Launcher(gw_args, str(model_dir), ctx.work_dir / "serving_path")
+    launcher.workdir.mkdir(parents=True, exist_ok=True)
+    passes: list[Pass] = []
+    try:
+        torch.set_num_threads(threads)  # inherited by the short-lived threads below
+        ctx.say(f"starting a replica ({threads} compute thread(s)) and a gateway ...")
+        (rep,) = launcher.start_replicas(1, "--no-prefix-caching", threads=threads)
+        gateway, url, key = launcher.start_gateway([rep], "prefix")
+        procs = [rep.proc, gateway]
+        llm = call_in_short_lived_thread(
+            lambda: LLM(str(model_dir), dtype=DTYPE, device=ctx.device, max_num_seqs=streams,
+                        seed=ctx.seed, enable_prefix_caching=False)
+        )  # fmt: skip
+        # Untimed: the first steps at each batch size, and the gRPC path's first calls.
+        call_in_short_lived_thread(_offline_pass, llm.engine, warm, streams, "warm")
+        if _serving_pass(url, key, warm, streams).failed:
+            raise RuntimeError("warm-up requests through the gateway failed")
+        for r in range(1, ctx.rounds + 1):
+            off = _with_cpu(procs, call_in_short_lived_thread, _offline_pass, llm.engine,
+                            work, streams, f"r{r}")  # fmt: skip
+            srv = _with_cpu(procs, _serving_pass, url, key, work, streams)
+            for x in (off, srv):
+                x.round = r
+                passes.append(x)
+                failed = f" ({x.failed} failed)" if x.failed else ""
+                ctx.say(f"  round {r}/{ctx.rounds} {x.side:<8} {x.seconds:6.2f} s "
+                        f"{x.tok_s:7.1f} tok/s{failed}")  # fmt: skip
+    finally:
+        launcher.stop_all()
+        torch.set_num_threads(saved_threads)
+    off = max((x for x in passes if x.side == "offline"), key=lambda x: x.tok_s)
+    srv = max((x for x in passes if x.side == "serving"), key=lambda x: x.tok_s)
+    if not (off.timelines and srv.timelines):
+        raise RuntimeError("no request showed any text: no TTFT to report")
+    return _section(ctx, config, work, streams, threads, cpus, passes, off, srv)
+
+
+def _section(ctx: SuiteContext, config: ModelConfig, work: Workload, streams: int, threads: int,
+             cpus: int, passes: list[Pass], off: Pass, srv: Pass) -> Section:  # fmt: skip
+    lat = {x.side: latency(x.timelines) for x in (off, srv)}
+
+    def row(label: str, x: Pass, la: Latency) -> list[object]:
+        return [
+            label, x.round, x.ok, x.failed, x.output_tokens, round(x.seconds, 3),
+            round(x.tok_s, 1), round(definitions.request_throughput(x.ok, x.seconds), 3),
+            la.ttft_p50_ms, la.ttft_p99_ms, la.tpot_p50_ms, la.tpot_p99_ms,
+        ]  # fmt: skip
+
+    main = Table(
+        "Throughput and latency (best round of each side)",
+        [Column("path"), Column("round"), Column("requests ok"), Column("requests failed"),
+         Column("output tokens", "tokens"), Column("wall", "s"), Column("output", "tok/s"),
+         Column("requests", "req/s"), Column("TTFT p50", "ms"), Column("TTFT p99", "ms"),
+         Column("TPOT p50", "ms"), Column("TPOT p99", "ms")],
+        [row("offline engine", off, lat["offline"]),
+         row("gateway + server", srv, lat["serving"])],
+    )  # fmt: skip
+    ratio, cpu_ratio = srv.tok_s / off.tok_s, srv.cpu_per_token_ms / off.cpu_per_token_ms
+    d_ttft = _diff(lat["serving"].ttft_p50_ms, lat["offline"].ttft_p50_ms)
+    d_tpot = _diff(lat["serving"].tpot_p50_ms, lat["offline"].tpot_p50_ms)
+    compare = Table(
+        "Serving path vs offline engine (best rounds)",
+        [Column("output throughput, serving / offline", "×"),
+         Column("TTFT p50, serving − offline", "ms"),
+         Column("TPOT p50, serving − offline", "ms"),
+         Column("CPU per output token, serving / offline", "×")],
+        [[round(ratio, 3), d_ttft, d_tpot, round(cpu_ratio, 3)]],
+    )  # fmt: skip
+    sides = (("offline engine", off), ("gateway + server", srv))
+    cpu = Table(
+        "CPU time over each side's best round",
+        [Column("path"), Column("this process", "CPU s"), Column("replica process", "CPU s"),
+         Column("gateway process", "CPU s"), Column("other processes", "CPU s"),
+         Column("window", "s"), Column("busy, this benchmark's processes", "CPUs"),
+         Column("CPU per output token", "ms")],
+        [[label, *(round(c, 2) for c in x.cpu), round(x.cpu_window, 3), round(x.busy, 2),
+          round(x.cpu_per_token_ms, 3)] for label, x in sides],
+    )  # fmt: skip
+    rounds = Table(
+        "Every round",
+        [Column("round"), Column("path"), Column("wall", "s"), Column("output", "tok/s")],
+        [[x.round, x.side, round(x.seconds, 3), round(x.tok_s, 1)] for x in passes],
+    )
+    setup = model_setup(config, DTYPE, ctx.device) | {
+        "prompts": len(work.prompts),
+        "prompt_tokens": work.prompt_tokens,
+        "output_tokens": work.output_tokens,
+        "concurrency": streams,
+        "prefix_caching": "off",
+        "rounds": ctx.rounds,
+        "cpus": cpus,
+        "compute_threads_per_engine": threads,
+    }
+    notes = [
+        f"The serving path delivered {ratio:.0%} of the offline engine's output throughput "
+        f"({srv.tok_s:.1f} vs {off.tok_s:.1f} tok/s), best of {ctx.rounds} interleaved "
+        f"round(s) each; both engines compute with {threads} thread(s) on {cpus} CPU(s).",
+        f"Through the gateway and server, TTFT p50 changed by {_signed(d_ttft)} ms and TPOT "
+        f"p50 by {_signed(d_tpot)} ms. That is the whole path, not split by part: the "
+        "client's HTTP request and SSE parsing, the gateway and its gRPC stream to the "
+        "replica, the replica's HTTP/gRPC server threads, and those processes' CPU time "
+        "taken from the same CPUs the engine computes on.",
+        f"CPU per output token: {srv.cpu_per_token_ms:.2f} ms on the serving path (replica "
+        f"{srv.cpu[1]:.2f} s, gateway {srv.cpu[2]:.2f} s, clients {srv.cpu[0]:.2f} s) vs "
+        f"{off.cpu_per_token_ms:.2f} ms offline (the engine's process {off.cpu[0]:.2f} s; the "
+        f"idle replica and gateway {off.cpu[1] + off.cpu[2]:.2f} s meanwhile): the serving "
+        f"path cost {cpu_ratio - 1:+.0%} CPU per token. CPU time counts only what these "
+        "processes ran, so unlike wall time it leaves out waiting for a CPU.",
+        f"Other processes on the machine kept {off.cpu[3] / off.cpu_window:.2f} CPUs busy "
+        f"during the best offline round and {srv.cpu[3] / srv.cpu_window:.2f} during the best "
+        f"serving round, of {cpus}; this benchmark's processes {off.busy:.2f} and "
+        f"{srv.busy:.2f}. Wall-time figures (throughput, TTFT, TPOT) compare fairly only as "
+        "far as that outside load was even.",
+        f"Text outputs per output token: {off.text_outputs / off.output_tokens:.2f} offline "
+        f"(engine steps with text), {srv.text_outputs / srv.output_tokens:.2f} streamed (SSE "
+        "chunks with text). TTFT runs from the request's arrival in the engine (offline) or "
+        "its last byte on the socket (client) to the first output with text; neither counts "
+        f"the wait for one of the {streams} streams to be free. TPOT is the mean gap between "
+        f"outputs with text. {off.late_text} of {off.ok} requests showed no text with their "
+        "first token (offline; random weights emit bytes the tokenizer cannot show yet), so "
+        "their TTFT includes decode steps.",
+    ]
+    return Section(NAME, TITLE, setup, [main, compare, cpu, rounds], notes=notes)
+
+
+def _signed(x: float | None) -> str:
+    return "–" if x is None else f"{x:+.2f}"
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 2)
