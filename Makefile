@@ -49,7 +49,7 @@ pytest: install cluster-bins prometheus-tools
 test: lint typecheck pytest
 
 bench: install
-	$(BIN)/kvserve bench offline
+	$(BIN)/kvserve bench suite --out bench-results
 
 # Container images (docker/; README.md "Container images"): docker or podman.
 CONTAINER_ENGINE ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)

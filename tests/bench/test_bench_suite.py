@@ -63,6 +63,7 @@ def test_batching(sections: dict[str, Section]) -> None:
     assert [(r["concurrency"], r["batching"]) for r in rows] == [
         (c, m) for c in (1, 4, 16) for m in ("static", "continuous")
     ]
+    assert all(r["requests"] == 2 * r["concurrency"] for r in rows)  # smoke: 2 per slot
     ratios = {r["concurrency"]: r["throughput ratio (x)"] for r in _table(s, "Continuous")}
     by = {(r["concurrency"], r["batching"]): r for r in rows}
     for c, ratio in ratios.items():

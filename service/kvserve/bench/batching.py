@@ -8,8 +8,11 @@ greedy, no EOS), two ways of feeding it at concurrency ``C``:
 * **continuous**: all requests queued at once with ``max_num_seqs = C``; a finished
   request's slot is refilled at the next step.
 
-All requests arrive at t=0, so TTFT includes the wait for a slot. At ``C = 1`` the two
-are the same schedule (a control: their figures differ only by noise). The two modes
+Each concurrency gets ``REQUESTS_PER_SLOT × C`` requests (the first ones of one seeded
+workload), so every run is several batches deep: with only one or two batches' worth of
+requests, both modes spend most of the run in the same tail. All requests arrive at t=0,
+so TTFT includes the wait for a slot. At ``C = 1`` the two are the same schedule (a
+control: their figures differ only by noise). The two modes
 alternate for ``rounds`` rounds at each concurrency; each one's best round is reported.
 """
 
@@ -25,6 +28,7 @@ from kvserve.bench.timelines import Timeline, Workload, from_output, latency, ra
 NAME = "batching"
 TITLE = "Static vs continuous batching (kvserve)"
 CONCURRENCIES = (1, 4, 16)
+REQUESTS_PER_SLOT = 8
 
 
 def _run_mode(
@@ -58,17 +62,21 @@ def run(ctx: SuiteContext) -> Section:
     dtype = "float32"
     model_dir = ctx.checkpoint("30m")
     config = ModelConfig.from_file(model_dir)
+    per_slot = 2 if ctx.smoke else REQUESTS_PER_SLOT
+    n = per_slot * max(CONCURRENCIES)
     if ctx.smoke:
-        work = random_workload(6, (4, 24), (2, 8), config.vocab_size, ctx.seed)
+        everything = random_workload(n, (4, 24), (2, 8), config.vocab_size, ctx.seed)
     else:
-        work = random_workload(32, (16, 256), (16, 128), config.vocab_size, ctx.seed)
-    ctx.say(
-        f"  {len(work.prompts)} prompts, {work.prompt_tokens} prompt and {work.output_tokens} "
-        f"output tokens, {dtype}"
-    )
+        everything = random_workload(n, (16, 256), (16, 128), config.vocab_size, ctx.seed)
     rows = []
     results: dict[tuple[int, str], tuple[float, list[Timeline]]] = {}
     for c in CONCURRENCIES:
+        k = per_slot * c
+        work = Workload(everything.prompts[:k], everything.output_lens[:k])
+        ctx.say(
+            f"  concurrency {c}: {k} prompts, {work.prompt_tokens} prompt and "
+            f"{work.output_tokens} output tokens, {dtype}"
+        )
         llm = LLM(
             str(model_dir),
             dtype=dtype,
@@ -93,6 +101,7 @@ def run(ctx: SuiteContext) -> Section:
             rows.append(
                 [
                     c,
+                    k,
                     mode,
                     round(seconds, 2),
                     round(work.output_tokens / seconds, 1),
@@ -108,9 +117,9 @@ def run(ctx: SuiteContext) -> Section:
         for c in CONCURRENCIES
     ]
     setup = model_setup(config, dtype, ctx.device) | {
-        "requests": len(work.prompts),
-        "prompt tokens": work.prompt_tokens,
-        "output tokens": work.output_tokens,
+        "requests": f"{per_slot} × concurrency",
+        "prompt lengths": "16–256 tokens" if not ctx.smoke else "4–24 tokens",
+        "output lengths": "16–128 tokens" if not ctx.smoke else "2–8 tokens",
         "rounds": ctx.rounds,
     }
     tables = [
@@ -118,6 +127,7 @@ def run(ctx: SuiteContext) -> Section:
             "Throughput and TTFT by concurrency",
             [
                 Column("concurrency"),
+                Column("requests"),
                 Column("batching"),
                 Column("wall", "s"),
                 Column("output", "tok/s"),
@@ -145,9 +155,9 @@ def _draw(rows: list[list[Any]]) -> Callable[[Any], None]:
     def draw(fig: Any) -> None:
         tput, ttft = fig.subplots(1, 2)
         for mode, marker in (("static", "s"), ("continuous", "o")):
-            mine = [r for r in rows if r[1] == mode]
-            tput.plot([r[0] for r in mine], [r[3] for r in mine], marker=marker, label=mode)
-            ttft.plot([r[0] for r in mine], [r[5] for r in mine], marker=marker, label=mode)
+            mine = [r for r in rows if r[2] == mode]
+            tput.plot([r[0] for r in mine], [r[4] for r in mine], marker=marker, label=mode)
+            ttft.plot([r[0] for r in mine], [r[6] for r in mine], marker=marker, label=mode)
         for ax, label in ((tput, "output tokens/s"), (ttft, "TTFT p99 (ms)")):
             ax.set_xscale("log", base=2)
             ax.set_xticks([r[0] for r in rows[::2]], [str(r[0]) for r in rows[::2]])
