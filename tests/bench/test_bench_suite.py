@@ -163,3 +163,13 @@ def test_cli_writes_results(tmp_path: Path) -> None:
     data = json.loads((out / "results.json").read_text())
     assert data["command"] == f"kvserve bench suite --only kv_memory --smoke --rounds 1 --out {out}"
     assert "kv_memory.png" in (out / "results.md").read_text()
+
+
+def test_padded_positions_of_static_batches() -> None:
+    from kvserve.bench.engine_vs_transformers import padded_positions
+    from kvserve.bench.timelines import Workload
+
+    work = Workload([[1, 2, 3], [1], [5, 6]], [2, 5, 1])
+    assert padded_positions(work, 1) == work.prompt_tokens + work.output_tokens == 14
+    assert padded_positions(work, 2) == 2 * (3 + 5) + 1 * (2 + 1)
+    assert padded_positions(work, 3) == 3 * (3 + 5)
