@@ -457,6 +457,7 @@ import kubernetes.client, kubernetes.config  # the chart's cleanup hook
 # Lazy imports of code paths an image does not run.
 NOT_RUN_IN_THE_KVSERVE_IMAGE = {
     "httpx": "kvserve bench's HTTP clients (lazy imports), not what the image runs",
+    "matplotlib": "kvserve bench suite's plots (lazy; skipped with a message when absent)",
 }
 
 
