@@ -1,22 +1,22 @@
-"""``kvserve bench suite``: the performance benchmarks, one command, one report.
+"""kvserve bench suite: the performance benchmarks, one command, one report.
 
-Sections (``--only`` picks some; each is a module of ``kvserve.bench``):
+Sections (--only picks some; each is a module of kvserve.bench):
 
-=========================  ==========================================================
-``engine_vs_transformers``  kvserve vs transformers ``generate`` (static batches) and
-                            transformers' own continuous batching, same workload
-``batching``                kvserve static vs continuous batching at concurrency 1/4/16
-``prefix_caching``          the shared-prefix agent scenario, prefix caching on vs off
-``roofline``                decode and prefill vs this machine's measured bandwidth and
-                            matmul peak, ≥100M-parameter model, bf16 and fp32
-``kv_memory``               allocated KV slots vs tokens held over a mixed run
-``serving_path``            gateway + engine server vs the offline engine, 32 streams
-=========================  ==========================================================
+  engine_vs_transformers  kvserve vs transformers generate (static batches) and
+                          transformers' own continuous batching, same workload
+  batching                kvserve static vs continuous batching at concurrency 1/4/16
+  prefix_caching          the shared-prefix agent scenario, prefix caching on vs off
+  roofline                decode and prefill vs this machine's measured bandwidth and
+                          matmul peak, ≥100M-parameter model, bf16 and fp32
+  kv_memory               allocated KV slots vs tokens held over a mixed run
+  serving_path            gateway + engine server processes vs the offline engine,
+                          32 streams
 
-Every section runs its sides side by side in this one process (interleaved rounds where
-the machine's speed drifts), on random checkpoints it builds itself (no downloads).
-Output in ``--out``: ``results.json``, ``results.md`` and the PNG plots. ``--smoke``
-runs every section at tiny sizes: it checks the machinery, and its figures mean nothing.
+Each section runs the sides it compares in the same run, alternating them for --rounds
+rounds (this machine's speed drifts) and keeping each side's best, on random
+checkpoints it builds itself (no downloads). Output in --out: results.json, results.md
+and the PNG plots. --smoke runs every section at tiny sizes: it checks the machinery,
+and its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"run only these sections (of: {', '.join(SECTIONS)})",
     )
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the checkpoints and workloads")
     p.add_argument(
         "--rounds",
         type=int,
