@@ -31,7 +31,14 @@ import torch
 
 from kvserve.bench.results import Column, Section, Table, Target, model_setup
 from kvserve.bench.suite import SuiteContext
-from kvserve.bench.timelines import Latency, Timeline, Workload, latency, random_workload
+from kvserve.bench.timelines import (
+    Latency,
+    Timeline,
+    Workload,
+    from_output,
+    latency,
+    random_workload,
+)
 from kvserve.config import DTYPES
 
 NAME = "engine_vs_transformers"
@@ -62,8 +69,6 @@ def kvserve_runner(
     llm.generate(work.prompts[:2], params[:2], use_tqdm=False)  # warm-up
 
     def once() -> tuple[float, list[Timeline]]:
-        from kvserve.bench.timelines import from_output
-
         t0 = llm.engine.clock()
         outs = llm.generate(work.prompts, params, use_tqdm=False)
         seconds = llm.engine.clock() - t0

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.bench.cpu import usable_cpus
 from kvserve.bench.serving import (
     MODEL_NAME,
     ClientRecord,
@@ -525,7 +526,7 @@ def run_overhead(
     # The replica leaves one CPU to the gateway and the client: an OpenMP team as wide as
     # the machine stalls at every barrier while those run, which swamped the comparison
     # (5x slower steps on 2 cores) unless the caller set OMP_NUM_THREADS.
-    (rep,) = launcher.start_replicas(1, "--no-prefix-caching", threads=max(1, _cpus() - 1))
+    (rep,) = launcher.start_replicas(1, "--no-prefix-caching", threads=max(1, usable_cpus() - 1))
     gateway, gw_url, key = launcher.start_gateway([rep], "prefix")
     # An untimed pass of one request per stream on each path first: the engine's first
     # steps at each batch size, and the gRPC path's first calls, are several times slower
@@ -747,7 +748,7 @@ def run_routing(
     questions = agent_questions(args.agents, args.questions, args.seed)
     # Replicas share the CPUs: one OpenMP thread team each sized to its share, unless the
     # caller set OMP_NUM_THREADS (oversubscribed teams spin and throttle each other).
-    threads = max(1, _cpus() // args.replicas)
+    threads = max(1, usable_cpus() // args.replicas)
     results: list[PolicyResult] = []
     for policy in POLICIES:
         say(f"routing: {policy}: starting {args.replicas} replicas and the gateway ...")
@@ -797,13 +798,6 @@ def run_routing(
 
 
 # ---- output ---------------------------------------------------------------------------------
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _f(x: float | None, width: int = 12, spec: str = ".2f", sign: bool = False) -> str:
     if x is None:
         return f"{'-':>{width}}"
@@ -937,7 +931,9 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    report = Report(model=Path(model).name, dtype=args.dtype, device=args.device, cpus=_cpus())
+    report = Report(
+        model=Path(model).name, dtype=args.dtype, device=args.device, cpus=usable_cpus()
+    )
     try:
         with _launcher(args, model) as launcher:
             if args.phase in ("overhead", "all"):

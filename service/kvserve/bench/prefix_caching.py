@@ -92,10 +92,11 @@ def run(ctx: SuiteContext) -> Section:
     model_dir = ctx.checkpoint("30m")
     config = ModelConfig.from_file(model_dir)
     if ctx.smoke:
-        work = agent_workload(6, 40, (4, 12), 2, config.vocab_size, ctx.seed)
+        agents, system_tokens, question, answer = 6, 40, (4, 12), 2
     else:
-        work = agent_workload(32, SYSTEM_TOKENS, (16, 48), 16, config.vocab_size, ctx.seed)
-    shared = (SYSTEM_TOKENS if not ctx.smoke else 40) * len(work.prompts)
+        agents, system_tokens, question, answer = 32, SYSTEM_TOKENS, (16, 48), 16
+    work = agent_workload(agents, system_tokens, question, answer, config.vocab_size, ctx.seed)
+    shared = system_tokens * agents
     llms = {
         mode: LLM(
             str(model_dir),
@@ -116,6 +117,7 @@ def run(ctx: SuiteContext) -> Section:
             ctx.say(f"  round {r + 1}/{ctx.rounds}: caching {mode:<3} {res.seconds:6.2f} s")
             if mode not in best or res.seconds < best[mode].seconds:
                 best[mode] = res
+    block_size = llms["on"].engine.config.block_size
     del llms
 
     rows = []
@@ -146,7 +148,7 @@ def run(ctx: SuiteContext) -> Section:
         "prompt tokens": work.prompt_tokens,
         "answer tokens": work.output_lens[0],
         "concurrency": CONCURRENCY,
-        "block size": 16,
+        "block size": block_size,
         "rounds": ctx.rounds,
     }
     tables = [

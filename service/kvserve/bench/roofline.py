@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,9 +52,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvserve.bench.cpu import machine_busy_seconds, usable_cpus
 from kvserve.bench.results import Column, Section, Table, Target, model_setup
 from kvserve.bench.suite import SuiteContext
-from kvserve.config import DTYPES
+from kvserve.config import DTYPES, cpu_has_native_bf16
 from kvserve.model.config import ModelConfig
 from kvserve.telemetry.definitions import percentile
 
@@ -129,12 +128,10 @@ class Point:
 def _cpu_clock() -> tuple[float, float, float] | None:
     """(wall, CPU seconds the whole machine was busy, CPU seconds of this process)."""
     try:
-        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        busy = machine_busy_seconds()
     except (OSError, ValueError):
         return None
-    busy = (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # not idle/iowait
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), busy, own.ru_utime + own.ru_stime
+    return time.perf_counter(), busy, time.process_time()
 
 
 def _others_share(start: tuple[float, float, float] | None) -> float | None:
@@ -143,7 +140,7 @@ def _others_share(start: tuple[float, float, float] | None) -> float | None:
     if start is None or end is None:
         return None
     wall, busy, own = (b - a for a, b in zip(start, end, strict=True))
-    return max(0.0, 100 * (busy - own) / (wall * (os.cpu_count() or 1)))
+    return max(0.0, 100 * (busy - own) / (wall * usable_cpus()))
 
 
 def _timed(fn: Callable[[], object], device: str) -> float:
@@ -278,15 +275,6 @@ def _sig(x: float, digits: int = 3) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def _cpu_has_bf16() -> bool | None:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
-
-
 def _notes(points: list[Point], device: str, others: float | None) -> list[str]:
     """What the figures mean on this machine, each stated from this run's numbers."""
     get = {(p.dtype, p.kind, p.batch): p for p in points}
@@ -296,8 +284,8 @@ def _notes(points: list[Point], device: str, others: float | None) -> list[str]:
     notes = []
     if pre.peak < pref.peak:
         why = ""
-        if device == "cpu" and _cpu_has_bf16() is False:
-            why = " This CPU has neither avx512_bf16 nor amx_bf16, so its bf16 matmuls convert."
+        if device == "cpu" and not cpu_has_native_bf16():
+            why = " oneDNN has no native bf16 on this CPU (no AVX512-BF16 or AMX): it emulates it."
         notes.append(
             f"The bf16 matmul peak is {pref.peak / pre.peak:.1f}× below fp32's "
             f"({pre.peak / 1e9:.1f} vs {pref.peak / 1e9:.1f} GFLOP/s).{why}"

@@ -49,10 +49,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec
 
 from kvserve.bench import gateway as gw
+from kvserve.bench.cpu import machine_busy_seconds, usable_cpus
 from kvserve.bench.results import Column, Section, Table, model_setup
 from kvserve.bench.suite import SuiteContext
 from kvserve.bench.timelines import Latency, Timeline, Workload, latency, random_workload
@@ -163,11 +163,10 @@ def _serving_pass(url: str, key: str, work: Workload, streams: int) -> Pass:
 
 
 def _cpu_now(procs: list[gw.Proc]) -> list[float]:
-    """CPU seconds so far of this process, of each of ``procs``, and of the whole machine
-    (/proc/stat: user + nice + system + irq + softirq of all CPUs); then the clock."""
-    user, nice, system, _, _, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
-    machine = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-    return [time.process_time(), *(p.cpu_seconds() for p in procs), machine, time.perf_counter()]
+    """CPU seconds so far of this process, of each of ``procs``, and of the whole machine;
+    then the clock."""
+    own = time.process_time()
+    return [own, *(p.cpu_seconds() for p in procs), machine_busy_seconds(), time.perf_counter()]
 
 
 def _with_cpu(
@@ -200,7 +199,7 @@ def run(ctx: SuiteContext) -> Section:
     else:
         work = random_workload(64, (16, 256), (16, 128), config.vocab_size, ctx.seed)
     warm = Workload(work.prompts[:streams], [WARMUP_TOKENS] * min(streams, len(work.prompts)))
-    cpus = gw._cpus()
+    cpus = usable_cpus()
     threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else max(1, cpus - 1)
     parser = argparse.ArgumentParser()
     gw.add_arguments(parser)
