@@ -114,33 +114,32 @@ class AsyncEngine:
         async for out in self.stream(req):
             yield out
 
+    def submit(self, req: Request) -> RequestStream:
+        """Hand ``req`` to the engine thread now; iterate the result for its outputs.
+
+        The caller must ``close()`` the stream (it aborts the request unless it finished),
+        so a request whose response never starts does not run on.
+        """
+        rid = req.request_id
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        queue_: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[rid] = queue_
+        self._commands.put(_Add(req))
+        return RequestStream(self, rid, queue_)
+
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Yield an output every step the request makes progress, the last one finished.
 
         If the consumer stops early (client gone, task cancelled), the request is aborted
         in the engine before its next step.
         """
-        rid = req.request_id
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self.dead}")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[rid] = stream
-        self._commands.put(_Add(req))
-        finished = False
+        outputs = self.submit(req)
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for out in outputs:
+                yield out
         finally:
-            if not finished:
-                self._commands.put(_Abort(rid))
-            self._streams.pop(rid, None)
+            outputs.close()
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -207,11 +206,21 @@ class AsyncEngine:
         self._publish(outputs)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        finished = [out for out in outputs if out.finished]
+        if not finished:
+            # Tokens only: hand them over before the bookkeeping, which must not delay them.
+            self._send(outputs)
+            self._report_stats()
+            return
+        # A request ends: its metrics are recorded before its client can see the end, so
+        # whoever reads /metrics after a response finished sees that request counted.
         if self.hooks.on_finished is not None:
-            for out in outputs:
-                if out.finished:
-                    self.hooks.on_finished(out)
+            for out in finished:
+                self.hooks.on_finished(out)
         self._report_stats()
+        self._send(outputs)
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
         if outputs and self._loop is not None:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
@@ -243,3 +252,53 @@ class AsyncEngine:
         outs = self.engine.abort_request(list(self.engine.requests))
         if outs:
             self._publish(outs)
+
+
+class RequestStream:
+    """One submitted request's outputs, in order; the last one is finished.
+
+    ``async for out in stream``; ``ready()`` takes the outputs that have already arrived
+    without waiting (a consumer that fell behind sends them together). ``close()`` is
+    idempotent and aborts the request in the engine unless it finished.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        queue_: asyncio.Queue[RequestOutput | BaseException],
+    ) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._queue = queue_
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        return self._take(await self._queue.get())
+
+    def ready(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        while not self.finished and not self._queue.empty():
+            outs.append(self._take(self._queue.get_nowait()))
+        return outs
+
+    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            self._engine._commands.put(_Abort(self.request_id))
+        self._engine._streams.pop(self.request_id, None)

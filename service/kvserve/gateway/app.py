@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import grpc
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, TracerProvider
 
@@ -49,6 +49,7 @@ from kvserve.server.disconnect import until_disconnected
 from kvserve.server.errors import OpenAIError, error_body, install_error_handlers
 from kvserve.server.middleware import RequestContextMiddleware
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
+from kvserve.server.sse import SSE_DONE, EventStreamResponse, TextEvents, encode_event
 from kvserve.telemetry.tracing import tracer_provider_from_env
 
 log = logging.getLogger("kvserve.gateway")
@@ -397,10 +398,10 @@ async def _serve(
         raise OpenAIError(499, "client disconnected")
     ids = fmt.response_ids(rid, body.model, chat, int(time.time()))
     if body.stream:
-        return StreamingResponse(
+        return EventStreamResponse(
             call.sse(first, ids, chat, body.include_usage),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-cache", **admission.headers},
+            headers=admission.headers,
+            on_close=lambda: call.close(None, disconnected=not call.done and call.status == 200),
         )
     try:
         result = await until_disconnected(request, call.collect(first, ids, chat))
@@ -524,31 +525,37 @@ class _Call:
 
     async def sse(
         self, first: Any, ids: dict[str, Any], chat: bool, include_usage: bool
-    ) -> AsyncIterator[str]:
-        opening = True
+    ) -> AsyncIterator[bytes]:
+        """The response's events (the response's ``on_close`` ends the call)."""
+        plain = TextEvents(ids, chat)
+        opening = True  # a chat's first delta carries the role
+        ending: list[bytes] = []
         try:
             async for msg in self._messages(first):
                 if msg.WhichOneof("kind") == "delta":
                     delta = msg.delta
-                    lp = delta_logprobs(delta)
+                    lp = delta_logprobs(delta) if delta.logprobs else None
+                    if lp is None and not opening:
+                        if delta.text:
+                            yield plain.text(delta.text)
+                        continue
                     if not delta.text and lp is None:
                         continue
-                    yield fmt.sse(self._chunk(ids, chat, delta.text, lp, None, opening))
+                    yield encode_event(self._chunk(ids, chat, delta.text, lp, None, opening))
                     opening = False
-                else:
+                else:  # the end: finish reason, usage and [DONE] leave in one write
                     final = msg.final
-                    yield fmt.sse(self._chunk(ids, chat, "", None, final.finish_reason, opening))
+                    chunk = self._chunk(ids, chat, "", None, final.finish_reason, opening)
+                    ending.append(encode_event(chunk))
                     if include_usage:
-                        yield fmt.sse(fmt.usage_chunk(ids, chat, self._usage(final)))
+                        ending.append(encode_event(fmt.usage_chunk(ids, chat, self._usage(final))))
                     self._finished(final)
-            yield fmt.SSE_DONE
+            yield b"".join([*ending, SSE_DONE])
         except grpc.aio.AioRpcError as exc:  # the replica failed mid-stream: never retried
             self.status = 502
             self.state.metrics.upstream_errors.labels(self.model, exc.code().name).inc()
-            yield fmt.sse(error_body(502, f"the replica failed: {exc.details()}"))
-            yield fmt.SSE_DONE
-        finally:
-            self.close(None, disconnected=not self.done and self.status == 200)
+            yield encode_event(error_body(502, f"the replica failed: {exc.details()}"))
+            yield SSE_DONE
 
     async def collect(self, first: Any, ids: dict[str, Any], chat: bool) -> dict[str, Any]:
         text: list[str] = []

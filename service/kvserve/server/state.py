@@ -29,7 +29,9 @@ class ServerState:
         return self.engine.engine.max_model_len
 
 
-def get_state(request: Request) -> ServerState:
+async def get_state(request: Request) -> ServerState:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop
+    # (and a GIL hand-off) on every request.
     state: ServerState = request.app.state.kvserve
     return state
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvserve.engine.request import Request as EngineRequest
@@ -17,6 +17,7 @@ from kvserve.server import openai_format as fmt
 from kvserve.server.disconnect import until_disconnected
 from kvserve.server.errors import OpenAIError, error_body
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
+from kvserve.server.sse import SSE_DONE, EventStreamResponse, TextEvents, encode_event
 from kvserve.server.state import ServerState, State
 
 router = APIRouter()
@@ -41,7 +42,7 @@ async def list_models(state: State) -> dict[str, Any]:
 @router.post("/v1/completions", response_model=None)
 async def completions(
     body: CompletionRequest, request: Request, state: State
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStreamResponse:
     arrival = time.monotonic()
     _check_common(body, state)
     prompt: str | list[int]
@@ -66,15 +67,20 @@ async def completions(
     text_of = fmt.tokenizer_text(state.tokenizer)
 
     if body.stream:
+        plain = TextEvents(ids, chat=False)
 
-        def chunk(out: RequestOutput) -> dict[str, Any]:
+        def chunk(out: RequestOutput) -> bytes:
             c = out.outputs[0]
             logprobs = _delta_logprobs(c)
-            return fmt.completion_chunk(
-                ids,
-                c.delta_text,
-                fmt.completion_logprobs(logprobs, text_of) if logprobs is not None else None,
-                c.finish_reason,
+            if logprobs is None and c.finish_reason is None:
+                return plain.text(c.delta_text)
+            return encode_event(
+                fmt.completion_chunk(
+                    ids,
+                    c.delta_text,
+                    fmt.completion_logprobs(logprobs, text_of) if logprobs is not None else None,
+                    c.finish_reason,
+                )
             )
 
         return _sse(state.engine, req, chunk, ids, False, body.include_usage)
@@ -90,7 +96,7 @@ async def completions(
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: State
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStreamResponse:
     arrival = time.monotonic()
     _check_common(body, state)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -115,12 +121,15 @@ async def chat_completions(
 
     if body.stream:
         first = True
+        plain = TextEvents(ids, chat=True)
 
-        def chunk(out: RequestOutput) -> dict[str, Any]:
+        def chunk(out: RequestOutput) -> bytes:
             nonlocal first
             c = out.outputs[0]
             logprobs = _delta_logprobs(c)
-            body = fmt.chat_chunk(
+            if not first and logprobs is None and c.finish_reason is None:
+                return plain.text(c.delta_text)
+            event = fmt.chat_chunk(
                 ids,
                 c.delta_text,
                 fmt.chat_logprobs(logprobs, text_of) if logprobs is not None else None,
@@ -128,7 +137,7 @@ async def chat_completions(
                 first,
             )
             first = False
-            return body
+            return encode_event(event)
 
         return _sse(state.engine, req, chunk, ids, True, body.include_usage)
 
@@ -193,30 +202,39 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
 def _sse(
     engine: AsyncEngine,
     req: EngineRequest,
-    chunk: Callable[[RequestOutput], dict[str, Any]],
+    chunk: Callable[[RequestOutput], bytes],
     ids: dict[str, Any],
     chat: bool,
     include_usage: bool,
-) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
-        last: RequestOutput | None = None
-        try:
-            async for out in engine.stream(req):
-                last = out
-                c = out.outputs[0]
-                if c.delta_text or c.finish_reason is not None or c.logprobs is not None:
-                    yield fmt.sse(chunk(out))
-        except (RequestFailedError, EngineDeadError) as exc:
-            yield fmt.sse(error_body(500, str(exc), request_id=req.request_id))
-        if include_usage and last is not None:
-            yield fmt.sse(fmt.usage_chunk(ids, chat, _usage(last)))
-        yield fmt.SSE_DONE
+) -> EventStreamResponse:
+    # The request enters the engine now, before the response starts; the response's
+    # close (end, client gone, or never started) aborts it unless it finished.
+    try:
+        outputs = engine.submit(req)
+    except EngineDeadError as exc:
+        raise OpenAIError(503, str(exc)) from exc
 
-    # Starlette cancels this generator when the client disconnects; the engine stream's
-    # cleanup then aborts the request before the next step.
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
-    )
+    async def events() -> AsyncIterator[bytes]:
+        last: RequestOutput | None = None
+        parts: list[bytes] = []
+        try:
+            async for out in outputs:
+                # Outputs that arrived while the previous write was going out leave together;
+                # the last ones wait to leave with the usage and [DONE] in one write.
+                for last in (out, *outputs.ready()):
+                    c = last.outputs[0]
+                    if c.delta_text or c.finish_reason is not None or c.logprobs is not None:
+                        parts.append(chunk(last))
+                if parts and not outputs.finished:
+                    yield b"".join(parts)
+                    parts = []
+        except (RequestFailedError, EngineDeadError) as exc:
+            parts.append(encode_event(error_body(500, str(exc), request_id=req.request_id)))
+        if include_usage and last is not None:
+            parts.append(encode_event(fmt.usage_chunk(ids, chat, _usage(last))))
+        yield b"".join([*parts, SSE_DONE])
+
+    return EventStreamResponse(events(), on_close=outputs.close)
 
 
 async def _run_to_end(request: Request, engine: AsyncEngine, req: EngineRequest) -> RequestOutput:

@@ -1,0 +1,111 @@
+"""Server-sent events: the streaming response and the per-chunk encoding, shared by the
+engine server and the gateway.
+
+Streaming is the hot path of both (one event per token per stream), so it is kept lean:
+
+* ``EventStreamResponse`` sends ready-encoded bytes straight to the ASGI ``send``, and
+  watches for ``http.disconnect`` with one plain task per response (Starlette's
+  ``StreamingResponse`` spends an anyio task group per response and a re-encode per
+  chunk). Its ``on_close`` runs however the response ends (finished, client gone, error,
+  or the response never started), which is where the engine request is aborted. The
+  chunk that ends with ``data: [DONE]`` ends the response in the same write.
+* ``TextEvents`` encodes the common event, a text delta with no logprobs and no finish
+  reason, by splicing the JSON-escaped text into the response's constant prefix and
+  suffix, built once from the same ``openai_format`` builders (so the bytes are exactly
+  those of ``sse(completion_chunk(...))``); any other event goes through ``encode_event``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import suppress
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from kvserve.server import openai_format as fmt
+
+_SENTINEL = "\x00kvserve-text\x00"
+
+
+def encode_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``payload``, as bytes for the socket."""
+    return fmt.sse(payload).encode()
+
+
+SSE_DONE = fmt.SSE_DONE.encode()
+
+
+class TextEvents:
+    """Fast encoding of one response's plain text deltas (see the module docstring)."""
+
+    def __init__(self, ids: dict[str, Any], chat: bool) -> None:
+        if chat:
+            # The first chat delta carries the role; the later ones have this shape.
+            template = fmt.chat_chunk(ids, _SENTINEL, None, None, first=False)
+        else:
+            template = fmt.completion_chunk(ids, _SENTINEL, None, None)
+        prefix, suffix = fmt.sse(template).split(json.dumps(_SENTINEL, ensure_ascii=False))
+        self._prefix, self._suffix = prefix.encode(), suffix.encode()
+
+    def text(self, text: str) -> bytes:
+        return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix
+
+
+class EventStreamResponse(Response):
+    """``text/event-stream`` from an async iterator of encoded events (see the module)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        headers: Mapping[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.events = events
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.ensure_future(self._stream(send))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({streaming, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not streaming.done():  # the client went away (or the server is stopping)
+                streaming.cancel()
+                with suppress(asyncio.CancelledError):
+                    await streaming
+            if self.on_close is not None:
+                self.on_close()
+        if not streaming.cancelled():
+            exc = streaming.exception()
+            if exc is not None and not isinstance(exc, OSError):  # OSError: the client left
+                raise exc
+
+    async def _stream(self, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.events:
+                if chunk.endswith(SSE_DONE):  # the last event: one write with the end
+                    await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
