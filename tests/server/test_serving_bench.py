@@ -1,9 +1,11 @@
-"""``kvserve bench serve`` end to end with the smallest settings (figures, not targets)."""
+"""``kvserve bench serve`` end to end with the smallest settings (figures, not targets):
+a real ``kvserve serve`` process, its request log, and the offline engine."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -47,9 +49,50 @@ def test_bench_serve_json_reports_every_figure(capsys: pytest.CaptureFixture[str
         "serving_e2e_p50_ms",
         "ttft_server_p50_ms",
         "ttft_engine_p50_ms",
-        "ttft_server_engine_p50_ms",
+        "ttft_compute_p50_ms",
     ):
         assert isinstance(res[key], float) and res[key] > 0, (key, res[key])
-    assert res["ttft_requests_server"] > 0 and res["ttft_requests_engine"] > 0
-    for key in ("ttft_overhead_ms", "ttft_overhead_engine_thread_ms", "ttft_overhead_http_ms"):
-        assert isinstance(res[key], float), key  # differences: either sign
+    assert len(res["throughput_ratio_per_round"]) == res["rounds"]
+    # Every lone server request was found in the server's request log (same clock).
+    assert res["ttft_pairs"] == 4 and res["ttft_decomposed_requests"] == 4
+    # The parts are each request's instants in order; their sum is the client's TTFT.
+    assert res["ttft_to_engine_p50_ms"] >= 0
+    for key in ("ttft_overhead_ms", "ttft_http_in_p50_ms", "ttft_http_out_p50_ms"):
+        assert isinstance(res[key], float), key  # differences of clocks: either sign
+    assert res["ttft_server_added_p50_ms"] == pytest.approx(
+        res["ttft_server_p50_ms"] - res["ttft_compute_p50_ms"], abs=5.0
+    )
+
+
+@pytest.mark.parametrize(("visible_at", "token"), [(0, 1.4), (2, 1.45)])
+def test_decomposition_splits_the_client_ttft_into_the_servers_instants(
+    visible_at: int, token: float
+) -> None:
+    rec = serving.ClientRecord(send=1.0, first=1.5, chunk_times=[1.5])
+    pair = serving.TtftPair(offline=0.3, server=0.5)
+    log = {
+        "r1": {
+            "request_id": "r1",
+            "arrival_time": 1.1,
+            "first_scheduled_time": 1.2,
+            "first_token_time": 1.4,
+            "last_token_time": 1.45,
+        }
+    }
+    serving._decompose([pair], [("r1", rec)], visible_at, log)
+    assert pair.http_in == pytest.approx(0.1)
+    assert pair.to_engine == pytest.approx(0.1)
+    assert pair.compute == pytest.approx(token - 1.2)
+    assert pair.http_out == pytest.approx(1.5 - token)
+    assert pair.http_in + pair.to_engine + pair.compute + pair.http_out == pytest.approx(0.5)
+
+
+def test_request_log_lines_are_found_among_other_log_lines(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text(
+        "INFO:     Started server process [1]\n"
+        '2026-11-30 01:02:03,456 INFO kvserve.requests {"request_id":"a","arrival_time":1.0}\n'
+        "2026-11-30 01:02:03,457 INFO uvicorn.access 127.0.0.1 - POST /v1/completions 200\n"
+        "2026-11-30 01:02:03,458 INFO kvserve.requests {not json\n"
+    )
+    assert serving._request_log(log) == {"a": {"request_id": "a", "arrival_time": 1.0}}

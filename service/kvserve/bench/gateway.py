@@ -47,10 +47,7 @@ import contextlib
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.bench.cpu import usable_cpus
+from kvserve.bench.processes import Proc, free_ports, spawn, stop, wait_ready
 from kvserve.bench.serving import (
     MODEL_NAME,
     ClientRecord,
@@ -87,8 +85,6 @@ DESCRIPTION = (
     "The gateway's added latency and CPU cost on a streaming workload, and prefix vs "
     "round-robin routing on a shared-prefix agent workload (docs/gateway-config.md)."
 )
-STARTUP_POLL_S = 0.1  # how often readiness is polled (each poll has a deadline)
-STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,105 +134,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-# ---- processes -------------------------------------------------------------------------
-def _default_sigint() -> None:
-    # Parents like make or CI may ignore SIGINT, and children inherit that; a child must
-    # die on Ctrl-C like this process does.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-@dataclass
-class Proc:
-    """A child process (replica or gateway) with its output in a log file."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def cpu_seconds(self) -> float:
-        """utime + stime of the process (all its threads) so far, from /proc/PID/stat."""
-        stat = Path(f"/proc/{self.popen.pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def check_alive(self) -> None:
-        if self.popen.poll() is not None:
-            raise RuntimeError(
-                f"{self.name} exited with status {self.popen.returncode}; its log ends:\n"
-                + self.tail()
-            )
-
-
-def _spawn(name: str, argv: list[str], log: Path, env: dict[str, str]) -> Proc:
-    with log.open("wb") as out:
-        popen = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=_default_sigint,
-        )
-    return Proc(name, popen, log)
-
-
-def _stop(procs: Sequence[Proc]) -> None:
-    """SIGTERM to all at once, then SIGKILL whatever is still running after the grace."""
-    for proc in procs:
-        if proc.popen.poll() is None:
-            proc.popen.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait()
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all held open until all are chosen)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _wait_ready(
-    proc: Proc, url: str, deadline: float, ok: Callable[[httpx.Response], bool] | None = None
-) -> None:
-    """Poll ``url`` until it answers 200 (and ``ok(response)``), the process dies, or the
-    deadline passes."""
-    import httpx
-
-    while True:
-        proc.check_alive()
-        try:
-            r = httpx.get(url, timeout=5)
-            if r.status_code == 200 and (ok is None or ok(r)):
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"{proc.name} was not ready within the deadline; log:\n{proc.tail()}"
-            )
-        time.sleep(STARTUP_POLL_S)
-
-
 @dataclass
 class ReplicaProc:
     proc: Proc
@@ -256,7 +153,7 @@ class Launcher:
         self._count = 0
 
     def stop_all(self) -> None:
-        _stop(self.started)
+        stop(self.started)
 
     def _name(self, kind: str) -> tuple[str, Path]:
         self._count += 1
@@ -275,7 +172,7 @@ class Launcher:
         max_seqs = a.max_num_seqs or max(a.streams, a.agents, 1)
         reps: list[ReplicaProc] = []
         for _ in range(n):
-            http_port, grpc_port = _free_ports(2)
+            http_port, grpc_port = free_ports(2)
             name, log = self._name("replica")
             argv = [
                 sys.executable, "-m", "kvserve", "serve", "--model", self.model,
@@ -286,14 +183,14 @@ class Launcher:
                 "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                 "--seed", str(a.seed), "--drain-timeout", "2", "--log-level", "warning", *extra,
             ]  # fmt: skip
-            proc = _spawn(name, argv, log, self._env(threads))
+            proc = spawn(name, argv, log, self._env(threads))
             self.started.append(proc)
             reps.append(
                 ReplicaProc(proc, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
             )
         deadline = time.monotonic() + a.startup_timeout
         for rep in reps:
-            _wait_ready(rep.proc, f"{rep.http_url}/ready", deadline)
+            wait_ready(rep.proc, f"{rep.http_url}/ready", deadline)
         return reps
 
     def start_gateway(self, replicas: list[ReplicaProc], policy: str) -> tuple[Proc, str, str]:
@@ -304,7 +201,7 @@ class Launcher:
         from kvserve.gateway.config import new_key
 
         a = self.args
-        (port,) = _free_ports(1)
+        (port,) = free_ports(1)
         name, log = self._name("gateway")
         key, digest = new_key()
         keys_path = self.workdir / f"{name}-keys.yaml"
@@ -333,14 +230,14 @@ class Launcher:
             sys.executable, "-m", "kvserve", "gateway", "--config", str(config_path),
             "--log-level", "warning",
         ]  # fmt: skip
-        proc = _spawn(name, argv, log, self._env(None))
+        proc = spawn(name, argv, log, self._env(None))
         self.started.append(proc)
         url = f"http://127.0.0.1:{port}"
 
         def all_routable(r: httpx.Response) -> bool:
             return bool(r.json().get("replicas", {}).get(MODEL_NAME) == len(replicas))
 
-        _wait_ready(proc, f"{url}/ready", time.monotonic() + a.startup_timeout, all_routable)
+        wait_ready(proc, f"{url}/ready", time.monotonic() + a.startup_timeout, all_routable)
         return proc, url, key
 
 

@@ -1,21 +1,31 @@
-"""``kvserve bench serve``: the HTTP server under load vs the offline engine, one process.
+"""``kvserve bench serve``: ``kvserve serve`` under load vs the offline engine.
 
 Both sides run the same workload (random token-id prompts, greedy, ``ignore_eos``, each
-request's own ``max_tokens``) on two engines built with the same settings, at the same
+request's own ``max_tokens``) on engines built with the same settings, at the same
 concurrency:
 
-* offline: ``LLM.generate`` over the whole workload with ``max_num_seqs = concurrency``;
-* serving: the real app (``create_app``) under uvicorn on 127.0.0.1 in a background
-  thread, and ``concurrency`` asyncio clients (httpx) that take prompts from a shared
-  queue and stream ``POST /v1/completions`` (``stream_options.include_usage``) until it
-  is empty.
+* offline: ``LLM.generate`` over the whole workload with ``max_num_seqs = concurrency``,
+  in this process;
+* serving: a ``kvserve serve`` process on 127.0.0.1 (the real server, as deployed, with
+  its request log at INFO), and ``concurrency`` asyncio clients (httpx) in this process
+  that take prompts from a shared queue and stream ``POST /v1/completions``
+  (``stream_options.include_usage``) until it is empty.
 
 Throughput is output tokens / wall seconds on each side (the serving side counts the
-tokens each response's ``usage`` reports). Then requests go one at a time: the same
-request (one 32-token prompt, so every one is the same engine work) through the offline
-engine's step-level API (engine-side TTFT) and through the server (client-side TTFT); the
-difference of the medians is what the server adds to TTFT (HTTP, validation, the hop to
-the engine thread and back, SSE, and the engine thread's own costs).
+tokens each response's ``usage`` reports); the rounds alternate the two sides.
+
+TTFT: the same lone request (one 32-token prompt, prefix caching off, so every one is the
+same engine work) alternates between the offline engine's step-level API and the server,
+one pair at a time, so drift in the machine's speed falls on both alike. Two figures:
+
+* paired: the median of (server TTFT − offline TTFT) over the pairs, client side against
+  engine side. It carries the run-to-run noise of the forward pass itself.
+* decomposed: the server's request log gives each request's engine timeline on the same
+  monotonic clock as the client's timestamps (one machine), which splits the client's
+  TTFT into: HTTP in (last request byte sent → the handler stamps arrival), to the engine
+  (validation, tokenization, hand-off to the engine thread → first scheduled), compute
+  (first scheduled → the visible token), and out (that token → its SSE chunk read by the
+  client). What the server adds is TTFT − compute, per request; its median is reported.
 
 Every latency figure comes from ``kvserve.telemetry.definitions`` (DESIGN.md §3):
 ``s`` = when the request's last byte was written to the socket (client side) or its
@@ -23,10 +33,12 @@ arrival (engine side), ``f``/``e`` = the first/last non-empty visible output (SS
 with text on the client; steps whose ``delta_text`` is non-empty in the engine), so both
 sides of the TTFT comparison wait for the same token.
 
+The offline engine computes in one long-lived thread of this process (never the main
+thread, which runs the clients): see ``kvserve.engine.cpu_threads`` for why one thread.
 The model has ``kvserve bench offline``'s layer dimensions but the test tokenizer's own
 vocabulary, so every generated id decodes to text (with the offline bench's 8192-token
 vocabulary most ids are ones the tokenizer cannot show, and the streams would be nearly
-empty). The clients run in this process too and share its CPUs with the server.
+empty). The clients share the machine's CPUs with the server.
 """
 
 from __future__ import annotations
@@ -35,33 +47,34 @@ import argparse
 import asyncio
 import json
 import math
-import socket
+import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvserve.bench.offline import MODEL_SIZES, make_workload
+from kvserve.bench.processes import Proc, stop
 from kvserve.bench.timelines import Workload
 from kvserve.config import DTYPES
 from kvserve.telemetry import definitions
+from kvserve.telemetry.request_log import REQUEST_LOGGER
 
 if TYPE_CHECKING:
     import httpx
-    import uvicorn
 
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.llm import LLM
-    from kvserve.outputs import RequestMetrics, RequestOutput
 
 MODEL_NAME = "bench-model"
 TTFT_PROMPT_LEN = 32  # the TTFT pass repeats one prompt: every request is the same work
 TTFT_MAX_TOKENS = 8  # enough to reach the first visible token; keeps the pass short
+SERVER_STARTUP_TIMEOUT_S = 300.0
+T = TypeVar("T")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,6 +134,19 @@ class ServingPass:
 
 
 @dataclass
+class TtftPair:
+    """One lone request on each side; the server's with its engine timeline (from the
+    request log, same clock as the client) when it was found there."""
+
+    offline: float  # engine-side TTFT
+    server: float  # client-side TTFT
+    http_in: float | None = None  # last request byte sent → arrival stamped
+    to_engine: float | None = None  # arrival → first scheduled
+    compute: float | None = None  # first scheduled → the visible token
+    http_out: float | None = None  # the visible token → its chunk read by the client
+
+
+@dataclass
 class BenchResult:
     model_size: str
     model_params: int
@@ -136,7 +162,8 @@ class BenchResult:
     serving_seconds: float
     offline_output_tok_s: float
     serving_output_tok_s: float
-    throughput_ratio: float  # serving / offline
+    throughput_ratio: float  # serving / offline, best round of each
+    throughput_ratio_per_round: list[float]  # serving / offline, round by round
     serving_requests_completed: int  # over all rounds
     serving_requests_failed: int  # over all rounds
     serving_output_tokens: int  # in the best round
@@ -146,16 +173,19 @@ class BenchResult:
     serving_itl_p50_ms: float | None
     serving_itl_p99_ms: float | None
     serving_e2e_p50_ms: float | None
-    ttft_requests_server: int  # lone requests, all rounds
-    ttft_requests_engine: int
+    ttft_pairs: int  # lone requests on each side, interleaved
     ttft_server_p50_ms: float | None
     ttft_engine_p50_ms: float | None
-    ttft_overhead_ms: float | None  # server median − engine median
-    # The same request's TTFT inside the server's engine (its own timeline), which splits
-    # the overhead into the engine thread's share and the HTTP/SSE path's share.
-    ttft_server_engine_p50_ms: float | None
-    ttft_overhead_engine_thread_ms: float | None
-    ttft_overhead_http_ms: float | None
+    ttft_overhead_ms: float | None  # median of the pairs' (server − offline)
+    ttft_overhead_p25_ms: float | None
+    ttft_overhead_p75_ms: float | None
+    # The decomposition (medians over the pairs whose server request was in the log).
+    ttft_decomposed_requests: int
+    ttft_http_in_p50_ms: float | None
+    ttft_to_engine_p50_ms: float | None
+    ttft_compute_p50_ms: float | None
+    ttft_http_out_p50_ms: float | None
+    ttft_server_added_p50_ms: float | None  # median of (client TTFT − compute)
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -173,6 +203,10 @@ def _ms(seconds: float | None) -> float | None:
 
 
 # ---- engines and the server ------------------------------------------------------------
+def _max_model_len(work: Workload) -> int:
+    return max(map(len, work.prompts)) + max(work.output_lens)
+
+
 def _make_llm(model_dir: Path, work: Workload, args: argparse.Namespace) -> LLM:
     """One engine; called twice so both sides get exactly the same settings."""
     from kvserve import LLM
@@ -182,65 +216,53 @@ def _make_llm(model_dir: Path, work: Workload, args: argparse.Namespace) -> LLM:
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.concurrency,
-        max_model_len=max(map(len, work.prompts)) + max(work.output_lens),
+        max_model_len=_max_model_len(work),
         seed=args.seed,
         enable_prefix_caching=False,  # random prompts share nothing; keep rounds identical
     )
 
 
-class BackgroundServer:
-    """The engine server's app under uvicorn, in a daemon thread, on a loopback port.
+def _start_server(
+    model_dir: Path, work: Workload, args: argparse.Namespace, workdir: Path
+) -> tuple[Proc, str]:
+    """``kvserve serve`` with the offline engine's settings; returns once it is ready.
 
-    A fresh one per round, stopped before the offline side runs again, so that only one
-    thread at a time computes with torch (see ``kvserve.engine.cpu_threads``): the
-    server's engine thread here, as in `kvserve serve`, and the offline side's short-lived
-    thread when it runs.
-
-    ``finished`` collects the timeline of every request the server's engine finishes.
+    Its log level is INFO, the default, so its request log (one JSON line per request,
+    with the engine timeline) lands in the process's log file.
     """
+    from kvserve.bench.processes import free_ports, spawn, wait_ready
 
-    def __init__(self, engine: LLMEngine) -> None:
-        import uvicorn
+    (port,) = free_ports(1)
+    argv = [
+        sys.executable, "-m", "kvserve", "serve", "--model", str(model_dir),
+        "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+        "--no-grpc", "--dtype", args.dtype, "--device", args.device,
+        "--max-num-seqs", str(args.concurrency), "--max-model-len", str(_max_model_len(work)),
+        "--seed", str(args.seed), "--no-prefix-caching", "--drain-timeout", "2",
+        "--log-level", "info",
+    ]  # fmt: skip
+    proc = spawn("server", argv, workdir / "server.log", dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, f"{url}/ready", time.monotonic() + SERVER_STARTUP_TIMEOUT_S)
+    except BaseException:
+        stop([proc])
+        raise
+    return proc, url
 
-        from kvserve.server.app import create_app
-        from kvserve.telemetry.prometheus import EngineMetrics
 
-        self.finished: list[RequestMetrics] = []
-        finished = self.finished
-
-        class Recording(EngineMetrics):
-            def observe_finished(self, out: RequestOutput) -> None:
-                super().observe_finished(out)
-                finished.append(out.metrics)
-
-        app = create_app(engine, MODEL_NAME, metrics=Recording(MODEL_NAME))
-        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says
-        # TCP, and a proto-0 listener would leave Nagle on (40 ms delayed-ACK stalls), unlike
-        # `kvserve serve`, whose sockets asyncio creates itself.
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        port = int(self._sock.getsockname()[1])
-        self.url = f"http://127.0.0.1:{port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False)
-        self._server: uvicorn.Server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
-        )
-
-    def __enter__(self) -> BackgroundServer:
-        self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the benchmark server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-        self._sock.close()
+def _request_log(log: Path) -> dict[str, dict[str, Any]]:
+    """The server's request log records (``kvserve.telemetry.request_log``) by request id."""
+    records: dict[str, dict[str, Any]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        _, found, payload = line.partition(f" {REQUEST_LOGGER.name} ")
+        if found and payload.startswith("{"):
+            try:
+                record = json.loads(payload)
+            except json.JSONDecodeError:
+                continue
+            records[str(record.get("request_id"))] = record
+    return records
 
 
 # ---- the serving side ------------------------------------------------------------------
@@ -262,23 +284,30 @@ async def stream_sse(
     body: dict[str, Any],
     rec: ClientRecord,
     on_event: Callable[[dict[str, Any], float], None],
+    headers: dict[str, str] | None = None,
 ) -> None:
-    """POST ``body`` and hand each SSE event to ``on_event`` with its arrival time.
+    """POST ``body`` (with ``headers``) and hand each SSE event to ``on_event`` with its
+    arrival time.
 
-    ``rec.send`` becomes the moment the request's last byte went to the socket (httpcore's
-    trace events give it, so the client library's own work before it is not charged to the
-    server; the call time stands in if the event never comes). Chunks are timed when their
+    ``rec.send`` becomes the moment the request body's write begins: the write that puts
+    the request's last byte on the socket (httpcore's trace events give it, so the client
+    library's own work before it is not charged to the server; the call time stands in if
+    the event never comes). Stamped before the write rather than after: a client thread
+    preempted right after its write (the server waking on its CPU) would otherwise stamp
+    ``send`` late and hide part of the server's time. Chunks are timed when their
     bytes arrive, before any parsing. HTTP and transport failures land in ``rec.error``;
     ``rec.first``/``rec.last`` are set from ``rec.chunk_times`` at the end.
     """
     rec.send = time.perf_counter()
 
     async def trace(event: str, info: dict[str, Any]) -> None:
-        if event == "http11.send_request_body.complete":
+        if event == "http11.send_request_body.started":
             rec.send = time.perf_counter()
 
     try:
-        async with client.stream("POST", path, json=body, extensions={"trace": trace}) as r:
+        async with client.stream(
+            "POST", path, json=body, headers=headers, extensions={"trace": trace}
+        ) as r:
             if r.status_code != 200:
                 await r.aread()
                 rec.error = f"HTTP {r.status_code}: {r.text[:300]}"
@@ -304,8 +333,10 @@ async def stream_sse(
             rec.first, rec.last = rec.chunk_times[0], rec.chunk_times[-1]
 
 
-async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> ClientRecord:
-    """Stream one completion (timing: ``stream_sse``)."""
+async def _stream_one(
+    client: httpx.AsyncClient, body: dict[str, Any], request_id: str | None = None
+) -> ClientRecord:
+    """Stream one completion (timing: ``stream_sse``), as ``request_id`` if given."""
     rec = ClientRecord(send=time.perf_counter())
 
     def handle(event: dict[str, Any], now: float) -> None:
@@ -317,7 +348,8 @@ async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> Client
             if choice.get("finish_reason") is not None:
                 rec.finish_reason = choice["finish_reason"]
 
-    await stream_sse(client, "/v1/completions", body, rec, handle)
+    headers = {"x-request-id": request_id} if request_id is not None else None
+    await stream_sse(client, "/v1/completions", body, rec, handle, headers=headers)
     return rec
 
 
@@ -382,30 +414,66 @@ def _engine_ttft(
     return found
 
 
-def _engine_ttft_pass(
-    engine: LLMEngine, work: Workload, n: int, tag: str
-) -> tuple[list[float], int | None]:
-    """TTFTs of ``n`` lone requests, and the index of their first visible token."""
-    prompt, max_tokens = _ttft_request(work)
-    _engine_ttft(engine, f"{tag}-warmup", prompt, 2)
-    got = [_engine_ttft(engine, f"{tag}-{i}", prompt, max_tokens) for i in range(n)]
-    found = [g for g in got if g is not None]
-    return [t for t, _ in found], (found[0][1] if found else None)
+def _same_clock() -> bool:
+    """Whether the client's ``perf_counter`` and the engine's ``monotonic`` are one clock
+    (true on Linux: both CLOCK_MONOTONIC), so their instants can be subtracted."""
+    a, b = time.get_clock_info("perf_counter"), time.get_clock_info("monotonic")
+    return a.implementation == b.implementation
 
 
-async def _server_ttft_pass(url: str, work: Workload, n: int) -> list[float]:
-    """Client-side TTFTs of ``n`` lone requests through the server, one after another."""
+async def _ttft_pairs(
+    url: str, run_offline: Callable[..., Any], engine: LLMEngine, work: Workload, n: int
+) -> tuple[list[TtftPair], list[tuple[str, ClientRecord]], int]:
+    """``n`` lone requests on each side, one offline then one through the server, in turn.
+
+    A probe finds the index k of the first visible output token. Both sides then ask for
+    max(k + 1, 2) tokens: the visible token is the request log's ``first_token_time``
+    when k = 0, else its ``last_token_time`` (and then also the request's last, whose
+    bookkeeping runs before it is handed over). Returns the pairs (without the
+    decomposition) and each server request's id and client record.
+    """
     prompt, max_tokens = _ttft_request(work)
-    ttfts: list[float] = []
+    probe = await run_offline(_engine_ttft, engine, "ttft-probe", prompt, max_tokens)
+    if probe is None:
+        return [], [], 0
+    max_tokens = max(probe[1] + 1, 2)
+    pairs: list[TtftPair] = []
+    sent: list[tuple[str, ClientRecord]] = []
     async with _client(url, 1) as client:
         await _stream_one(client, _body(prompt, 2))  # warm-up (and the keep-alive connection)
-        for _ in range(n):
-            rec = await _stream_one(client, _body(prompt, max_tokens))
+        for i in range(n):
+            offline = await run_offline(_engine_ttft, engine, f"ttft-off-{i}", prompt, max_tokens)
+            rid = f"ttft-srv-{i}"
+            rec = await _stream_one(client, _body(prompt, max_tokens), request_id=rid)
             if rec.error is not None:
                 raise RuntimeError(f"TTFT request failed: {rec.error}")
-            if rec.first is not None:
-                ttfts.append(definitions.ttft(rec.send, rec.first))
-    return ttfts
+            if offline is None or rec.first is None:
+                continue
+            pairs.append(TtftPair(offline[0], definitions.ttft(rec.send, rec.first)))
+            sent.append((rid, rec))
+    return pairs, sent, probe[1]
+
+
+def _decompose(
+    pairs: list[TtftPair],
+    sent: list[tuple[str, ClientRecord]],
+    visible_at: int,
+    log: dict[str, Any],
+) -> None:
+    """Fill in each pair's server-side parts from the request log (same clock)."""
+    if not _same_clock():
+        return
+    for pair, (rid, rec) in zip(pairs, sent, strict=True):
+        r = log.get(rid)
+        if r is None or rec.first is None or r.get("last_token_time") is None:
+            continue
+        arrival, scheduled = float(r["arrival_time"]), float(r["first_scheduled_time"])
+        # The visible token: the first, or the last when k > 0 (see _ttft_pairs).
+        token = float(r["last_token_time" if visible_at > 0 else "first_token_time"])
+        pair.http_in = arrival - rec.send
+        pair.to_engine = definitions.queue_time(arrival, scheduled)
+        pair.compute = token - scheduled
+        pair.http_out = rec.first - token
 
 
 # ---- the run ---------------------------------------------------------------------------
@@ -416,15 +484,17 @@ def _summarise(
     work: Workload,
     offline_times: list[float],
     serving: list[ServingPass],
-    server_ttft: list[float],
-    engine_ttft: list[float],
-    server_engine_ttft: list[float],
+    pairs: list[TtftPair],
 ) -> BenchResult:
     best = min(serving, key=lambda p: p.seconds)
     ok = [r for r in best.records if r.ok]
     served_tokens = sum(r.output_tokens for r in ok)
     t_off, t_srv = min(offline_times), best.seconds
     off_rate, srv_rate = work.output_tokens / t_off, served_tokens / t_srv
+    per_round = [
+        (sum(r.output_tokens for r in p.records if r.ok) / p.seconds) / (work.output_tokens / t)
+        for t, p in zip(offline_times, serving, strict=True)
+    ]
     ttfts = [definitions.ttft(r.send, r.first) for r in ok if r.first is not None]
     e2es = [definitions.e2e(r.send, r.last) for r in ok if r.last is not None]
     tpots = [
@@ -435,9 +505,14 @@ def _summarise(
         if t is not None
     ]
     itls = [gap for r in ok for gap in definitions.itls(r.chunk_times)]
-    srv_med = statistics.median(server_ttft) if server_ttft else math.nan
-    eng_med = statistics.median(engine_ttft) if engine_ttft else math.nan
-    srv_eng_med = statistics.median(server_engine_ttft) if server_engine_ttft else math.nan
+    diffs = [p.server - p.offline for p in pairs]
+    parts = [p for p in pairs if p.compute is not None]
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values) if values else math.nan
+
+    def part(name: str) -> float | None:
+        return _ms(median([getattr(p, name) for p in parts]))
 
     return BenchResult(
         model_size=args.model_size,
@@ -455,6 +530,7 @@ def _summarise(
         offline_output_tok_s=round(off_rate, 1),
         serving_output_tok_s=round(srv_rate, 1),
         throughput_ratio=round(srv_rate / off_rate, 3),
+        throughput_ratio_per_round=[round(x, 3) for x in per_round],
         serving_requests_completed=sum(r.ok for p in serving for r in p.records),
         serving_requests_failed=sum(not r.ok for p in serving for r in p.records),
         serving_output_tokens=served_tokens,
@@ -464,14 +540,18 @@ def _summarise(
         serving_itl_p50_ms=_ms(_percentile(itls, 50)),
         serving_itl_p99_ms=_ms(_percentile(itls, 99)),
         serving_e2e_p50_ms=_ms(_percentile(e2es, 50)),
-        ttft_requests_server=len(server_ttft),
-        ttft_requests_engine=len(engine_ttft),
-        ttft_server_p50_ms=_ms(srv_med),
-        ttft_engine_p50_ms=_ms(eng_med),
-        ttft_overhead_ms=_ms(srv_med - eng_med),
-        ttft_server_engine_p50_ms=_ms(srv_eng_med),
-        ttft_overhead_engine_thread_ms=_ms(srv_eng_med - eng_med),
-        ttft_overhead_http_ms=_ms(srv_med - srv_eng_med),
+        ttft_pairs=len(pairs),
+        ttft_server_p50_ms=_ms(median([p.server for p in pairs])),
+        ttft_engine_p50_ms=_ms(median([p.offline for p in pairs])),
+        ttft_overhead_ms=_ms(median(diffs)),
+        ttft_overhead_p25_ms=_ms(_percentile(diffs, 25)),
+        ttft_overhead_p75_ms=_ms(_percentile(diffs, 75)),
+        ttft_decomposed_requests=len(parts),
+        ttft_http_in_p50_ms=part("http_in"),
+        ttft_to_engine_p50_ms=part("to_engine"),
+        ttft_compute_p50_ms=part("compute"),
+        ttft_http_out_p50_ms=part("http_out"),
+        ttft_server_added_p50_ms=_ms(median([p.server - p.compute for p in parts if p.compute])),
     )
 
 
@@ -497,7 +577,7 @@ def _print_table(res: BenchResult) -> None:
         f"{res.offline_output_tok_s:>14.1f}{'-':>12}{'-':>12}{'-':>12}{'-':>12}"
     )
     print(
-        f"{'serving (HTTP + SSE)':<28}{res.serving_seconds:>9.2f}"
+        f"{'serving (kvserve serve)':<28}{res.serving_seconds:>9.2f}"
         f"{res.serving_output_tok_s:>14.1f}{f(res.serving_ttft_p50_ms)}"
         f"{f(res.serving_ttft_p99_ms)}{f(res.serving_tpot_p50_ms)}{f(res.serving_itl_p99_ms)}"
     )
@@ -506,29 +586,36 @@ def _print_table(res: BenchResult) -> None:
         f"{res.serving_requests_failed} failed over {res.rounds} round(s); "
         f"{res.serving_output_tokens} output tokens served in the best round"
     )
-    print(f"serving/offline throughput: {res.throughput_ratio:.2f} (target ≥ 0.90)")
+    rounds = ", ".join(f"{x:.2f}" for x in res.throughput_ratio_per_round)
+    print(
+        f"serving/offline throughput: {res.throughput_ratio:.2f} best vs best "
+        f"(target ≥ 0.90); round by round: {rounds}"
+    )
     if res.ttft_overhead_ms is None:
         print("server TTFT overhead: not measured (--ttft-requests 0 or no visible output)")
         return
-    print(
-        f"server TTFT overhead (median, 1 request at a time): {res.ttft_overhead_ms:+.1f} ms "
-        f"(target ≤ 2 ms)"
-    )
-    print(
-        f"  TTFT p50 through the server (client side) {res.ttft_server_p50_ms:.1f} ms, "
-        f"in the offline engine {res.ttft_engine_p50_ms:.1f} ms "
-        f"({res.ttft_requests_server} and {res.ttft_requests_engine} requests)"
-    )
-    if res.ttft_overhead_engine_thread_ms is not None and res.ttft_overhead_http_ms is not None:
+    if res.ttft_server_added_p50_ms is not None:
         print(
-            f"  of which the server's engine thread {res.ttft_overhead_engine_thread_ms:+.1f} ms "
-            f"(TTFT inside it {res.ttft_server_engine_p50_ms:.1f} ms), HTTP and SSE "
-            f"{res.ttft_overhead_http_ms:+.1f} ms"
+            f"server TTFT overhead (median over {res.ttft_decomposed_requests} lone requests of "
+            f"TTFT − the engine's compute): {res.ttft_server_added_p50_ms:+.2f} ms "
+            f"(target ≤ 2 ms)"
         )
+        print(
+            f"  medians: HTTP in {res.ttft_http_in_p50_ms:.2f} ms, to the engine "
+            f"{res.ttft_to_engine_p50_ms:.2f} ms, compute {res.ttft_compute_p50_ms:.2f} ms, "
+            f"out to the client {res.ttft_http_out_p50_ms:.2f} ms"
+        )
+    print(
+        f"paired with the offline engine ({res.ttft_pairs} pairs, interleaved): median "
+        f"difference {res.ttft_overhead_ms:+.2f} ms (p25 {res.ttft_overhead_p25_ms:+.2f}, "
+        f"p75 {res.ttft_overhead_p75_ms:+.2f}); TTFT p50 {res.ttft_server_p50_ms:.2f} ms "
+        f"through the server, {res.ttft_engine_p50_ms:.2f} ms offline"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.engine.cpu_threads import call_in_short_lived_thread
+    from concurrent.futures import ThreadPoolExecutor
+
     from kvserve.model.config import ModelConfig
     from kvserve.testing.checkpoints import build_random_checkpoint
 
@@ -538,17 +625,29 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency < 1 or args.num_prompts < 1 or args.rounds < 1:
         say("kvserve bench serve: error: --concurrency, --num-prompts, --rounds must be ≥ 1")
         return 2
-    with tempfile.TemporaryDirectory(prefix="kvserve-bench-serve-") as tmp:
+    # Every torch computation of this process runs in this one thread (one OpenMP team;
+    # see kvserve.engine.cpu_threads); the main thread runs the clients' event loop.
+    torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-torch")
+
+    def on_torch(fn: Callable[..., T], *fn_args: Any) -> T:
+        return torch_thread.submit(fn, *fn_args).result()
+
+    async def on_torch_async(fn: Callable[..., T], *fn_args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(torch_thread, fn, *fn_args)
+
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-serve-") as tmp, torch_thread:
         # The offline bench's layer dimensions; the vocabulary is the tokenizer's own
         # (vocab_size=None), so generated ids decode to text and stream as SSE chunks.
         dims = {k: v for k, v in MODEL_SIZES[args.model_size].items() if k != "vocab_size"}
         say(f"building a random {args.model_size} Llama checkpoint ...")
-        model_dir = build_random_checkpoint(
-            Path(tmp) / "model",
-            "llama",
-            max_position_embeddings=1024,
-            seed=args.seed,
-            **dims,  # type: ignore[arg-type]
+        model_dir = on_torch(
+            lambda: build_random_checkpoint(
+                Path(tmp) / "model",
+                "llama",
+                max_position_embeddings=1024,
+                seed=args.seed,
+                **dims,  # type: ignore[arg-type]
+            )
         )
         model_config = ModelConfig.from_file(model_dir)
         params = model_config.num_params()
@@ -557,74 +656,42 @@ def run(args: argparse.Namespace) -> int:
             f"workload: {args.num_prompts} prompts, {sum(map(len, work.prompts))} prompt "
             f"tokens, {work.output_tokens} output tokens, concurrency {args.concurrency}"
         )
-        say("loading the offline engine and the server's engine ...")
-        # Torch computes in short-lived threads only (loading, the offline passes) and in
-        # the server's engine thread: see kvserve.engine.cpu_threads.
-        offline = call_in_short_lived_thread(lambda: _make_llm(model_dir, work, args))
-        served = call_in_short_lived_thread(lambda: _make_llm(model_dir, work, args).engine)
+        say("loading the offline engine and starting `kvserve serve` ...")
+        offline = on_torch(lambda: _make_llm(model_dir, work, args))
         from kvserve import SamplingParams
 
         sampling = [
             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
         ]
-        call_in_short_lived_thread(
-            lambda: offline.generate(work.prompts[:2], sampling[:2], use_tqdm=False)  # warm-up
-        )
-
-        offline_times: list[float] = []
-        serving: list[ServingPass] = []
-        server_ttft: list[float] = []
-        engine_ttft: list[float] = []
-        server_engine_ttft: list[float] = []
-        for r in range(args.rounds):
-            # The offline side runs while no server (and so no engine thread) exists; see
-            # ``BackgroundServer`` for why that matters on CPU.
-            start = time.perf_counter()
-            outs = call_in_short_lived_thread(
-                lambda: offline.generate(work.prompts, sampling, use_tqdm=False)
-            )
-            offline_times.append(time.perf_counter() - start)
-            produced = sum(len(o.outputs[0].token_ids) for o in outs)
-            assert produced == work.output_tokens, (produced, work.output_tokens)
-            say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
-            visible_at: int | None = None
-            if args.ttft_requests > 0:
-                got, visible_at = call_in_short_lived_thread(
-                    _engine_ttft_pass, offline.engine, work, args.ttft_requests, f"ttft-{r}"
-                )
-                engine_ttft += got
-
-            with BackgroundServer(served) as server:
-                serving.append(asyncio.run(_serving_pass(server.url, work, args.concurrency)))
+        on_torch(lambda: offline.generate(work.prompts[:2], sampling[:2], use_tqdm=False))
+        server, url = _start_server(model_dir, work, args, Path(tmp))
+        try:
+            offline_times: list[float] = []
+            serving: list[ServingPass] = []
+            for r in range(args.rounds):
+                start = time.perf_counter()
+                outs = on_torch(lambda: offline.generate(work.prompts, sampling, use_tqdm=False))
+                offline_times.append(time.perf_counter() - start)
+                produced = sum(len(o.outputs[0].token_ids) for o in outs)
+                assert produced == work.output_tokens, (produced, work.output_tokens)
+                say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
+                serving.append(asyncio.run(_serving_pass(url, work, args.concurrency)))
                 failed = sum(not rec.ok for rec in serving[-1].records)
                 say(
                     f"  round {r + 1}/{args.rounds}: serving  {serving[-1].seconds:7.2f} s"
                     + (f"  ({failed} failed)" if failed else "")
                 )
-                if args.ttft_requests > 0:
-                    server.finished.clear()
-                    server_ttft += asyncio.run(
-                        _server_ttft_pass(server.url, work, args.ttft_requests)
-                    )
-                    # Greedy: the server's copy of the request shows text at the same token.
-                    k = visible_at
-                    server_engine_ttft += [
-                        definitions.ttft(m.arrival_time, m.token_times[k])
-                        for m in server.finished[1:]  # after the warm-up request
-                        if k is not None and len(m.token_times) > k
-                    ]
+            pairs: list[TtftPair] = []
+            if args.ttft_requests > 0:
+                say(f"  TTFT: {args.ttft_requests} lone requests on each side, interleaved ...")
+                pairs, sent, visible_at = asyncio.run(
+                    _ttft_pairs(url, on_torch_async, offline.engine, work, args.ttft_requests)
+                )
+                _decompose(pairs, sent, visible_at, _request_log(server.log))
+        finally:
+            stop([server])
 
-    res = _summarise(
-        args,
-        params,
-        model_config.vocab_size,
-        work,
-        offline_times,
-        serving,
-        server_ttft,
-        engine_ttft,
-        server_engine_ttft,
-    )
+    res = _summarise(args, params, model_config.vocab_size, work, offline_times, serving, pairs)
     if args.json:
         print(json.dumps(asdict(res)))
     else:

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, ParamSpec
 
 from kvserve.bench import gateway as gw
 from kvserve.bench.cpu import machine_busy_seconds, usable_cpus
+from kvserve.bench.processes import Proc
 from kvserve.bench.results import Column, Section, Table, model_setup
 from kvserve.bench.suite import SuiteContext
 from kvserve.bench.timelines import Latency, Timeline, Workload, latency, random_workload
@@ -162,7 +163,7 @@ def _serving_pass(url: str, key: str, work: Workload, streams: int) -> Pass:
                 timelines, steady)  # fmt: skip
 
 
-def _cpu_now(procs: list[gw.Proc]) -> list[float]:
+def _cpu_now(procs: list[Proc]) -> list[float]:
     """CPU seconds so far of this process, of each of ``procs``, and of the whole machine;
     then the clock."""
     own = time.process_time()
@@ -170,7 +171,7 @@ def _cpu_now(procs: list[gw.Proc]) -> list[float]:
 
 
 def _with_cpu(
-    procs: list[gw.Proc], pass_: Callable[P, Pass], *args: P.args, **kwargs: P.kwargs
+    procs: list[Proc], pass_: Callable[P, Pass], *args: P.args, **kwargs: P.kwargs
 ) -> Pass:
     """Run a pass and charge it the CPU time of each process over the whole call (a
     window slightly longer than the timed pass: the serving pass's 4 tiny warm-up

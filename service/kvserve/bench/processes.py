@@ -1,0 +1,119 @@
+"""Child processes of the benchmarks (``kvserve serve`` replicas, gateways): start them
+with their output in a log file, wait until they answer, read their CPU time, stop them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
+
+STARTUP_POLL_S = 0.1  # how often readiness is polled (each poll has a deadline)
+STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+
+
+def _default_sigint() -> None:
+    # Parents like make or CI may ignore SIGINT, and children inherit that; a child must
+    # die on Ctrl-C like this process does.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@dataclass
+class Proc:
+    """A child process (replica or gateway) with its output in a log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the process (all its threads) so far, from /proc/PID/stat."""
+        stat = Path(f"/proc/{self.popen.pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        if self.popen.poll() is not None:
+            raise RuntimeError(
+                f"{self.name} exited with status {self.popen.returncode}; its log ends:\n"
+                + self.tail()
+            )
+
+
+def spawn(name: str, argv: list[str], log: Path, env: dict[str, str]) -> Proc:
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_default_sigint,
+        )
+    return Proc(name, popen, log)
+
+
+def stop(procs: Sequence[Proc]) -> None:
+    """SIGTERM to all at once, then SIGKILL whatever is still running after the grace."""
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all held open until all are chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_ready(
+    proc: Proc, url: str, deadline: float, ok: Callable[[httpx.Response], bool] | None = None
+) -> None:
+    """Poll ``url`` until it answers 200 (and ``ok(response)``), the process dies, or the
+    deadline passes."""
+    import httpx
+
+    while True:
+        proc.check_alive()
+        try:
+            r = httpx.get(url, timeout=5)
+            if r.status_code == 200 and (ok is None or ok(r)):
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{proc.name} was not ready within the deadline; log:\n{proc.tail()}"
+            )
+        time.sleep(STARTUP_POLL_S)
