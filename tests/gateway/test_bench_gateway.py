@@ -57,6 +57,9 @@ def test_bench_gateway_reports_both_phases(
             assert stats[name] is not None and stats[name] >= 0
     # Both paths stream the same greedy tokens of the same prompts: the same chunks.
     assert o["gateway"]["chunks"] == o["direct"]["chunks"] == o["gateway_chunks"]
+    # The bare gRPC client read the same greedy streams: one message per text chunk.
+    assert o["grpc_client_messages"] == o["gateway_chunks"]
+    assert o["grpc_client_cpu_seconds"] > 0
     assert o["gateway_cpu_seconds"] >= 0
     for name in ("ttft_p50_added_ms", "itl_p50_added_ms"):
         assert isinstance(o[name], float)

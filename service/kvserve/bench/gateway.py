@@ -15,7 +15,7 @@ Two phases (``--phase``):
   clients, goes direct to the replica's HTTP API and through the gateway, alternated
   within each of ``--rounds`` rounds (ABBA order, so drift in machine load falls on both
   paths alike). Client-side TTFT and every inter-token gap are recorded per request
-  (``serving.stream_sse``: send = the request's last byte on the socket, chunks timed
+  (``serving.stream_sse``: send = the write of the request's last bytes, chunks timed
   when their bytes arrive). The gateway's added latency is the difference of the medians;
   its efficiency is the text chunks it streamed per CPU-second of its process.
 * **routing**: ``--replicas`` replicas, an agent workload: ``--agents`` agents share one
@@ -47,6 +47,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -303,6 +304,11 @@ class OverheadResult:
     gateway_chunks: int
     gateway_chunks_per_cpu_second: float | None
     gateway_cpu_busy: float | None  # CPU-seconds / wall seconds of the gateway passes
+    # The floor: a bare grpc.aio client (this process, uvloop) reading the same streams
+    # straight from the replica, once per round.
+    grpc_client_messages: int
+    grpc_client_cpu_seconds: float
+    grpc_client_messages_per_cpu_second: float | None
     target_ttft_added_ms: float = TARGET_TTFT_ADDED_MS
     target_itl_added_ms: float = TARGET_ITL_ADDED_MS
     target_chunks_per_cpu_second: float = TARGET_CHUNKS_PER_CPU_S
@@ -414,9 +420,58 @@ async def _overhead_pass(
     return seconds, [r for r in records if r is not None], cpu
 
 
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _grpc_client_pass(
+    address: str, work: Workload, streams: int, tag: str
+) -> tuple[int, float]:
+    """The gRPC floor: ``streams`` workers read the workload's streams straight from the
+    replica with a bare ``grpc.aio`` client in this process (nothing else runs in it
+    meanwhile). Returns the delta messages with text and this process's CPU seconds over
+    the timed window."""
+    from kvserve.gateway.upstream import ReplicaClient, generate_request
+    from kvserve.sampling_params import SamplingParams
+
+    client = ReplicaClient(address)
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(work.prompts)):
+        todo.put_nowait(i)
+
+    async def one(rid: str, prompt: list[int], max_tokens: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        call = client.generate(generate_request(rid, prompt, params), 600.0, {})
+        texts = 0
+        async for msg in call:
+            if msg.WhichOneof("kind") == "delta" and msg.delta.text:
+                texts += 1
+        return texts
+
+    async def worker() -> int:
+        texts = 0
+        while True:
+            try:
+                i = todo.get_nowait()
+            except asyncio.QueueEmpty:
+                return texts
+            texts += await one(f"{tag}-{i}", work.prompts[i], work.output_lens[i])
+
+    try:
+        await one(f"{tag}-warm-up", work.prompts[0], 2)  # the channel's connection
+        cpu0 = _own_cpu_seconds()
+        counts = await asyncio.gather(*(worker() for _ in range(min(streams, len(work.prompts)))))
+        return sum(counts), _own_cpu_seconds() - cpu0
+    finally:
+        await client.close()
+
+
 def run_overhead(
     args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
 ) -> OverheadResult:
+    import uvloop
+
     work = _overhead_workload(args, tokenizer)
     say("overhead: starting 1 replica (prefix caching off) and the gateway ...")
     # Prefix caching off: every pass repeats the same prompts, and must cost the same.
@@ -437,6 +492,7 @@ def run_overhead(
         if errors:
             raise RuntimeError(f"{len(errors)} warm-up requests to {url} failed: {errors[0]}")
     passes: list[tuple[PassResult, list[ClientRecord]]] = []
+    floor_messages, floor_cpu = 0, 0.0
     for r in range(args.rounds):
         order = ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")
         for path in order:
@@ -470,6 +526,14 @@ def run_overhead(
                 + (f", gateway CPU {cpu[1]:.2f} s" if via_gw else "")
                 + (f" ({result.requests_failed} failed)" if result.requests_failed else "")
             )
+        # uvloop, as the gateway's uvicorn uses.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            texts, cpu_s = runner.run(
+                _grpc_client_pass(rep.grpc_address, work, args.streams, f"floor-{r}")
+            )
+        floor_messages += texts
+        floor_cpu += cpu_s
+        say(f"  round {r + 1}/{args.rounds} bare gRPC client: {texts} messages, {cpu_s:.2f} CPU-s")
     launcher.stop_all()
     direct = _path_stats([p for p in passes if p[0].path == "direct"])
     via = _path_stats([p for p in passes if p[0].path == "gateway"])
@@ -490,6 +554,11 @@ def run_overhead(
         gateway_chunks=via.chunks,
         gateway_chunks_per_cpu_second=round(via.chunks / gw_cpu, 1) if gw_cpu > 0 else None,
         gateway_cpu_busy=round(gw_cpu / via.seconds, 3) if via.seconds > 0 else None,
+        grpc_client_messages=floor_messages,
+        grpc_client_cpu_seconds=round(floor_cpu, 2),
+        grpc_client_messages_per_cpu_second=(
+            round(floor_messages / floor_cpu, 1) if floor_cpu > 0 else None
+        ),
         passes=[p for p, _ in passes],
     )
 
@@ -751,6 +820,13 @@ def print_report(rep: Report) -> None:
                 f"  the gateway was busy {o.gateway_cpu_busy:.0%} of one CPU during its passes; "
                 f"replica CPU: {o.direct.replica_cpu_seconds:.2f} s direct, "
                 f"{o.gateway.replica_cpu_seconds:.2f} s via the gateway (gRPC)"
+            )
+        floor = o.grpc_client_messages_per_cpu_second
+        if floor is not None:
+            print(
+                f"  for scale: a bare grpc.aio client reading the same streams from the replica "
+                f"(no HTTP, no SSE) handled {floor:,.0f} messages per CPU-second "
+                f"({o.grpc_client_messages} messages, {o.grpc_client_cpu_seconds:.2f} CPU-s)"
             )
     r = rep.routing
     if r is not None:
