@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.gateway.app import create_gateway_app
+    from kvserve.server.heap import freeze_startup_heap
 
     config = watcher.config
     host = args.host or config.listen.host
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    freeze_startup_heap()
     uvicorn.run(
         app,
         host=host,

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.engine.cpu_threads import call_in_short_lived_thread
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.app import create_app
+    from kvserve.server.heap import freeze_startup_heap
     from kvserve.server.shutdown import DrainingServer
     from kvserve.telemetry.prometheus import EngineMetrics
 
@@ -117,5 +118,6 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=1
     )
+    freeze_startup_heap()
     DrainingServer(config, app.state.kvserve, args.drain_timeout).run()
     return 0
