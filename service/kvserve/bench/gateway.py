@@ -470,7 +470,13 @@ async def _grpc_client_pass(
 def run_overhead(
     args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
 ) -> OverheadResult:
-    import uvloop
+    new_event_loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
+    try:  # the gateway's uvicorn runs on uvloop where it is installed (not on Windows)
+        import uvloop
+
+        new_event_loop = uvloop.new_event_loop
+    except ImportError:
+        pass
 
     work = _overhead_workload(args, tokenizer)
     say("overhead: starting 1 replica (prefix caching off) and the gateway ...")
@@ -526,8 +532,7 @@ def run_overhead(
                 + (f", gateway CPU {cpu[1]:.2f} s" if via_gw else "")
                 + (f" ({result.requests_failed} failed)" if result.requests_failed else "")
             )
-        # uvloop, as the gateway's uvicorn uses.
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
             texts, cpu_s = runner.run(
                 _grpc_client_pass(rep.grpc_address, work, args.streams, f"floor-{r}")
             )
