@@ -67,6 +67,7 @@ from kvserve.bench.serving import (
     _ms,
     _percentile,
     _stream_one,
+    run_client,
     stream_sse,
 )
 from kvserve.bench.timelines import Workload
@@ -470,14 +471,6 @@ async def _grpc_client_pass(
 def run_overhead(
     args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
 ) -> OverheadResult:
-    new_event_loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
-    try:  # the gateway's uvicorn runs on uvloop where it is installed (not on Windows)
-        import uvloop
-
-        new_event_loop = uvloop.new_event_loop
-    except ImportError:
-        pass
-
     work = _overhead_workload(args, tokenizer)
     say("overhead: starting 1 replica (prefix caching off) and the gateway ...")
     # Prefix caching off: every pass repeats the same prompts, and must cost the same.
@@ -532,10 +525,10 @@ def run_overhead(
                 + (f", gateway CPU {cpu[1]:.2f} s" if via_gw else "")
                 + (f" ({result.requests_failed} failed)" if result.requests_failed else "")
             )
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            texts, cpu_s = runner.run(
-                _grpc_client_pass(rep.grpc_address, work, args.streams, f"floor-{r}")
-            )
+        # On uvloop where installed, as the gateway's uvicorn runs.
+        texts, cpu_s = run_client(
+            _grpc_client_pass(rep.grpc_address, work, args.streams, f"floor-{r}")
+        )
         floor_messages += texts
         floor_cpu += cpu_s
         say(f"  round {r + 1}/{args.rounds} bare gRPC client: {texts} messages, {cpu_s:.2f} CPU-s")
