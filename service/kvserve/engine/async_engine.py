@@ -144,6 +144,12 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def _end_stream(self, request_id: str, abort: bool) -> None:
+        """A consumer is done with a request's outputs (``RequestStream.close``)."""
+        if abort:
+            self._commands.put(_Abort(request_id))
+        self._streams.pop(request_id, None)
+
     # ---- the engine thread -------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -296,9 +302,6 @@ class RequestStream:
         return item
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if not self.finished:
-            self._engine._commands.put(_Abort(self.request_id))
-        self._engine._streams.pop(self.request_id, None)
+        if not self._closed:
+            self._closed = True
+            self._engine._end_stream(self.request_id, abort=not self.finished)
