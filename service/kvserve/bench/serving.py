@@ -22,7 +22,7 @@ one pair at a time, so drift in the machine's speed falls on both alike. Two fig
   engine side. It carries the run-to-run noise of the forward pass itself.
 * decomposed: the server's request log gives each request's engine timeline on the same
   monotonic clock as the client's timestamps (one machine), which splits the client's
-  TTFT into: HTTP in (last request byte sent → the handler stamps arrival), to the engine
+  TTFT into: HTTP in (the request body's write → the handler stamps arrival), to the engine
   (validation, tokenization, hand-off to the engine thread → first scheduled), compute
   (first scheduled → the visible token), and out (that token → its SSE chunk read by the
   client). What the server adds is TTFT − compute, per request; its median is reported.
@@ -141,7 +141,7 @@ class TtftPair:
 
     offline: float  # engine-side TTFT
     server: float  # client-side TTFT
-    http_in: float | None = None  # last request byte sent → arrival stamped
+    http_in: float | None = None  # the request body's write → arrival stamped
     to_engine: float | None = None  # arrival → first scheduled
     compute: float | None = None  # first scheduled → the visible token
     http_out: float | None = None  # the visible token → its chunk read by the client
@@ -445,7 +445,7 @@ async def _ttft_pairs(
     max(k + 1, 2) tokens: the visible token is the request log's ``first_token_time``
     when k = 0, else its ``last_token_time`` (and then also the request's last, whose
     bookkeeping runs before it is handed over). Returns the pairs (without the
-    decomposition) and each server request's id and client record.
+    decomposition), each server request's id and client record, and k.
     """
     prompt, max_tokens = _ttft_request(work)
     probe = await run_offline(_engine_ttft, engine, "ttft-probe", prompt, max_tokens)
@@ -566,7 +566,7 @@ def _summarise(
         ttft_to_engine_p50_ms=part("to_engine"),
         ttft_compute_p50_ms=part("compute"),
         ttft_http_out_p50_ms=part("http_out"),
-        ttft_server_added_p50_ms=_ms(median([p.server - p.compute for p in parts if p.compute])),
+        ttft_server_added_p50_ms=_ms(median([p.server - (p.compute or 0.0) for p in parts])),
     )
 
 

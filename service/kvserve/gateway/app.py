@@ -534,7 +534,7 @@ class _Call:
             async for msg in self._messages(first):
                 if msg.WhichOneof("kind") == "delta":
                     delta = msg.delta
-                    lp = delta_logprobs(delta) if delta.logprobs else None
+                    lp = delta_logprobs(delta)
                     if lp is None and not opening:
                         if delta.text:
                             yield plain.text(delta.text)
@@ -554,8 +554,8 @@ class _Call:
         except grpc.aio.AioRpcError as exc:  # the replica failed mid-stream: never retried
             self.status = 502
             self.state.metrics.upstream_errors.labels(self.model, exc.code().name).inc()
-            yield encode_event(error_body(502, f"the replica failed: {exc.details()}"))
-            yield SSE_DONE
+            error = encode_event(error_body(502, f"the replica failed: {exc.details()}"))
+            yield error + SSE_DONE
 
     async def collect(self, first: Any, ids: dict[str, Any], chat: bool) -> dict[str, Any]:
         text: list[str] = []
