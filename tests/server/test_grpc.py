@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,11 @@ class Served:
     engine: AsyncEngine
     stub: Any  # pb_grpc.EngineServiceStub (generated, untyped)
     port: int
+    server: grpc.aio.Server
+
+    async def stop_server(self) -> None:
+        """Stop serving gRPC at once (cancelling every call), as a replica that dies."""
+        await self.server.stop(None)
 
     def is_idle(self) -> bool:
         """No request left in the engine and every KV block free."""
@@ -80,7 +86,7 @@ def serve(llm_engine: LLMEngine, body: Callable[[Served], Awaitable[None]]) -> N
         server, port = await start_grpc_server(engine, "127.0.0.1", 0)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                served = Served(engine, pb_grpc.EngineServiceStub(channel), port)
+                served = Served(engine, pb_grpc.EngineServiceStub(channel), port, server)
                 await asyncio.wait_for(body(served), timeout=60)
                 # Whatever the test did, nothing may be left behind in the engine.
                 await eventually(served.is_idle)
@@ -296,6 +302,121 @@ def test_abort_rpc_ends_the_stream(llm_engine: LLMEngine) -> None:
         await eventually(s.is_idle)
         # Unknown ids are ignored.
         await s.stub.Abort(pb.AbortRequest(request_id="no-such-request"))
+
+    serve(llm_engine, body)
+
+
+# ---- GenerateMany ---------------------------------------------------------------------------
+def start(tag: int, req: pb.GenerateRequest, **metadata: str) -> pb.TaggedCommand:
+    return pb.TaggedCommand(tag=tag, start=req, metadata=metadata)
+
+
+def cancel(tag: int) -> pb.TaggedCommand:
+    return pb.TaggedCommand(tag=tag, cancel=pb.Cancel())
+
+
+async def read_until_ended(
+    call: Any, tags: set[int]
+) -> tuple[dict[int, list[pb.TaggedOutput]], list[pb.GenerateManyResponse]]:
+    """Read a GenerateMany call until every tag in ``tags`` has its Final or Error
+    (outputs of other tags are kept too)."""
+    outputs: dict[int, list[pb.TaggedOutput]] = defaultdict(list)
+    messages: list[pb.GenerateManyResponse] = []
+    open_ = set(tags)
+    while open_:
+        message = await call.read()
+        assert message is not grpc.aio.EOF, f"the call ended with {open_} still open"
+        messages.append(message)
+        for out in message.outputs:
+            outputs[out.tag].append(out)
+            if out.WhichOneof("kind") != "delta":
+                open_.discard(out.tag)
+    return outputs, messages
+
+
+def test_generate_many_streams_each_request_as_generate_does_in_shared_messages(
+    llm_engine: LLMEngine,
+) -> None:
+    lengths = {1: 6, 2: 10}
+
+    async def body(s: Served) -> None:
+        expected = {
+            tag: [resp async for resp in s.stub.Generate(request(f"alone-{tag}", n))]
+            for tag, n in lengths.items()
+        }
+        call = s.stub.GenerateMany()
+        await call.write(
+            pb.GenerateManyRequest(
+                commands=[start(tag, request(f"many-{tag}", n)) for tag, n in lengths.items()]
+            )
+        )
+        outputs, messages = await read_until_ended(call, set(lengths))
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+
+        for tag, n in lengths.items():
+            got = outputs[tag]
+            assert [o.WhichOneof("kind") for o in got] == ["delta"] * (len(got) - 1) + ["final"]
+            alone = expected[tag]
+            tokens = [t for o in got[:-1] for t in o.delta.token_ids]
+            assert tokens == [t for r in alone[:-1] for t in r.delta.token_ids]
+            assert "".join(o.delta.text for o in got[:-1]) == "".join(
+                r.delta.text for r in alone[:-1]
+            )
+            final = got[-1].final
+            assert final.finish_reason == "length" and final.usage.completion_tokens == n
+            assert final.usage.prompt_tokens == alone[-1].final.usage.prompt_tokens
+        # Both requests ran in the same steps: their deltas shared messages.
+        assert any(len({o.tag for o in m.outputs}) == 2 for m in messages)
+        assert len(messages) < sum(len(o) for o in outputs.values())
+
+    serve(llm_engine, body)
+
+
+def test_generate_many_refuses_bad_commands_one_by_one(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        call = s.stub.GenerateMany()
+        commands = [
+            start(1, request("many-bad", 0)),  # max_tokens 0
+            start(2, request("many-long", LONG)),
+            start(2, request("many-same-tag", 4)),
+            start(3, request("many-long", 4)),  # the request id is in use
+            start(4, pb.GenerateRequest(request_id="many-no-prompt")),
+        ]
+        await call.write(pb.GenerateManyRequest(commands=commands))
+        outputs, _ = await read_until_ended(call, {1, 3, 4})
+        errors = {tag: outputs[tag][-1].error for tag in (1, 3, 4)}
+        assert all(e.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for e in errors.values())
+        assert errors[1].message.startswith("invalid max_tokens:")
+        assert "already in use" in errors[3].message
+        assert errors[4].message.startswith("invalid prompt:")
+
+        # The long request carries on; the refused duplicate tag left it alone.
+        await eventually(lambda: "many-long" in s.engine.engine.requests)
+        await call.write(pb.GenerateManyRequest(commands=[cancel(2), cancel(99)]))
+        _, messages = await read_until_ended(call, {2})
+        ends = [o for m in messages for o in m.outputs if o.WhichOneof("kind") != "delta"]
+        assert [(o.tag, o.WhichOneof("kind")) for o in ends] == [(2, "final")]
+        assert ends[0].final.finish_reason == "abort"
+        assert 0 < ends[0].final.usage.completion_tokens < LONG
+        call.cancel()
+
+    serve(llm_engine, body)
+
+
+def test_ending_a_generate_many_call_aborts_its_requests(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        call = s.stub.GenerateMany()
+        commands = [start(tag, request(f"orphan-{tag}", LONG)) for tag in (1, 2)]
+        await call.write(pb.GenerateManyRequest(commands=commands))
+        seen: set[int] = set()
+        while seen != {1, 2}:
+            seen |= {o.tag for o in (await call.read()).outputs}
+        assert {"orphan-1", "orphan-2"} <= set(s.engine.engine.requests)
+        assert call.cancel()
+        await eventually(s.is_idle)
+        assert s.engine.num_in_flight == 0
 
     serve(llm_engine, body)
 

@@ -430,9 +430,10 @@ async def _grpc_client_pass(
     address: str, work: Workload, streams: int, tag: str
 ) -> tuple[int, float]:
     """The gRPC floor: ``streams`` workers read the workload's streams straight from the
-    replica with a bare ``grpc.aio`` client in this process (nothing else runs in it
-    meanwhile). Returns the delta messages with text and this process's CPU seconds over
-    the timed window."""
+    replica with the gateway's own upstream client (``ReplicaClient``: one shared
+    ``GenerateMany`` call) in this process, nothing else running in it meanwhile.
+    Returns the delta messages with text and this process's CPU seconds over the timed
+    window."""
     from kvserve.gateway.upstream import ReplicaClient, generate_request
     from kvserve.sampling_params import SamplingParams
 

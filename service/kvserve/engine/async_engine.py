@@ -42,6 +42,10 @@ class _Abort:
     request_id: str
 
 
+# Receives a request's outputs on the event loop (see ``AsyncEngine.add_request``).
+OutputSink = Callable[[RequestOutput | BaseException], None]
+
+
 @dataclass
 class EngineHooks:
     """Called from the engine thread (keep them quick and thread-safe)."""
@@ -56,7 +60,7 @@ class AsyncEngine:
         self.engine = engine
         self.hooks = hooks or EngineHooks()
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -120,13 +124,21 @@ class AsyncEngine:
         The caller must ``close()`` the stream (it aborts the request unless it finished),
         so a request whose response never starts does not run on.
         """
-        rid = req.request_id
+        queue_: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.add_request(req, queue_.put_nowait)
+        return RequestStream(self, req.request_id, queue_)
+
+    def add_request(self, req: Request, on_output: OutputSink) -> None:
+        """Hand ``req`` to the engine thread now; ``on_output`` gets, on the event loop,
+        each of its outputs in order (the last one finished) or the exception that ends it.
+
+        All the outputs of one engine step are handed over in one event-loop callback, so a
+        consumer of many requests can batch them. The caller must ``release`` the request.
+        """
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
-        queue_: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[rid] = queue_
+        self._streams[req.request_id] = on_output
         self._commands.put(_Add(req))
-        return RequestStream(self, rid, queue_)
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Yield an output every step the request makes progress, the last one finished.
@@ -144,8 +156,8 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    def _end_stream(self, request_id: str, abort: bool) -> None:
-        """A consumer is done with a request's outputs (``RequestStream.close``)."""
+    def release(self, request_id: str, abort: bool) -> None:
+        """The consumer is done with a request's outputs; ``abort`` it if still running."""
         if abort:
             self._commands.put(_Abort(request_id))
         self._streams.pop(request_id, None)
@@ -236,18 +248,18 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:  # on the event loop
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put_nowait(out)
+            sink = self._streams.get(out.request_id)
+            if sink is not None:
+                sink(out)
 
     def _deliver(self, request_id: str, exc: BaseException) -> None:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._put_error, request_id, exc)
 
     def _put_error(self, request_id: str, exc: BaseException) -> None:  # on the event loop
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(exc)
+        sink = self._streams.get(request_id)
+        if sink is not None:
+            sink(exc)
 
     def _deliver_all(self, exc: BaseException) -> None:
         if self._loop is not None:
@@ -304,4 +316,4 @@ class RequestStream:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._engine._end_stream(self.request_id, abort=not self.finished)
+            self._engine.release(self.request_id, abort=not self.finished)

@@ -5,14 +5,15 @@ request id and body size (middleware; 400 / 413 ``payload_too_large``) → JSON 
 (400 ``invalid``) → API key (401 ``unauthenticated``) → model known (404) → key allowed
 for it (403 ``forbidden``) → ``max_tokens`` ceiling (400 ``invalid``) → per-tenant rate
 limits (429 ``rate_limited_*``/``concurrency``) → a replica slot, routed and possibly
-queued (503 ``queue_full``/``queue_timeout``) → the ``Generate`` call, retried on another
-replica while no output has been received → the answer, streamed or whole.
+queued (503 ``queue_full``/``queue_timeout``) → the request on the replica's shared
+``GenerateMany`` call, retried on another replica while no output has been received → the
+answer, streamed or whole.
 
 Response headers go out only once the replica has sent its first message, so a replica
 failing before any output is retried invisibly, and an engine refusal (INVALID_ARGUMENT)
 becomes a 400 with the engine's message. A client that goes away at any point (queued,
-waiting for the first token, mid-stream) has its gRPC call cancelled, which aborts the
-request in the engine and frees its KV blocks.
+waiting for the first token, mid-stream) has its upstream request cancelled, which aborts
+the request in the engine and frees its KV blocks.
 """
 
 from __future__ import annotations

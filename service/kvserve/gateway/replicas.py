@@ -2,7 +2,7 @@
 
 Health is active and passive: a poller calls every replica's ``GetLoad`` each
 ``load_poll_seconds`` (a failure marks it unhealthy, a success healthy again), and a
-``Generate`` that fails to connect marks it unhealthy at once. A replica removed from
+request that fails to reach it marks it unhealthy at once. A replica removed from
 discovery is *draining*: it gets no new requests, its in-flight ones finish, then its
 channel closes.
 """

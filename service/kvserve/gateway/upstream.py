@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from kvserve.gateway.multiplex import Multiplexer, UpstreamRequest
 from kvserve.outputs import TokenLogprob
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.grpc import engine_pb2 as pb
@@ -101,21 +102,26 @@ def delta_logprobs(delta: Any) -> DeltaLogprobs | None:
 
 
 class ReplicaClient:
-    """A channel to one engine replica (``host:port``) and the calls the gateway makes."""
+    """A channel to one engine replica (``host:port``) and the calls the gateway makes.
+
+    Requests share one ``GenerateMany`` call (``kvserve.gateway.multiplex``).
+    """
 
     def __init__(self, address: str) -> None:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.EngineServiceStub(self._channel)
+        self._requests = Multiplexer(self._stub, address)
 
     def generate(
         self, request: pb.GenerateRequest, timeout: float, metadata: Mapping[str, str]
-    ) -> Any:
-        """Start a ``Generate`` call (a ``grpc.aio.UnaryStreamCall``; cancel it to abort)."""
-        return self._stub.Generate(request, timeout=timeout, metadata=tuple(metadata.items()))
+    ) -> UpstreamRequest:
+        """Start ``request`` on the shared call; ``cancel()`` the result to abort it."""
+        return self._requests.start(request, timeout, metadata)
 
     async def get_load(self, timeout: float) -> Any:
         return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=timeout)
 
     async def close(self) -> None:
+        self._requests.close()
         await self._channel.close()

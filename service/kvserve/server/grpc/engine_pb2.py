@@ -27,7 +27,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvserve/server/grpc/engine.proto\x12\x11kvserve.engine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.kvserve.engine.v1.ChatMessage\"\xc6\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12\x37\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1b.kvserve.engine.v1.TokenIdsH\x00\x12/\n\x04\x63hat\x18\x13 \x01(\x0b\x32\x1f.kvserve.engine.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\n\x88\x01\x01\x12\x17\n\ncache_salt\x18\x12 \x01(\tH\x0b\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_cache_salt\"\x99\x02\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x35\n\x03top\x18\x03 \x03(\x0b\x32(.kvserve.engine.v1.TokenLogprob.TopEntry\x12\r\n\x05token\x18\x04 \x01(\t\x12\x42\n\ntop_tokens\x18\x05 \x03(\x0b\x32..kvserve.engine.v1.TokenLogprob.TopTokensEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x30\n\x0eTopTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1f.kvserve.engine.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf5\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x18\n\x0bstop_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rstop_token_id\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\'\n\x05usage\x18\x04 \x01(\x0b\x32\x18.kvserve.engine.v1.Usage\x12\x12\n\nqueue_time\x18\x05 \x01(\x01\x12\x0c\n\x04ttft\x18\x06 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x07 \x01(\x01\x12\x0c\n\x04tpot\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\rB\x0e\n\x0c_stop_reasonB\x10\n\x0e_stop_token_id\"p\n\x10GenerateResponse\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.kvserve.engine.v1.DeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.kvserve.engine.v1.FinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rHealthRequest\"2\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest\"\x94\x01\n\x0fGetLoadResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r2\xd3\x02\n\rEngineService\x12U\n\x08Generate\x12\".kvserve.engine.v1.GenerateRequest\x1a#.kvserve.engine.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.kvserve.engine.v1.AbortRequest\x1a .kvserve.engine.v1.AbortResponse\x12M\n\x06Health\x12 .kvserve.engine.v1.HealthRequest\x1a!.kvserve.engine.v1.HealthResponse\x12P\n\x07GetLoad\x12!.kvserve.engine.v1.GetLoadRequest\x1a\".kvserve.engine.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvserve/server/grpc/engine.proto\x12\x11kvserve.engine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.kvserve.engine.v1.ChatMessage\"\xc6\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12\x37\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1b.kvserve.engine.v1.TokenIdsH\x00\x12/\n\x04\x63hat\x18\x13 \x01(\x0b\x32\x1f.kvserve.engine.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\n\x88\x01\x01\x12\x17\n\ncache_salt\x18\x12 \x01(\tH\x0b\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_cache_salt\"\x99\x02\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x35\n\x03top\x18\x03 \x03(\x0b\x32(.kvserve.engine.v1.TokenLogprob.TopEntry\x12\r\n\x05token\x18\x04 \x01(\t\x12\x42\n\ntop_tokens\x18\x05 \x03(\x0b\x32..kvserve.engine.v1.TokenLogprob.TopTokensEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x30\n\x0eTopTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1f.kvserve.engine.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf5\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x18\n\x0bstop_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\rstop_token_id\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\'\n\x05usage\x18\x04 \x01(\x0b\x32\x18.kvserve.engine.v1.Usage\x12\x12\n\nqueue_time\x18\x05 \x01(\x01\x12\x0c\n\x04ttft\x18\x06 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x07 \x01(\x01\x12\x0c\n\x04tpot\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\rB\x0e\n\x0c_stop_reasonB\x10\n\x0e_stop_token_id\"p\n\x10GenerateResponse\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.kvserve.engine.v1.DeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.kvserve.engine.v1.FinalH\x00\x42\x06\n\x04kind\"I\n\x13GenerateManyRequest\x12\x32\n\x08\x63ommands\x18\x01 \x03(\x0b\x32 .kvserve.engine.v1.TaggedCommand\"\xf9\x01\n\rTaggedCommand\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x33\n\x05start\x18\x02 \x01(\x0b\x32\".kvserve.engine.v1.GenerateRequestH\x00\x12+\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x19.kvserve.engine.v1.CancelH\x00\x12@\n\x08metadata\x18\x04 \x03(\x0b\x32..kvserve.engine.v1.TaggedCommand.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\x08\n\x06\x43\x61ncel\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa4\x01\n\x0cTaggedOutput\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12)\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x18.kvserve.engine.v1.DeltaH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.kvserve.engine.v1.FinalH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.kvserve.engine.v1.ErrorH\x00\x42\x06\n\x04kind\"H\n\x14GenerateManyResponse\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.kvserve.engine.v1.TaggedOutput\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rHealthRequest\"2\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest\"\x94\x01\n\x0fGetLoadResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r2\xb8\x03\n\rEngineService\x12U\n\x08Generate\x12\".kvserve.engine.v1.GenerateRequest\x1a#.kvserve.engine.v1.GenerateResponse0\x01\x12\x63\n\x0cGenerateMany\x12&.kvserve.engine.v1.GenerateManyRequest\x1a\'.kvserve.engine.v1.GenerateManyResponse(\x01\x30\x01\x12J\n\x05\x41\x62ort\x12\x1f.kvserve.engine.v1.AbortRequest\x1a .kvserve.engine.v1.AbortResponse\x12M\n\x06Health\x12 .kvserve.engine.v1.HealthRequest\x1a!.kvserve.engine.v1.HealthResponse\x12P\n\x07GetLoad\x12!.kvserve.engine.v1.GetLoadRequest\x1a\".kvserve.engine.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB_TOPENTRY']._serialized_options = b'8\001'
   _globals['_TOKENLOGPROB_TOPTOKENSENTRY']._loaded_options = None
   _globals['_TOKENLOGPROB_TOPTOKENSENTRY']._serialized_options = b'8\001'
+  _globals['_TAGGEDCOMMAND_METADATAENTRY']._loaded_options = None
+  _globals['_TAGGEDCOMMAND_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=55
   _globals['_TOKENIDS']._serialized_end=78
   _globals['_CHATMESSAGE']._serialized_start=80
@@ -60,18 +62,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FINAL']._serialized_end=1610
   _globals['_GENERATERESPONSE']._serialized_start=1612
   _globals['_GENERATERESPONSE']._serialized_end=1724
-  _globals['_ABORTREQUEST']._serialized_start=1726
-  _globals['_ABORTREQUEST']._serialized_end=1760
-  _globals['_ABORTRESPONSE']._serialized_start=1762
-  _globals['_ABORTRESPONSE']._serialized_end=1777
-  _globals['_HEALTHREQUEST']._serialized_start=1779
-  _globals['_HEALTHREQUEST']._serialized_end=1794
-  _globals['_HEALTHRESPONSE']._serialized_start=1796
-  _globals['_HEALTHRESPONSE']._serialized_end=1846
-  _globals['_GETLOADREQUEST']._serialized_start=1848
-  _globals['_GETLOADREQUEST']._serialized_end=1864
-  _globals['_GETLOADRESPONSE']._serialized_start=1867
-  _globals['_GETLOADRESPONSE']._serialized_end=2015
-  _globals['_ENGINESERVICE']._serialized_start=2018
-  _globals['_ENGINESERVICE']._serialized_end=2357
+  _globals['_GENERATEMANYREQUEST']._serialized_start=1726
+  _globals['_GENERATEMANYREQUEST']._serialized_end=1799
+  _globals['_TAGGEDCOMMAND']._serialized_start=1802
+  _globals['_TAGGEDCOMMAND']._serialized_end=2051
+  _globals['_TAGGEDCOMMAND_METADATAENTRY']._serialized_start=1996
+  _globals['_TAGGEDCOMMAND_METADATAENTRY']._serialized_end=2043
+  _globals['_CANCEL']._serialized_start=2053
+  _globals['_CANCEL']._serialized_end=2061
+  _globals['_ERROR']._serialized_start=2063
+  _globals['_ERROR']._serialized_end=2101
+  _globals['_TAGGEDOUTPUT']._serialized_start=2104
+  _globals['_TAGGEDOUTPUT']._serialized_end=2268
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=2270
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=2342
+  _globals['_ABORTREQUEST']._serialized_start=2344
+  _globals['_ABORTREQUEST']._serialized_end=2378
+  _globals['_ABORTRESPONSE']._serialized_start=2380
+  _globals['_ABORTRESPONSE']._serialized_end=2395
+  _globals['_HEALTHREQUEST']._serialized_start=2397
+  _globals['_HEALTHREQUEST']._serialized_end=2412
+  _globals['_HEALTHRESPONSE']._serialized_start=2414
+  _globals['_HEALTHRESPONSE']._serialized_end=2464
+  _globals['_GETLOADREQUEST']._serialized_start=2466
+  _globals['_GETLOADREQUEST']._serialized_end=2482
+  _globals['_GETLOADRESPONSE']._serialized_start=2485
+  _globals['_GETLOADRESPONSE']._serialized_end=2633
+  _globals['_ENGINESERVICE']._serialized_start=2636
+  _globals['_ENGINESERVICE']._serialized_end=3076
 # @@protoc_insertion_point(module_scope)

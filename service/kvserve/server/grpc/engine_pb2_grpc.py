@@ -42,6 +42,11 @@ class EngineServiceStub:
                 request_serializer=kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvserve.engine.v1.EngineService/GenerateMany',
+                request_serializer=kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvserve.engine.v1.EngineService/Abort',
                 request_serializer=kvserve_dot_server_dot_grpc_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -66,6 +71,19 @@ class EngineServiceServicer:
         """Stream one request's output: any number of Delta messages, then exactly one Final.
         Bad input fails the call with INVALID_ARGUMENT before anything is streamed (the
         message names the parameter); a stopped engine with UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests over one long-lived call (the gateway keeps one per replica). The
+        client sends start and cancel commands, each naming a request by a tag it picks; the
+        server answers with batches: one message carries every output that is ready (usually
+        one engine step of all the call's requests), so a stream of N concurrent requests
+        costs one message per step instead of N. A request's outputs are its Generate
+        messages in order (Delta..., then Final) or one Error. Ending the call, from either
+        side, aborts every request still running on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,6 +118,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateManyRequest.FromString,
+                    response_serializer=kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -144,6 +167,33 @@ class EngineService:
             '/kvserve.engine.v1.EngineService/Generate',
             kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateRequest.SerializeToString,
             kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvserve.engine.v1.EngineService/GenerateMany',
+            kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+            kvserve_dot_server_dot_grpc_dot_engine__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

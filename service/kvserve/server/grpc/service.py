@@ -5,20 +5,29 @@ one loop). A ``Generate`` call streams a ``Delta`` for every engine step that ad
 tokens or text, then one ``Final``. When the client cancels the call or its deadline
 expires, grpc.aio cancels the handler; closing the engine stream then aborts the request
 in the engine, which frees its KV blocks before the next step.
+
+``GenerateMany`` carries many requests over one call, each named by the client's tag,
+and writes one message per batch of ready outputs instead of one per request and step:
+per-message cost is what limits a gateway, not bytes. Ending that call aborts whatever
+it started that is still running.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.sampling_params import SamplingParams
@@ -28,6 +37,10 @@ from kvserve.telemetry import definitions as d
 from kvserve.telemetry.tracing import RequestTelemetry
 
 log = logging.getLogger(__name__)
+
+# A GenerateMany batch is split above this many outputs (a client that fell far behind
+# must not get one message over its receive limit).
+MAX_OUTPUTS_PER_MESSAGE = 1024
 
 # Optional request fields passed to SamplingParams only when the client set them.
 _OPTIONAL_SAMPLING_FIELDS = (
@@ -141,6 +154,31 @@ def final_from_output(out: RequestOutput) -> pb.Final:
     return final
 
 
+class _Refused(Exception):
+    """A request the engine will not (or can no longer) serve, as a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _refusal(exc: BaseException) -> _Refused:
+    """The status a failure while building or running a request ends its call with."""
+    if isinstance(exc, _Refused):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return _Refused(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, InvalidRequestError):
+        message = f"invalid {exc.param}: {exc}" if exc.param else str(exc)
+        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, message)
+    if isinstance(exc, ValueError):  # e.g. the request id is already in use
+        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, RequestFailedError):
+        return _Refused(grpc.StatusCode.INTERNAL, str(exc))
+    return _Refused(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
 class EngineServicer(pb_grpc.EngineServiceServicer):
     """``kvserve.engine.v1.EngineService`` over one ``AsyncEngine`` (same event loop)."""
 
@@ -148,14 +186,16 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.engine = engine
         self.telemetry = telemetry
 
-    async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> None:
-        # A coroutine handler writing with context.write (not an async generator): a
-        # cancellation (client gone, deadline) then always lands inside this coroutine,
-        # where ``_closing`` closes the engine stream at once, which aborts the request.
+    def build_request(
+        self, request: pb.GenerateRequest, metadata: Callable[[], Mapping[str, str]]
+    ) -> Request:
+        """The engine request for ``request``; raises ``_Refused`` for bad input.
+
+        ``metadata`` gives the call's (or the command's) trace context, read only when
+        tracing is on.
+        """
         if not request.request_id:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid request_id: required")
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid request_id: required")
         arrival = time.monotonic()
         try:
             prompt = prompt_from_proto(request, self.engine.engine)
@@ -170,19 +210,23 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 arrival_time=arrival,
                 cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             )
-            if self.telemetry is not None:  # continues the gateway's W3C traceparent
-                metadata = {
-                    k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)
-                }
-                operation = "chat" if is_chat else "text_completion"
-                self.telemetry.begin(req.request_id, operation, params, metadata, arrival)
-        except EngineDeadError as exc:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-        except InvalidRequestError as exc:
-            message = f"invalid {exc.param}: {exc}" if exc.param else str(exc)
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, message)
-        except ValueError as exc:  # e.g. the request id is already in use
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (EngineDeadError, ValueError) as exc:  # InvalidRequestError is a ValueError
+            raise _refusal(exc) from None
+        if self.telemetry is not None:  # continues the gateway's W3C traceparent
+            operation = "chat" if is_chat else "text_completion"
+            self.telemetry.begin(req.request_id, operation, params, metadata(), arrival)
+        return req
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        # A coroutine handler writing with context.write (not an async generator): a
+        # cancellation (client gone, deadline) then always lands inside this coroutine,
+        # where ``_closing`` closes the engine stream at once, which aborts the request.
+        try:
+            req = self.build_request(request, lambda: _call_metadata(context))
+        except _Refused as exc:
+            await _abort(context, exc.code, exc.message)
 
         num_sent = 0
         tokenizer = self.engine.engine.tokenizer
@@ -195,15 +239,23 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                     if delta is not None:
                         num_sent += len(delta.token_ids)
                         await context.write(pb.GenerateResponse(delta=delta))
-        except EngineDeadError as exc:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-        except RequestFailedError as exc:
-            await _abort(context, grpc.StatusCode.INTERNAL, str(exc))
-        except ValueError as exc:  # rejected when queued (the id is already in use)
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (EngineDeadError, RequestFailedError, ValueError) as exc:
+            refused = _refusal(exc)
+            await _abort(context, refused.code, refused.message)
         if last is None or not last.finished:
             await _abort(context, grpc.StatusCode.INTERNAL, "the engine stream ended early")
         await context.write(pb.GenerateResponse(final=final_from_output(last)))
+
+    async def GenerateMany(
+        self,
+        request_iterator: AsyncIterator[pb.GenerateManyRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        call = _ManyCall(self, context)
+        try:
+            await call.run(request_iterator)
+        finally:  # the call ended (or was cancelled): nothing of it runs on
+            call.abort_all()
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -232,6 +284,112 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             num_blocks=num_blocks,
             num_free_blocks=round((1.0 - stats.kv_cache_usage) * num_blocks),
         )
+
+
+@dataclass
+class _Started:
+    """A request started on a ``GenerateMany`` call."""
+
+    request_id: str
+    num_sent: int = 0  # output tokens already sent (to pick each delta's logprobs)
+
+
+class _ManyCall:
+    """One ``GenerateMany`` call: the requests it started, and the batches it writes.
+
+    Engine outputs arrive through ``AsyncEngine.add_request`` sinks, one event-loop
+    callback per engine step; they are converted there and queued, and the writer sends
+    whatever is queued in one message. Outputs that queue up while a write is in flight
+    leave together in the next one.
+    """
+
+    def __init__(self, servicer: EngineServicer, context: grpc.aio.ServicerContext) -> None:
+        self.servicer = servicer
+        self.engine = servicer.engine
+        self.context = context
+        self.tokenizer = servicer.engine.engine.tokenizer
+        self.started: dict[int, _Started] = {}
+        self.ready: list[pb.TaggedOutput] = []
+        self.wake = asyncio.Event()
+
+    async def run(self, commands: AsyncIterator[pb.GenerateManyRequest]) -> None:
+        reader = asyncio.ensure_future(self._read(commands))
+        reader.add_done_callback(lambda _: self.wake.set())
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                while self.ready:
+                    batch = self.ready[:MAX_OUTPUTS_PER_MESSAGE]
+                    del self.ready[:MAX_OUTPUTS_PER_MESSAGE]
+                    await self.context.write(pb.GenerateManyResponse(outputs=batch))
+                if reader.done() and (not self.started or reader.exception() is not None):
+                    break  # the client half-closed and everything it started has ended
+        finally:
+            reader.cancel()
+        if (exc := reader.exception()) is not None:
+            raise exc
+
+    async def _read(self, commands: AsyncIterator[pb.GenerateManyRequest]) -> None:
+        async for message in commands:
+            for command in message.commands:
+                kind = command.WhichOneof("kind")
+                if kind == "start":
+                    self._start(command)
+                elif kind == "cancel":
+                    started = self.started.get(command.tag)
+                    if started is not None:  # ends with a Final (finish_reason "abort")
+                        await self.engine.abort(started.request_id)
+
+    def _start(self, command: pb.TaggedCommand) -> None:
+        tag = command.tag
+        try:
+            if tag in self.started:
+                raise _Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is in use by a running request"
+                )
+            req = self.servicer.build_request(command.start, lambda: dict(command.metadata))
+            started = _Started(req.request_id)
+            self.engine.add_request(req, functools.partial(self._on_output, tag, started))
+        except (_Refused, EngineDeadError) as exc:
+            self._push(_error_output(tag, _refusal(exc)))
+            return
+        self.started[tag] = started
+
+    def _on_output(self, tag: int, started: _Started, out: RequestOutput | BaseException) -> None:
+        if isinstance(out, BaseException):
+            self._push(_error_output(tag, _refusal(out)))
+            self._end(tag, started, abort=True)
+            return
+        delta = delta_from_output(out.outputs[0], started.num_sent, self.tokenizer)
+        if delta is not None:
+            started.num_sent += len(delta.token_ids)
+            self._push(pb.TaggedOutput(tag=tag, delta=delta))
+        if out.finished:
+            self._push(pb.TaggedOutput(tag=tag, final=final_from_output(out)))
+            self._end(tag, started, abort=False)
+
+    def _push(self, output: pb.TaggedOutput) -> None:
+        self.ready.append(output)
+        self.wake.set()
+
+    def _end(self, tag: int, started: _Started, abort: bool) -> None:
+        if self.started.get(tag) is started:
+            del self.started[tag]
+        self.engine.release(started.request_id, abort=abort)
+
+    def abort_all(self) -> None:
+        for tag, started in list(self.started.items()):
+            self._end(tag, started, abort=True)
+
+
+def _error_output(tag: int, refused: _Refused) -> pb.TaggedOutput:
+    error = pb.Error(code=refused.code.value[0], message=refused.message)
+    return pb.TaggedOutput(tag=tag, error=error)
+
+
+def _call_metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
 async def _abort(

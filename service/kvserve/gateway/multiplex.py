@@ -1,0 +1,210 @@
+"""Many gateway requests over one ``GenerateMany`` call per replica.
+
+A gRPC message costs the gateway about as much CPU as the HTTP chunk it becomes, and a
+call per request means one message per request per engine step. On one long-lived
+``GenerateMany`` call the replica sends one message per step for all of them, so the
+gateway's gRPC cost per streamed token shrinks with the number of concurrent streams.
+
+``Multiplexer.start`` gives each request an ``UpstreamRequest`` that reads like a
+``grpc.aio`` unary-stream call: ``await read()`` returns the request's next output (a
+``TaggedOutput`` with a ``delta`` or a ``final``) or ``grpc.aio.EOF`` after the final,
+and raises ``grpc.aio.AioRpcError`` when the request fails (the engine refused it, the
+call broke, its deadline passed); ``cancel()`` aborts it on the replica. One task reads
+the call and hands each output to its request; a broken call fails every request on it,
+and the next request opens a new call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import grpc
+
+from kvserve.server.grpc import engine_pb2 as pb
+
+log = logging.getLogger("kvserve.gateway")
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
+
+
+class UpstreamRequest:
+    """One request on a shared call (see the module docstring)."""
+
+    def __init__(self, call: _SharedCall, tag: int, timeout: float) -> None:
+        self._call = call
+        self.tag = tag
+        self._items: deque[Any] = deque()  # TaggedOutput, or the AioRpcError that ends it
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False  # its last item has arrived (or it was cancelled)
+        self._drained = False  # ... and has been read
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(timeout, self._expire, timeout)
+
+    async def read(self) -> Any:
+        while not self._items:
+            if self._drained:
+                return grpc.aio.EOF
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            self._items.appendleft(item)  # every later read fails the same way
+            raise item
+        if item.WhichOneof("kind") == "error":
+            code = _STATUS_BY_VALUE.get(item.error.code, grpc.StatusCode.UNKNOWN)
+            error = rpc_error(code, item.error.message)
+            self._items.appendleft(error)
+            raise error
+        if item.WhichOneof("kind") == "final":
+            self._drained = True
+        return item
+
+    def __aiter__(self) -> UpstreamRequest:
+        return self
+
+    async def __anext__(self) -> Any:
+        item = await self.read()
+        if item is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> None:
+        """Abort the request on the replica unless it has ended."""
+        self._abort(rpc_error(grpc.StatusCode.CANCELLED, "cancelled by the gateway"))
+
+    def done(self) -> bool:
+        return self._ended
+
+    # ---- fed by the shared call ------------------------------------------------------
+    def put(self, item: Any) -> None:
+        if self._ended:
+            return
+        if isinstance(item, BaseException) or item.WhichOneof("kind") != "delta":
+            self._end(item)
+            return
+        self._items.append(item)
+        self._wake()
+
+    def _end(self, last: Any) -> None:
+        self._ended = True
+        self._items.append(last)
+        self._deadline.cancel()
+        self._call.forget(self.tag)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _expire(self, timeout: float) -> None:
+        error = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"not finished within {timeout:g} s")
+        self._abort(error)
+
+    def _abort(self, error: grpc.aio.AioRpcError) -> None:
+        if not self._ended:
+            self._end(error)  # what the reader gets from now on
+            self._call.send(pb.TaggedCommand(tag=self.tag, cancel=pb.Cancel()))
+
+
+class _SharedCall:
+    """One ``GenerateMany`` call and the requests open on it."""
+
+    def __init__(self, stub: Any, address: str) -> None:
+        self.address = address
+        self.requests: dict[int, UpstreamRequest] = {}
+        self.broken = False
+        self._outbox: list[pb.TaggedCommand] = []
+        self._outbox_ready = asyncio.Event()
+        self._call = stub.GenerateMany(self._commands())
+        self._reader = asyncio.create_task(self._read(), name=f"GenerateMany {address}")
+
+    def send(self, command: pb.TaggedCommand) -> None:
+        self._outbox.append(command)
+        self._outbox_ready.set()
+
+    def forget(self, tag: int) -> None:
+        self.requests.pop(tag, None)
+
+    async def _commands(self) -> AsyncIterator[pb.GenerateManyRequest]:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            if self._outbox:  # what piled up during the last write leaves in one message
+                commands, self._outbox = self._outbox, []
+                yield pb.GenerateManyRequest(commands=commands)
+
+    async def _read(self) -> None:
+        error: grpc.aio.AioRpcError
+        try:
+            async for batch in self._call:
+                for output in batch.outputs:
+                    request = self.requests.get(output.tag)
+                    if request is not None:
+                        request.put(output)
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the replica ended the call")
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the channel")
+        except Exception as exc:  # never leave requests waiting on a dead reader
+            log.exception("GenerateMany reader for %s failed", self.address)
+            error = rpc_error(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        self.broken = True
+        if self.requests:
+            log.warning(
+                "GenerateMany call to %s ended with %d requests open: %s %s",
+                self.address,
+                len(self.requests),
+                error.code().name,
+                error.details(),
+            )
+        for request in list(self.requests.values()):
+            request.put(error)
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+
+
+class Multiplexer:
+    """The requests a gateway sends to one replica, on one shared call at a time."""
+
+    def __init__(self, stub: Any, address: str) -> None:
+        self._stub = stub
+        self.address = address
+        self._call: _SharedCall | None = None
+        self._next_tag = 0
+
+    def start(
+        self, request: pb.GenerateRequest, timeout: float, metadata: Mapping[str, str]
+    ) -> UpstreamRequest:
+        """Send ``request`` to the replica; read its outputs from the result."""
+        call = self._call
+        if call is None or call.broken:
+            call = self._call = _SharedCall(self._stub, self.address)
+        self._next_tag += 1
+        upstream = UpstreamRequest(call, self._next_tag, timeout)
+        call.requests[upstream.tag] = upstream
+        call.send(pb.TaggedCommand(tag=upstream.tag, start=request, metadata=metadata))
+        return upstream
+
+    @property
+    def num_open(self) -> int:
+        return len(self._call.requests) if self._call is not None else 0
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.close()
+            self._call = None

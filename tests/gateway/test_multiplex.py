@@ -1,0 +1,145 @@
+"""The gateway's shared ``GenerateMany`` call, against a real engine and gRPC server.
+
+Each test runs on its own event loop with a real ``AsyncEngine`` and grpc.aio server on a
+loopback port (``tests.server.test_grpc.serve``); the client under test is the gateway's
+``ReplicaClient``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.gateway.upstream import ReplicaClient
+from tests.server.test_grpc import BLOCK_SIZE, LONG, Served, eventually, request, serve
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_dir: Callable[[str], Path]) -> Iterator[LLMEngine]:
+    cfg = EngineConfig(
+        model=str(checkpoint_dir("llama")),
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        max_num_seqs=4,
+    )
+    yield LLMEngine(cfg)
+
+
+async def read_all(upstream: Any) -> list[Any]:
+    return [out async for out in upstream]
+
+
+def test_requests_share_one_call_and_match_their_own_generate_calls(engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        client = ReplicaClient(f"127.0.0.1:{s.port}")
+        try:
+            lengths = [3, 7, 5]
+            upstreams = [
+                client.generate(request(f"shared-{i}", n), 30, {"x-request-id": f"shared-{i}"})
+                for i, n in enumerate(lengths)
+            ]
+            results = await asyncio.gather(*(read_all(u) for u in upstreams))
+            for i, (outputs, n) in enumerate(zip(results, lengths, strict=True)):
+                alone = [r async for r in s.stub.Generate(request(f"alone-{i}", n))]
+                assert [o.WhichOneof("kind") for o in outputs] == [
+                    r.WhichOneof("kind") for r in alone
+                ]
+                assert [list(o.delta.token_ids) for o in outputs[:-1]] == [
+                    list(r.delta.token_ids) for r in alone[:-1]
+                ]
+                assert outputs[-1].final.usage.completion_tokens == n
+            assert len({u.tag for u in upstreams}) == 3
+            # After the final, reading again is the end of the stream.
+            assert await upstreams[0].read() is grpc.aio.EOF
+        finally:
+            await client.close()
+
+    serve(engine, body)
+
+
+def test_cancel_aborts_one_request_and_leaves_the_others_running(engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        client = ReplicaClient(f"127.0.0.1:{s.port}")
+        try:
+            doomed = client.generate(request("doomed", LONG), 30, {})
+            survivor = client.generate(request("survivor", 12), 30, {})
+            assert (await doomed.read()).WhichOneof("kind") == "delta"
+            doomed.cancel()
+            await eventually(lambda: "doomed" not in s.engine.engine.requests)
+            outputs = await read_all(survivor)
+            assert outputs[-1].final.finish_reason == "length"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await doomed.read()
+            assert info.value.code() == grpc.StatusCode.CANCELLED
+        finally:
+            await client.close()
+
+    serve(engine, body)
+
+
+def test_a_deadline_aborts_the_request_on_the_replica(engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        client = ReplicaClient(f"127.0.0.1:{s.port}")
+        try:
+            slow = client.generate(request("slow", LONG), 0.5, {})
+            seen = 0
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for out in slow:
+                    assert out.WhichOneof("kind") == "delta"
+                    seen += 1
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert seen > 0
+            await eventually(s.is_idle)
+        finally:
+            await client.close()
+
+    serve(engine, body)
+
+
+def test_an_engine_refusal_fails_only_that_request(engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        client = ReplicaClient(f"127.0.0.1:{s.port}")
+        try:
+            good = client.generate(request("good", 4), 30, {})
+            bad = client.generate(request("bad", 0), 30, {})
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await bad.read()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (info.value.details() or "").startswith("invalid max_tokens:")
+            assert (await read_all(good))[-1].final.usage.completion_tokens == 4
+        finally:
+            await client.close()
+
+    serve(engine, body)
+
+
+def test_a_replica_that_goes_away_fails_its_requests_and_the_next_call_is_new(
+    engine: LLMEngine,
+) -> None:
+    async def body(s: Served) -> None:
+        client = ReplicaClient(f"127.0.0.1:{s.port}")
+        try:
+            first = client.generate(request("cut-off", LONG), 30, {})
+            assert (await first.read()).WhichOneof("kind") == "delta"
+            await s.stop_server()
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for _ in first:
+                    pass
+            await eventually(s.is_idle)  # the replica aborted what the call had started
+            later = client.generate(request("later", 4), 30, {})  # a new call, refused
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await later.read()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert later.tag != first.tag
+        finally:
+            await client.close()
+
+    serve(engine, body)
