@@ -80,6 +80,10 @@ class GatewayState:
         """Models in the config, plus those discovery found replicas for."""
         return sorted(set(self.config.models) | set(self.fleet.models()))
 
+    def serves(self, model: str) -> bool:
+        """``model in model_names()``, without building the list (every request asks)."""
+        return model in self.config.models or model in self.fleet.replicas
+
     def update_gauges(self) -> None:
         m = self.metrics
         m.queue_length.set(self.queue.queue_length)
@@ -331,7 +335,7 @@ async def _serve(
     rid: str = request.state.request_id
     chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
     tenant = _authenticate(state, request)
-    if body.model not in state.model_names():
+    if not state.serves(body.model):
         raise OpenAIError(
             404,
             f"model {body.model!r} is not served here (available: "
@@ -373,7 +377,7 @@ async def _serve(
     operation = "chat" if chat else "text_completion"
     span = state.tracer.start_span(
         f"gateway {operation} {body.model}",
-        context=propagate.extract(dict(request.headers)),
+        context=propagate.extract(request.headers),
         kind=SpanKind.SERVER,
         attributes={
             "gen_ai.operation.name": operation,

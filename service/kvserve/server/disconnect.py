@@ -1,39 +1,63 @@
-"""Run work for a request unless its client goes away first (the engine server and the
-gateway both need it for everything that happens before a response starts)."""
+"""Stop work for a request when its client goes away (the engine server and the gateway
+both need it: before a response starts, and while it streams).
+
+One listener task per request waits for ``http.disconnect`` on the ASGI channel (which
+works behind middleware) and cancels the request's own task; the work itself runs in
+that task, not in a task of its own. Requests are the hot path of both servers, and a
+task plus an ``asyncio.wait`` per request costs more than the listener alone.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from contextlib import suppress
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.requests import Request
+from starlette.types import Receive
 
 T = TypeVar("T")
 
 
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or None (and ``work`` cancelled) if the client disconnects first.
+@dataclass
+class Watch:
+    disconnected: bool = False
 
-    Listens for ``http.disconnect`` on the ASGI channel, which works behind middleware;
-    exceptions from ``work`` propagate.
+
+@asynccontextmanager
+async def cancel_on_disconnect(receive: Receive) -> AsyncIterator[Watch]:
+    """Run the block, cancelled if the client disconnects meanwhile.
+
+    That cancellation ends the block quietly and sets ``watch.disconnected``; any other
+    cancellation (the server stopping) and every exception propagate.
     """
+    task = asyncio.current_task()
+    assert task is not None
+    watch = Watch()
 
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+    async def listen() -> None:
+        while (await receive())["type"] != "http.disconnect":
             pass
+        watch.disconnected = True
+        task.cancel()
 
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
+    listener = asyncio.ensure_future(listen())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        yield watch
+    except asyncio.CancelledError:
+        if not watch.disconnected or task.uncancel() > 0:
+            raise
     finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return None
-    return task.result()
+        listener.cancel()
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None (``work`` cancelled) if the client disconnects first.
+
+    Exceptions from ``work`` propagate.
+    """
+    async with cancel_on_disconnect(request.receive):
+        return await work
+    return None

@@ -3,12 +3,13 @@ engine server and the gateway.
 
 Streaming is the hot path of both (one event per token per stream), so it is kept lean:
 
-* ``EventStreamResponse`` sends ready-encoded bytes straight to the ASGI ``send``, and
-  watches for ``http.disconnect`` with one plain task per response (Starlette's
-  ``StreamingResponse`` spends an anyio task group per response and a re-encode per
-  chunk). Its ``on_close`` runs however the response ends (finished, client gone, error,
-  or the response never started), which is where the engine request is aborted. The
-  chunk that ends with ``data: [DONE]`` ends the response in the same write.
+* ``EventStreamResponse`` sends ready-encoded bytes straight to the ASGI ``send`` from
+  the request's own task, which a listener for ``http.disconnect`` cancels when the client
+  leaves (Starlette's ``StreamingResponse`` spends an anyio task group per response and a
+  re-encode per chunk). Its ``on_close`` runs however the response ends (finished,
+  client gone, error, or the response never started), which is where the engine request
+  is aborted. The chunk that ends with ``data: [DONE]`` ends the response in the same
+  write.
 * ``TextEvents`` encodes the common event, a text delta with no logprobs and no finish
   reason, by splicing the JSON-escaped text into the response's constant prefix and
   suffix, built once from the same ``openai_format`` builders (so the bytes are exactly
@@ -17,16 +18,15 @@ Streaming is the hot path of both (one event per token per stream), so it is kep
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import suppress
 from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvserve.server import openai_format as fmt
+from kvserve.server.disconnect import cancel_on_disconnect
 
 _SENTINEL = "\x00kvserve-text\x00"
 
@@ -74,22 +74,14 @@ class EventStreamResponse(Response):
         self.init_headers({"cache-control": "no-cache", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streaming = asyncio.ensure_future(self._stream(send))
-        watch = asyncio.ensure_future(_disconnected(receive))
         try:
-            await asyncio.wait({streaming, watch}, return_when=asyncio.FIRST_COMPLETED)
+            async with cancel_on_disconnect(receive):
+                await self._stream(send)
+        except OSError:  # the client left while a write was under way
+            pass
         finally:
-            watch.cancel()
-            if not streaming.done():  # the client went away (or the server is stopping)
-                streaming.cancel()
-                with suppress(asyncio.CancelledError):
-                    await streaming
             if self.on_close is not None:
                 self.on_close()
-        if not streaming.cancelled():
-            exc = streaming.exception()
-            if exc is not None and not isinstance(exc, OSError):  # OSError: the client left
-                raise exc
 
     async def _stream(self, send: Send) -> None:
         try:
