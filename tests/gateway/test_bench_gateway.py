@@ -32,7 +32,7 @@ def test_bench_gateway_reports_both_phases(
             "--max-tokens", str(max_tokens), "--prompt-len", "8", "--rounds", str(rounds),
             "--replicas", str(replicas), "--agents", str(agents),
             "--questions", str(questions), "--system-tokens", "40",
-            "--routing-max-tokens", "4", "--json", str(out),
+            "--routing-max-tokens", "4", "--lone-pairs", "3", "--json", str(out),
         ],
         capture_output=True,
         text=True,
@@ -63,6 +63,13 @@ def test_bench_gateway_reports_both_phases(
     assert o["gateway_cpu_seconds"] >= 0
     for name in ("ttft_p50_added_ms", "itl_p50_added_ms"):
         assert isinstance(o[name], float)
+    # Lone pairs: both requests of each pair succeed (greedy, ignore_eos, 4 tokens: gaps).
+    assert o["lone_pairs"] == 3
+    for name in ("lone_ttft_added", "lone_itl_added"):
+        q1, median, q3 = (o[f"{name}{part}_ms"] for part in ("_q1", "", "_q3"))
+        assert all(isinstance(x, float) for x in (q1, median, q3))
+        assert q1 <= median <= q3
+    assert "lone requests (3 pairs" in proc.stdout
     assert o["target_ttft_added_ms"] == 5.0 and o["target_itl_added_ms"] == 0.5
     assert o["target_chunks_per_cpu_second"] == 10_000
 

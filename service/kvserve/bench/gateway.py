@@ -17,7 +17,9 @@ Two phases (``--phase``):
   paths alike). Client-side TTFT and every inter-token gap are recorded per request
   (``serving.stream_sse``: send = the write of the request's last bytes, chunks timed
   when their bytes arrive). The gateway's added latency is the difference of the medians;
-  its efficiency is the text chunks it streamed per CPU-second of its process.
+  its efficiency is the text chunks it streamed per CPU-second of its process. Then
+  ``--lone-pairs`` lone requests on each path, one at a time and interleaved: the medians
+  of their paired differences are the latency the gateway adds without batching noise.
 * **routing**: ``--replicas`` replicas, an agent workload: ``--agents`` agents share one
   system prompt of about ``--system-tokens`` tokens (built deterministically from
   ``--seed``, counted with the model's tokenizer) and each asks ``--questions`` short
@@ -116,6 +118,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="rounds of direct + gateway passes (order alternates between rounds)",
+    )
+    o.add_argument(
+        "--lone-pairs",
+        type=int,
+        default=32,
+        help="then this many lone requests on each path, one at a time and interleaved, "
+        "for the latency the gateway adds without batching noise (0: skip)",
     )
     r = p.add_argument_group("routing phase")
     r.add_argument("--replicas", type=int, default=3)
@@ -310,6 +319,16 @@ class OverheadResult:
     grpc_client_messages: int
     grpc_client_cpu_seconds: float
     grpc_client_messages_per_cpu_second: float | None
+    # Lone requests, one at a time, direct and through the gateway in turn: medians (and
+    # quartiles) of the pairs' differences, gateway − direct; ITL per request is the
+    # median of its own gaps.
+    lone_pairs: int = 0
+    lone_ttft_added_ms: float | None = None
+    lone_ttft_added_q1_ms: float | None = None
+    lone_ttft_added_q3_ms: float | None = None
+    lone_itl_added_ms: float | None = None
+    lone_itl_added_q1_ms: float | None = None
+    lone_itl_added_q3_ms: float | None = None
     target_ttft_added_ms: float = TARGET_TTFT_ADDED_MS
     target_itl_added_ms: float = TARGET_ITL_ADDED_MS
     target_chunks_per_cpu_second: float = TARGET_CHUNKS_PER_CPU_S
@@ -469,6 +488,53 @@ async def _grpc_client_pass(
         await client.close()
 
 
+@dataclass
+class LonePair:
+    """One lone request on each path (seconds): TTFT and the median of its own gaps."""
+
+    ttft_direct: float
+    ttft_gateway: float
+    itl_direct: float
+    itl_gateway: float
+
+
+async def _lone_pairs(
+    direct_url: str, gateway_url: str, key: str, work: Workload, n: int
+) -> list[LonePair]:
+    """``n`` lone requests on each path, one at a time, the order swapped every pair (so
+    drift falls on both alike). Only pairs where both requests succeeded are kept."""
+    pairs: list[LonePair] = []
+    async with _client(direct_url, 1) as direct, _client(gateway_url, 1) as via:
+        via.headers["authorization"] = f"Bearer {key}"
+        for i in range(n):
+            body = _body(work.prompts[i % len(work.prompts)], work.output_lens[0])
+            clients = (direct, via) if i % 2 == 0 else (via, direct)
+            recs = {id(c): await _stream_one(c, body) for c in clients}
+            d, g = recs[id(direct)], recs[id(via)]
+            if not (d.ok and g.ok and d.first is not None and g.first is not None):
+                continue
+            gaps_d, gaps_g = definitions.itls(d.chunk_times), definitions.itls(g.chunk_times)
+            if not gaps_d or not gaps_g:
+                continue
+            pairs.append(
+                LonePair(
+                    definitions.ttft(d.send, d.first),
+                    definitions.ttft(g.send, g.first),
+                    statistics.median(gaps_d),
+                    statistics.median(gaps_g),
+                )
+            )
+    return pairs
+
+
+def _median_and_quartiles(values: Sequence[float]) -> tuple[float | None, ...]:
+    """Median, first and third quartile in ms (None when there are too few values)."""
+    if len(values) < 2:
+        return (_ms(values[0]) if values else None, None, None)
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return _ms(q2), _ms(q1), _ms(q3)
+
+
 def run_overhead(
     args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
 ) -> OverheadResult:
@@ -533,7 +599,13 @@ def run_overhead(
         floor_messages += texts
         floor_cpu += cpu_s
         say(f"  round {r + 1}/{args.rounds} bare gRPC client: {texts} messages, {cpu_s:.2f} CPU-s")
+    lone: list[LonePair] = []
+    if args.lone_pairs > 0:
+        say(f"  {args.lone_pairs} lone requests on each path, one at a time, interleaved ...")
+        lone = run_client(_lone_pairs(rep.http_url, gw_url, key, work, args.lone_pairs))
     launcher.stop_all()
+    lone_ttft = _median_and_quartiles([p.ttft_gateway - p.ttft_direct for p in lone])
+    lone_itl = _median_and_quartiles([p.itl_gateway - p.itl_direct for p in lone])
     direct = _path_stats([p for p in passes if p[0].path == "direct"])
     via = _path_stats([p for p in passes if p[0].path == "gateway"])
     gw_cpu = sum(p.gateway_cpu_seconds or 0.0 for p, _ in passes)
@@ -554,11 +626,18 @@ def run_overhead(
         gateway_chunks_per_cpu_second=round(via.chunks / gw_cpu, 1) if gw_cpu > 0 else None,
         gateway_cpu_busy=round(gw_cpu / via.seconds, 3) if via.seconds > 0 else None,
         grpc_client_messages=floor_messages,
-        grpc_client_cpu_seconds=round(floor_cpu, 2),
+        grpc_client_cpu_seconds=round(floor_cpu, 4),
         grpc_client_messages_per_cpu_second=(
             round(floor_messages / floor_cpu, 1) if floor_cpu > 0 else None
         ),
         passes=[p for p, _ in passes],
+        lone_pairs=len(lone),
+        lone_ttft_added_ms=lone_ttft[0],
+        lone_ttft_added_q1_ms=lone_ttft[1],
+        lone_ttft_added_q3_ms=lone_ttft[2],
+        lone_itl_added_ms=lone_itl[0],
+        lone_itl_added_q1_ms=lone_itl[1],
+        lone_itl_added_q3_ms=lone_itl[2],
     )
 
 
@@ -806,6 +885,14 @@ def print_report(rep: Report) -> None:
             f"{'target (added, median)':<26}{'≤ ' + format(o.target_ttft_added_ms, '.1f'):>12}"
             f"{'':>12}{'≤ ' + format(o.target_itl_added_ms, '.1f'):>12}"
         )
+        if o.lone_pairs:
+            print(
+                f"lone requests ({o.lone_pairs} pairs, one at a time, interleaved), median of "
+                f"(gateway − direct) [quartiles]: TTFT {_f(o.lone_ttft_added_ms, 0, sign=True)} "
+                f"ms [{_f(o.lone_ttft_added_q1_ms, 0)}, {_f(o.lone_ttft_added_q3_ms, 0)}], "
+                f"ITL (each request's median) {_f(o.lone_itl_added_ms, 0, sign=True)} ms "
+                f"[{_f(o.lone_itl_added_q1_ms, 0)}, {_f(o.lone_itl_added_q3_ms, 0)}]"
+            )
         rate = o.gateway_chunks_per_cpu_second
         print(
             f"gateway CPU: {o.gateway_cpu_seconds:.2f} s (utime+stime) for {o.gateway_chunks} "
@@ -823,8 +910,8 @@ def print_report(rep: Report) -> None:
         floor = o.grpc_client_messages_per_cpu_second
         if floor is not None:
             print(
-                f"  for scale: a bare grpc.aio client reading the same streams from the replica "
-                f"(no HTTP, no SSE) handled {floor:,.0f} messages per CPU-second "
+                f"  for scale: the gateway's gRPC client alone, reading the same streams from the "
+                f"replica (no HTTP, no SSE), handled {floor:,.0f} messages per CPU-second "
                 f"({o.grpc_client_messages} messages, {o.grpc_client_cpu_seconds:.2f} CPU-s)"
             )
     r = rep.routing
