@@ -17,7 +17,8 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.gateway.upstream import ReplicaClient
+from kvserve.gateway.upstream import KEEPALIVE_TIME_MS, ReplicaClient
+from kvserve.server.grpc.service import MIN_PING_INTERVAL_MS
 from tests.server.test_grpc import BLOCK_SIZE, LONG, Served, eventually, request, serve
 
 
@@ -143,3 +144,27 @@ def test_a_replica_that_goes_away_fails_its_requests_and_the_next_call_is_new(
             await client.close()
 
     serve(engine, body)
+
+
+@pytest.mark.slow
+def test_an_idle_shared_call_outlives_the_gateways_keepalive_pings(engine: LLMEngine) -> None:
+    # Scaled down: the gateway pings every 30 s and the replica accepts one every 10 s.
+    # With gRPC's default server settings (a ping without data at most every 5 minutes)
+    # this fails: after three early pings the replica sends GOAWAY "too_many_pings".
+    assert MIN_PING_INTERVAL_MS < KEEPALIVE_TIME_MS
+    keepalive_ms, idle_s = 1000, 5.0
+
+    async def body(s: Served) -> None:
+        client = ReplicaClient(f"127.0.0.1:{s.port}", keepalive_ms=keepalive_ms)
+        try:
+            first = client.generate(request("before-idle", 2), 30, {})
+            await read_all(first)
+            # The idle time is the scenario (pings with no data), not a synchronisation.
+            await asyncio.sleep(idle_s)
+            second = client.generate(request("after-idle", 2), 30, {})
+            assert (await read_all(second))[-1].final.usage.completion_tokens == 2
+            assert client._requests.num_calls == 1  # the same call, never broken
+        finally:
+            await client.close()
+
+    serve(engine, body, min_ping_interval_ms=keepalive_ms // 2)

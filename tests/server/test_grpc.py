@@ -77,13 +77,15 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> No
         await asyncio.sleep(0.005)
 
 
-def serve(llm_engine: LLMEngine, body: Callable[[Served], Awaitable[None]]) -> None:
+def serve(
+    llm_engine: LLMEngine, body: Callable[[Served], Awaitable[None]], **server_kw: Any
+) -> None:
     """Run ``body`` against a fresh AsyncEngine + gRPC server on one event loop."""
 
     async def main() -> None:
         engine = AsyncEngine(llm_engine)
         engine.start()
-        server, port = await start_grpc_server(engine, "127.0.0.1", 0)
+        server, port = await start_grpc_server(engine, "127.0.0.1", 0, **server_kw)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 served = Served(engine, pb_grpc.EngineServiceStub(channel), port, server)

@@ -186,6 +186,7 @@ class Multiplexer:
         self.address = address
         self._call: _SharedCall | None = None
         self._next_tag = 0
+        self.num_calls = 0  # calls opened so far (a new one after each broken one)
 
     def start(
         self, request: pb.GenerateRequest, timeout: float, metadata: Mapping[str, str]
@@ -194,6 +195,7 @@ class Multiplexer:
         call = self._call
         if call is None or call.broken:
             call = self._call = _SharedCall(self._stub, self.address)
+            self.num_calls += 1
         self._next_tag += 1
         upstream = UpstreamRequest(call, self._next_tag, timeout)
         call.requests[upstream.tag] = upstream

@@ -20,14 +20,19 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.grpc import engine_pb2 as pb
 from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
 
-# Keep idle connections warm through load balancers and notice dead replicas quickly.
-_CHANNEL_OPTIONS = (
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-)
+# Keep idle connections warm through load balancers and notice dead replicas quickly
+# (the replica's server accepts pings this often: kvserve.server.grpc.service).
+KEEPALIVE_TIME_MS = 30_000
+
+
+def _channel_options(keepalive_ms: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ]
 
 
 def generate_request(
@@ -107,9 +112,10 @@ class ReplicaClient:
     Requests share one ``GenerateMany`` call (``kvserve.gateway.multiplex``).
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, keepalive_ms: int = KEEPALIVE_TIME_MS) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        options = _channel_options(keepalive_ms)
+        self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = pb_grpc.EngineServiceStub(self._channel)
         self._requests = Multiplexer(self._stub, address)
 

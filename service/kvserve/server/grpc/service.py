@@ -421,14 +421,34 @@ def add_engine_service(
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine, telemetry), server)
 
 
+# The gateway pings each replica every 30 s (kvserve.gateway.upstream) to notice a dead
+# one, also while its GenerateMany call is idle. gRPC's default refuses pings without data
+# more often than every 5 minutes and answers them with GOAWAY "too_many_pings", which
+# would end that call (and any request waiting on it) after about 90 idle seconds.
+MIN_PING_INTERVAL_MS = 10_000
+
+
+def server_options(min_ping_interval_ms: int = MIN_PING_INTERVAL_MS) -> list[tuple[str, int]]:
+    """Channel arguments of the replica's gRPC server: accept the gateway's keepalive."""
+    return [
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
+    ]
+
+
 async def start_grpc_server(
-    engine: AsyncEngine, host: str, port: int, telemetry: RequestTelemetry | None = None
+    engine: AsyncEngine,
+    host: str,
+    port: int,
+    telemetry: RequestTelemetry | None = None,
+    *,
+    min_ping_interval_ms: int = MIN_PING_INTERVAL_MS,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the engine service; ``port=0`` picks a free port.
 
     Returns the server and the bound port. Stop it with ``await server.stop(grace)``.
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=server_options(min_ping_interval_ms))
     add_engine_service(server, engine, telemetry)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_insecure_port(address)
