@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -269,6 +270,58 @@ def test_a_dead_replica_is_routed_around_and_shows_in_metrics(model_dir: Any) ->
             lambda: gw.metric("kvserve_gateway_replicas", model="tiny", state="unhealthy") == 1
         )
         assert gw.metric("kvserve_gateway_replicas", model="tiny", state="healthy") == 1
+    finally:
+        gw.stop()
+        for rep in reps:
+            rep.stop()
+
+
+@pytest.mark.slow
+def test_a_replica_dying_mid_stream_ends_its_streams_with_an_error_and_the_rest_carry_on(
+    model_dir: Any,
+) -> None:
+    reps = start_replicas(model_dir, 2)
+    gw = start_gateway(reps, routing={"policy": "round_robin"})
+    n = 4  # round-robin: two streams on each replica
+    started = [threading.Event() for _ in range(n)]
+    ends: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    done_flags = [False] * n
+
+    def stream(i: int) -> None:
+        body = {**GREEDY, "prompt": f"stream {i}", "max_tokens": 200, "stream": True}
+        with gw.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done_flags[i] = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[len("data: ") :])
+                    chunks += 1
+                    if chunks == 2:
+                        started[i].set()
+                    if "error" in event or event["choices"][0]["finish_reason"] is not None:
+                        ends[i].append(event)
+
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(stream, i) for i in range(n)]
+            for event in started:
+                assert event.wait(timeout=60), "a stream never started"
+            reps[0].stop()  # killed while all four are streaming
+            for f in futures:
+                f.result(timeout=120)
+        assert all(done_flags)  # every stream ended properly, none hung
+        errors = [e for end in ends for e in end if "error" in e]
+        finished = [e for end in ends for e in end if "error" not in e]
+        assert len(errors) == 2 and len(finished) == 2, ends
+        assert all("the replica failed" in e["error"]["message"] for e in errors)
+        assert all(e["choices"][0]["finish_reason"] == "length" for e in finished)
+        # New requests go to the replica that is left.
+        ok = post(gw, "/v1/completions", {**GREEDY, "prompt": "after", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        wait_until(lambda: gw.state.fleet.slots.total == 0)
+        assert gw.metric("kvserve_gateway_requests_total", model=MODEL, status="502") == 2
     finally:
         gw.stop()
         for rep in reps:
