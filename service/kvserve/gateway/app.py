@@ -516,17 +516,15 @@ class _Call:
         return str(decision.address)
 
     # ---- after it: stream or collect ------------------------------------------------------
-    async def _messages(self, first: Any) -> AsyncIterator[Any]:
-        msg = first
-        while msg is not grpc.aio.EOF:
-            if msg.WhichOneof("kind") == "delta":
-                self.output_tokens += len(msg.delta.token_ids)
-            yield msg
-            if msg.WhichOneof("kind") == "delta" and msg.delta.text:
-                # handed to the client (streaming) or kept (whole): f and e of §3
-                self.e = time.monotonic()
-                self.f = self.f if self.f is not None else self.e
-            msg = await self.grpc_call.read()
+    def _count(self, delta: Any) -> None:
+        self.output_tokens += len(delta.token_ids)
+
+    def _handed_over(self) -> None:
+        """A delta with text reached the client (streaming) or the answer (whole): the
+        f and e instants of DESIGN.md §3."""
+        self.e = time.monotonic()
+        if self.f is None:
+            self.f = self.e
 
     async def sse(
         self, first: Any, ids: dict[str, Any], chat: bool, include_usage: bool
@@ -534,28 +532,36 @@ class _Call:
         """The response's events (the response's ``on_close`` ends the call)."""
         plain = TextEvents(ids, chat)
         opening = True  # a chat's first delta carries the role
-        ending: list[bytes] = []
+        read = self.grpc_call.read
+        msg = first
         try:
-            async for msg in self._messages(first):
-                if msg.WhichOneof("kind") == "delta":
-                    delta = msg.delta
-                    lp = delta_logprobs(delta)
-                    if lp is None and not opening:
-                        if delta.text:
-                            yield plain.text(delta.text)
-                        continue
-                    if not delta.text and lp is None:
-                        continue
-                    yield encode_event(self._chunk(ids, chat, delta.text, lp, None, opening))
-                    opening = False
-                else:  # the end: finish reason, usage and [DONE] leave in one write
+            # The hot loop of the gateway (one pass per streamed token): one generator,
+            # the common case (text, no logprobs, not the first chat delta) first.
+            while msg is not grpc.aio.EOF:
+                if msg.WhichOneof("kind") != "delta":  # the end: one write with [DONE]
                     final = msg.final
                     chunk = self._chunk(ids, chat, "", None, final.finish_reason, opening)
-                    ending.append(encode_event(chunk))
+                    ending = [encode_event(chunk)]
                     if include_usage:
                         ending.append(encode_event(fmt.usage_chunk(ids, chat, self._usage(final))))
                     self._finished(final)
-            yield b"".join([*ending, SSE_DONE])
+                    yield b"".join([*ending, SSE_DONE])
+                    return
+                delta = msg.delta
+                self._count(delta)
+                text = delta.text
+                lp = delta_logprobs(delta)
+                if lp is None and not opening:
+                    if text:
+                        yield plain.text(text)
+                        self._handed_over()
+                elif text or lp is not None:
+                    yield encode_event(self._chunk(ids, chat, text, lp, None, opening))
+                    opening = False
+                    if text:
+                        self._handed_over()
+                msg = await read()
+            yield SSE_DONE  # the stream ended without a final (the replica went away)
         except grpc.aio.AioRpcError as exc:  # the replica failed mid-stream: never retried
             self.status = 502
             self.state.metrics.upstream_errors.labels(self.model, exc.code().name).inc()
@@ -566,17 +572,23 @@ class _Call:
         text: list[str] = []
         entries: list[Any] = []
         texts: dict[int, str] = {}
+        msg = first
         try:
-            async for msg in self._messages(first):
+            while msg is not grpc.aio.EOF:
                 if msg.WhichOneof("kind") == "delta":
-                    text.append(msg.delta.text)
-                    lp = delta_logprobs(msg.delta)
+                    delta = msg.delta
+                    self._count(delta)
+                    text.append(delta.text)
+                    if delta.text:
+                        self._handed_over()
+                    lp = delta_logprobs(delta)
                     if lp is not None:
                         entries += lp.entries
                         texts.update(lp.texts)
                 else:
                     final = msg.final
                     self._finished(final)
+                msg = await self.grpc_call.read()
         except grpc.aio.AioRpcError as exc:
             self.status = 502
             self.state.metrics.upstream_errors.labels(self.model, exc.code().name).inc()

@@ -29,6 +29,8 @@ from kvserve.server import openai_format as fmt
 from kvserve.server.disconnect import cancel_on_disconnect
 
 _SENTINEL = "\x00kvserve-text\x00"
+# A str as a JSON string literal, non-ASCII kept (the C function behind json.dumps).
+_json_string = json.encoder.encode_basestring
 
 
 def encode_event(payload: dict[str, Any]) -> bytes:
@@ -52,7 +54,8 @@ class TextEvents:
         self._prefix, self._suffix = prefix.encode(), suffix.encode()
 
     def text(self, text: str) -> bytes:
-        return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix
+        # What json.dumps(text, ensure_ascii=False) returns, without building an encoder.
+        return self._prefix + _json_string(text).encode() + self._suffix
 
 
 class EventStreamResponse(Response):
