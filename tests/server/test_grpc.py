@@ -423,6 +423,35 @@ def test_ending_a_generate_many_call_aborts_its_requests(llm_engine: LLMEngine) 
     serve(llm_engine, body)
 
 
+def test_a_consumer_that_fails_on_its_output_loses_only_its_own_request(
+    llm_engine: LLMEngine,
+) -> None:
+    async def body(s: Served) -> None:
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        outputs: list[Any] = []
+        finished = asyncio.Event()
+
+        def failing(out: Any) -> None:
+            raise RuntimeError("a consumer bug")
+
+        def healthy(out: Any) -> None:
+            outputs.append(out)
+            if not isinstance(out, BaseException) and out.finished:
+                finished.set()
+
+        # Started together, so their outputs come in the same steps (one dispatch each).
+        s.engine.add_request(s.engine.make_request(PROMPT, params, "broken"), failing)
+        s.engine.add_request(s.engine.make_request(PROMPT, params, "fine"), healthy)
+        await asyncio.wait_for(finished.wait(), timeout=30)
+        s.engine.release("fine", abort=False)
+        assert not any(isinstance(o, BaseException) for o in outputs)
+        assert len(outputs[-1].outputs[0].token_ids) == 6
+        await eventually(s.is_idle)  # the failing consumer's request was aborted
+        assert s.engine.num_in_flight == 0
+
+    serve(llm_engine, body)
+
+
 # ---- Health and GetLoad -------------------------------------------------------------------
 def test_health_serving(llm_engine: LLMEngine) -> None:
     async def body(s: Served) -> None:

@@ -250,7 +250,7 @@ class AsyncEngine:
         for out in outputs:
             sink = self._streams.get(out.request_id)
             if sink is not None:
-                sink(out)
+                self._hand(out.request_id, sink, out, finished=out.finished)
 
     def _deliver(self, request_id: str, exc: BaseException) -> None:
         if self._loop is not None:
@@ -259,7 +259,18 @@ class AsyncEngine:
     def _put_error(self, request_id: str, exc: BaseException) -> None:  # on the event loop
         sink = self._streams.get(request_id)
         if sink is not None:
-            sink(exc)
+            self._hand(request_id, sink, exc, finished=True)
+
+    def _hand(
+        self, request_id: str, sink: OutputSink, item: RequestOutput | BaseException, finished: bool
+    ) -> None:
+        """Give ``item`` to its consumer; a consumer that fails loses only its own request
+        (the others of the step still get theirs)."""
+        try:
+            sink(item)
+        except Exception:
+            log.exception("the consumer of request %s failed; aborting it", request_id)
+            self.release(request_id, abort=not finished)
 
     def _deliver_all(self, exc: BaseException) -> None:
         if self._loop is not None:

@@ -84,9 +84,6 @@ class UpstreamRequest:
         """Abort the request on the replica unless it has ended."""
         self._abort(rpc_error(grpc.StatusCode.CANCELLED, "cancelled by the gateway"))
 
-    def done(self) -> bool:
-        return self._ended
-
     # ---- fed by the shared call ------------------------------------------------------
     def put(self, item: Any) -> None:
         if self._ended:
@@ -201,10 +198,6 @@ class Multiplexer:
         call.requests[upstream.tag] = upstream
         call.send(pb.TaggedCommand(tag=upstream.tag, start=request, metadata=metadata))
         return upstream
-
-    @property
-    def num_open(self) -> int:
-        return len(self._call.requests) if self._call is not None else 0
 
     def close(self) -> None:
         if self._call is not None:
