@@ -351,23 +351,29 @@ class _ManyCall:
             req = self.servicer.build_request(command.start, lambda: dict(command.metadata))
             started = _Started(req.request_id)
             self.engine.add_request(req, functools.partial(self._on_output, tag, started))
-        except (_Refused, EngineDeadError) as exc:
+        except Exception as exc:  # fails this request only; the call serves the others
+            if not isinstance(exc, _Refused | EngineDeadError):
+                log.exception("request with tag %d failed to start", tag)
             self._push(_error_output(tag, _refusal(exc)))
             return
         self.started[tag] = started
 
     def _on_output(self, tag: int, started: _Started, out: RequestOutput | BaseException) -> None:
-        if isinstance(out, BaseException):
-            self._push(_error_output(tag, _refusal(out)))
+        try:
+            if isinstance(out, BaseException):
+                raise out
+            delta = delta_from_output(out.outputs[0], started.num_sent, self.tokenizer)
+            if delta is not None:
+                started.num_sent += len(delta.token_ids)
+                self._push(pb.TaggedOutput(tag=tag, delta=delta))
+            if out.finished:
+                self._push(pb.TaggedOutput(tag=tag, final=final_from_output(out)))
+                self._end(tag, started, abort=False)
+        except Exception as exc:  # the engine failed it, or turning it into messages did
+            if out is not exc:
+                log.exception("request %s failed in GenerateMany", started.request_id)
+            self._push(_error_output(tag, _refusal(exc)))
             self._end(tag, started, abort=True)
-            return
-        delta = delta_from_output(out.outputs[0], started.num_sent, self.tokenizer)
-        if delta is not None:
-            started.num_sent += len(delta.token_ids)
-            self._push(pb.TaggedOutput(tag=tag, delta=delta))
-        if out.finished:
-            self._push(pb.TaggedOutput(tag=tag, final=final_from_output(out)))
-            self._end(tag, started, abort=False)
 
     def _push(self, output: pb.TaggedOutput) -> None:
         self.ready.append(output)
