@@ -238,7 +238,13 @@ def test_gateway_adds_discovered_replicas_and_drains_removed_ones(
         models = gw.client().get("/v1/models").json()["data"]
         assert {m["id"] for m in models} == {MODEL, "discovered-only"}
 
-        # Requests keep working (the static replica is the only healthy one).
+        # Requests keep working once the load poll has marked the unreachable discovered
+        # replicas unhealthy (before that, a request routed to both of them in turn runs
+        # out of retries: a 502, which is right, but not what this test is about).
+        poll(
+            "the unreachable replicas to be marked unhealthy",
+            lambda: [v.healthy for v in gw.state.fleet.views(MODEL)].count(True) == 1,
+        )
         r = gw.client().post(
             "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4}
         )
