@@ -62,12 +62,13 @@ class UpstreamRequest:
         if isinstance(item, BaseException):
             self._items.appendleft(item)  # every later read fails the same way
             raise item
-        if item.WhichOneof("kind") == "error":
+        kind = item.WhichOneof("kind")
+        if kind == "error":
             code = _STATUS_BY_VALUE.get(item.error.code, grpc.StatusCode.UNKNOWN)
             error = rpc_error(code, item.error.message)
             self._items.appendleft(error)
             raise error
-        if item.WhichOneof("kind") == "final":
+        if kind == "final":
             self._drained = True
         return item
 
