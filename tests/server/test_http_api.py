@@ -156,6 +156,15 @@ def test_invalid_json_and_oversized_body(server: RunningServer) -> None:
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
         big = c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 100_000})
         assert big.status_code == 413 and "exceeds the limit" in big.json()["error"]["message"]
+        # Without a content-length the limit is found while the body is read.
+        parts = [b'{"model": "%s", "prompt": "' % MODEL.encode(), b"x" * 100_000, b'"}']
+        chunked = c.post(
+            "/v1/completions", content=iter(parts), headers={"content-type": "application/json"}
+        )
+        assert "content-length" not in chunked.request.headers
+        assert chunked.status_code == 413, chunked.text
+        assert "exceeds the limit" in chunked.json()["error"]["message"]
+        assert chunked.json()["error"]["request_id"] == chunked.headers["x-request-id"]
 
 
 def test_chat_without_template_is_refused(tmp_path: Path, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]

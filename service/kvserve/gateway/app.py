@@ -48,6 +48,7 @@ from kvserve.gateway.upstream import delta_logprobs, generate_request
 from kvserve.server import openai_format as fmt
 from kvserve.server.disconnect import until_disconnected
 from kvserve.server.errors import OpenAIError, error_body, install_error_handlers
+from kvserve.server.json_body import body_schema, parse_body
 from kvserve.server.middleware import RequestContextMiddleware
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from kvserve.server.sse import SSE_DONE, EventStreamResponse, TextEvents, encode_event
@@ -280,8 +281,11 @@ def _router(state: GatewayState) -> APIRouter:
             ],
         }
 
-    @router.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    @router.post(
+        "/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest)
+    )
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
         prompt: str | list[int]
         if isinstance(body.prompt, list) and any(isinstance(p, str) for p in body.prompt):
             if len(body.prompt) != 1 or not isinstance(body.prompt[0], str):
@@ -292,8 +296,13 @@ def _router(state: GatewayState) -> APIRouter:
         limit = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         return await _serve(state, request, body, prompt, limit, "max_tokens", body.logprobs)
 
-    @router.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    @router.post(
+        "/v1/chat/completions",
+        response_model=None,
+        openapi_extra=body_schema(ChatCompletionRequest),
+    )
+    async def chat(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         limit: int | None = body.max_tokens
         param = "max_tokens"

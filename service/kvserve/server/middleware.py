@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.errors import error_body
@@ -72,7 +73,8 @@ class RequestContextMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise _BodyTooLarge
+                    self._refused(413)
+                    raise _BodyTooLarge(self.max_body_bytes)
             return message
 
         async def send_with_id(message: Message) -> None:
@@ -81,25 +83,19 @@ class RequestContextMiddleware:
                 message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
             await send(message)
 
-        try:
-            await self.app(scope, limited_receive, send_with_id)
-        except _BodyTooLarge:
-            self._refused(413)
-            await _send_error(
-                send,
-                413,
-                rid,
-                f"request body exceeds the limit of {self.max_body_bytes} bytes",
-                None,
-            )
+        await self.app(scope, limited_receive, send_with_id)
 
     def _refused(self, status: int) -> None:
         if self.on_error is not None:
             self.on_error(status)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(HTTPException):
+    """Raised by ``receive`` inside the app, whose handler for HTTP errors answers it (a
+    body without content-length that turns out too long)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
 
 
 async def _send_error(send: Send, status: int, rid: str, message: str, param: Any) -> None:

@@ -29,11 +29,15 @@ class ServerState:
         return self.engine.engine.max_model_len
 
 
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.kvserve
+    return state
+
+
 async def get_state(request: Request) -> ServerState:
     # async: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop
     # (and a GIL hand-off) on every request.
-    state: ServerState = request.app.state.kvserve
-    return state
+    return server_state(request)
 
 
 State = Annotated[ServerState, Depends(get_state)]

@@ -16,9 +16,10 @@ from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.server import openai_format as fmt
 from kvserve.server.disconnect import until_disconnected
 from kvserve.server.errors import OpenAIError, error_body
+from kvserve.server.json_body import body_schema, parse_body
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
 from kvserve.server.sse import SSE_DONE, EventStreamResponse, TextEvents, encode_event
-from kvserve.server.state import ServerState, State
+from kvserve.server.state import ServerState, State, server_state
 
 router = APIRouter()
 
@@ -39,11 +40,11 @@ async def list_models(state: State) -> dict[str, Any]:
     }
 
 
-@router.post("/v1/completions", response_model=None)
-async def completions(
-    body: CompletionRequest, request: Request, state: State
-) -> JSONResponse | EventStreamResponse:
+@router.post("/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest))
+async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     arrival = time.monotonic()
+    body = await parse_body(request, CompletionRequest)
+    state = server_state(request)
     _check_common(body, state)
     prompt: str | list[int]
     if isinstance(body.prompt, list) and any(isinstance(p, str) for p in body.prompt):
@@ -93,11 +94,13 @@ async def completions(
     )
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: State
-) -> JSONResponse | EventStreamResponse:
+@router.post(
+    "/v1/chat/completions", response_model=None, openapi_extra=body_schema(ChatCompletionRequest)
+)
+async def chat_completions(request: Request) -> JSONResponse | EventStreamResponse:
     arrival = time.monotonic()
+    body = await parse_body(request, ChatCompletionRequest)
+    state = server_state(request)
     _check_common(body, state)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
