@@ -279,22 +279,19 @@ def test_windows_stay_small() -> None:
     """Per-step decodes must cover a constant-size window, not the whole output."""
     tok = BYTE_FALLBACK
     lengths: list[int] = []
-    original = tok.decode
-
-    def recording_decode(ids: list[int], **kwargs: Any) -> Any:
-        lengths.append(len(ids))
-        return original(ids, **kwargs)
-
     ids = encode(tok, "the hello world 你好 🎉 " * 100)
     d = IncrementalDetokenizer(tok, stop=["xyz"])
-    setattr(tok, "decode", recording_decode)  # noqa: B010
-    try:
-        for t in ids:
-            d.update([t])
-        per_step_max = max(lengths)
-        d.update([], finished=True)
-    finally:
-        del tok.decode
+    original = d._decode
+
+    def recording_decode(ids: Sequence[int]) -> str:
+        lengths.append(len(ids))
+        return original(ids)
+
+    setattr(d, "_decode", recording_decode)  # noqa: B010
+    for t in ids:
+        d.update([t])
+    per_step_max = max(lengths)
+    d.update([], finished=True)
     assert per_step_max <= 10
     assert len(lengths) <= 2 * len(ids) + 2
     assert d.text == tok.decode(ids)
@@ -489,3 +486,18 @@ def test_random_long_generation_matches() -> None:
     ids = [rng.randrange(len(tok)) for _ in range(2000)]
     d, deltas, _ = stream(tok, ids, [1, 2, 7])
     assert_stream_matches_full(tok, ids, deltas, d)
+
+
+def test_plain_fast_tokenizers_decode_through_the_rust_tokenizer() -> None:
+    """The per-token decodes skip transformers' wrapper only where it adds nothing."""
+    assert IncrementalDetokenizer(build_byte_level_tokenizer())._backend is not None
+    cleaning = build_byte_level_tokenizer()
+    cleaning.clean_up_tokenization_spaces = True  # the wrapper rewrites spaces: keep it
+    assert IncrementalDetokenizer(cleaning)._backend is None
+    overridden = build_byte_level_tokenizer()
+    setattr(overridden, "decode", lambda ids, **kw: "x")  # noqa: B010
+    assert IncrementalDetokenizer(overridden)._backend is None
+    d = IncrementalDetokenizer(BYTE_FALLBACK)
+    ids = encode(BYTE_FALLBACK, "the hello world 你好 🎉")
+    d.update(ids, finished=True)
+    assert d.text == BYTE_FALLBACK.decode(ids, skip_special_tokens=True)

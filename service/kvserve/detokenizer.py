@@ -33,6 +33,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -69,6 +70,28 @@ def _skipped_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     with contextlib.suppress(TypeError):
         _SPECIAL_IDS_CACHE[tokenizer] = (size, ids)
     return ids
+
+
+def _plain_backend(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The Rust tokenizer behind ``tokenizer`` when ``tokenizer.decode(ids, ...)`` is exactly
+    its ``decode`` (a fast tokenizer that neither overrides decoding nor cleans up spaces),
+    else None.
+
+    Called on every token of every stream, transformers' wrapper (argument conversion,
+    dispatch) costs several times the decode itself.
+    """
+    from transformers import PreTrainedTokenizerFast  # transformers 5: TokenizersBackend
+
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and "decode" not in vars(tokenizer)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    ):
+        return tokenizer.backend_tokenizer
+    return None
 
 
 _divergence_reported = False
@@ -120,6 +143,7 @@ class IncrementalDetokenizer:
         #: The stop string that ended the output, if any.
         self.matched_stop: str | None = None
 
+        self._backend = _plain_backend(tokenizer)
         self._skip_ids: frozenset[int] = (
             _skipped_ids(tokenizer) if skip_special_tokens else frozenset()
         )
@@ -143,6 +167,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
+        if self._backend is not None:
+            text: str = self._backend.decode(
+                list(ids), skip_special_tokens=self.skip_special_tokens
+            )
+            return text
         out = self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
         return out if isinstance(out, str) else "".join(out)
 
