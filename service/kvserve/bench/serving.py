@@ -22,8 +22,9 @@ one pair at a time, so drift in the machine's speed falls on both alike. Two fig
   engine side. It carries the run-to-run noise of the forward pass itself.
 * decomposed: the server's request log gives each request's engine timeline on the same
   monotonic clock as the client's timestamps (one machine), which splits the client's
-  TTFT into: HTTP in (the request body's write → the handler stamps arrival), to the engine
-  (validation, tokenization, hand-off to the engine thread → first scheduled), compute
+  TTFT into: HTTP in (the request body's write → the handler stamps arrival, which it does
+  on the request's head, so this is often slightly negative), to the engine (reading and
+  validating the body, tokenization, hand-off to the engine thread → first scheduled), compute
   (first scheduled → the visible token), and out (that token → its SSE chunk read by the
   client). What the server adds is TTFT − compute, per request; its median is reported.
 
