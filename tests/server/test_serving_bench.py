@@ -62,6 +62,11 @@ def test_bench_serve_json_reports_every_figure(capsys: pytest.CaptureFixture[str
     assert res["ttft_server_added_p50_ms"] == pytest.approx(
         res["ttft_server_p50_ms"] - res["ttft_compute_p50_ms"], abs=5.0
     )
+    # The offline engine's own time outside compute: scheduling and handing the token over.
+    assert isinstance(res["ttft_engine_own_p50_ms"], float) and res["ttft_engine_own_p50_ms"] > 0
+    assert res["ttft_server_net_p50_ms"] == pytest.approx(
+        res["ttft_server_added_p50_ms"] - res["ttft_engine_own_p50_ms"], abs=5.0
+    )
 
 
 @pytest.mark.parametrize(("visible_at", "token"), [(0, 1.4), (2, 1.45)])
