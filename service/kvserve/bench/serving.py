@@ -148,7 +148,7 @@ class TtftPair:
 
     offline: float  # engine-side TTFT (to the step that hands the token over)
     server: float  # client-side TTFT
-    offline_compute: float | None = None  # its first scheduled → the visible token
+    offline_compute: float | None = None  # its first scheduled → that token sampled
     http_in: float | None = None  # the request body's write → arrival stamped
     to_engine: float | None = None  # arrival → first scheduled
     compute: float | None = None  # first scheduled → the visible token
@@ -444,7 +444,7 @@ def _engine_ttft(
         handed_over = engine.clock()
         for out in outs:
             m = out.metrics
-            if found is None and out.outputs[0].delta_text and m.first_scheduled_time:
+            if found is None and out.outputs[0].delta_text and m.first_scheduled_time is not None:
                 compute = m.token_times[-1] - m.first_scheduled_time
                 found = (
                     definitions.ttft(m.arrival_time, handed_over),
