@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+# The dtype names the engine accepts. torch is imported only where a dtype is made, so
+# argument parsers and the gateway (which shares modules that import this one) can use
+# the names without loading torch.
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for one of ``DTYPES``."""
+    import torch
+
+    dtypes = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    return dtypes[name]
+
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, capped at what max_num_seqs full requests need
 
@@ -64,7 +78,7 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        if self.device.startswith("cuda") and not _cuda_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available here")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
@@ -74,21 +88,35 @@ class EngineConfig:
             self.enable_prefix_caching = False
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return torch_dtype(self.dtype)
         if self.torch_device().type == "cpu":
             return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-        return DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+        if checkpoint_dtype in DTYPES:
+            return torch_dtype(checkpoint_dtype)
+        return torch.bfloat16
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN computes bf16 natively here (AVX512-BF16 or AMX). Without it a bf16
     matmul is emulated and several times slower than fp32 (`kvserve bench suite --only
     roofline` measured 21 vs 169 GFLOP/s on an AVX2-only CPU)."""
+    import torch
+
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(probe and probe())

@@ -39,7 +39,7 @@ from kvserve.bench.timelines import (
     latency,
     random_workload,
 )
-from kvserve.config import DTYPES
+from kvserve.config import torch_dtype
 
 NAME = "engine_vs_transformers"
 TITLE = "Engine vs Hugging Face transformers"
@@ -80,7 +80,9 @@ def kvserve_runner(
 def _load_hf(model_dir: Path, dtype: str, device: str) -> Any:
     import transformers
 
-    model: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch_dtype(dtype)
+    )
     return model.to(device).eval()
 
 

@@ -17,7 +17,6 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvserve.bench.engine_vs_transformers import hf_static_runner, kvserve_runner
 from kvserve.bench.suite import MODEL_SHAPES
 from kvserve.bench.timelines import Workload, random_workload
 from kvserve.config import DTYPES
@@ -96,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
             f"{work.output_tokens} output tokens, concurrency {args.max_num_seqs}, {args.dtype}"
         )
         say("loading both engines ...")
+        # Here, not at the top: the runners load torch, and every `kvserve` command
+        # imports this module to build its parser.
+        from kvserve.bench.engine_vs_transformers import hf_static_runner, kvserve_runner
+
         c, dtype, device = args.max_num_seqs, args.dtype, args.device
         runners = {
             "kvserve": kvserve_runner(model_dir, work, c, dtype, device, args.seed),

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from kvserve.bench.cpu import machine_busy_seconds, usable_cpus
 from kvserve.bench.results import Column, Section, Table, Target, model_setup
 from kvserve.bench.suite import SuiteContext
-from kvserve.config import DTYPES, cpu_has_native_bf16
+from kvserve.config import cpu_has_native_bf16, torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.telemetry.definitions import percentile
 
@@ -168,8 +168,8 @@ def measure_machine(s: Sizes, device: str) -> tuple[float, dict[str, float]]:
     del x
     peaks = {}
     for name in MODEL_DTYPES:
-        a = torch.randn(s.matmul_n, s.matmul_n, device=device).to(DTYPES[name])
-        b = torch.randn(s.matmul_n, s.matmul_n, device=device).to(DTYPES[name])
+        a = torch.randn(s.matmul_n, s.matmul_n, device=device).to(torch_dtype(name))
+        b = torch.randn(s.matmul_n, s.matmul_n, device=device).to(torch_dtype(name))
         peaks[name] = 2 * s.matmul_n**3 / _best(functools.partial(F.linear, a, b), s.reps, device)
     return bandwidth, peaks
 
@@ -187,7 +187,7 @@ def measure_model(
     from kvserve import LLM, SamplingParams
 
     c = ModelConfig.from_file(path)
-    elem = torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    elem = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
     h, kv_per_token = c.hidden_size, c.kv_bytes_per_token(elem)
     body = c.num_layers * (2 * h * (c.q_size + c.kv_size) + 3 * h * c.intermediate_size)
     head = c.vocab_size * h  # the LM head's weights

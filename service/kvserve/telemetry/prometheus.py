@@ -53,7 +53,7 @@ preemption counters follow the engine's cumulative totals (``EngineStats``): eac
 from __future__ import annotations
 
 import threading
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -64,9 +64,11 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvserve.engine.llm_engine import EngineStats
 from kvserve.outputs import RequestOutput
 from kvserve.telemetry import definitions as d
+
+if TYPE_CHECKING:  # the engine module loads torch; the gateway, which uses this one, needs not
+    from kvserve.engine.llm_engine import EngineStats
 
 FINISHED_REASONS: Final = ("stop", "length", "abort", "error")
 
