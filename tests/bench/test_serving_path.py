@@ -63,8 +63,8 @@ def test_serving_path_section(tmp_path: Path) -> None:
         assert r["output tokens (tokens)"] == setup["output_tokens"]
         wall = r["wall (s)"]
         assert isinstance(wall, float) and wall > 0
-        assert r["output (tok/s)"] == pytest.approx(setup["output_tokens"] / wall, rel=0.02)
-        assert r["requests (req/s)"] == pytest.approx(setup["prompts"] / wall, rel=0.02)
+        assert _rate_of(r["output (tok/s)"], setup["output_tokens"], wall, rate_digits=1)
+        assert _rate_of(r["requests (req/s)"], setup["prompts"], wall, rate_digits=3)
         for p50_col, p99_col in (
             ("TTFT p50, steady (ms)", "TTFT p99, steady (ms)"),
             ("TPOT p50 (ms)", "TPOT p99 (ms)"),
@@ -104,3 +104,12 @@ def test_serving_path_section(tmp_path: Path) -> None:
     assert cpu[1]["replica process (CPU s)"] > 0  # the replica did the serving side's work
     cpu_ratio = cpu[1]["CPU per output token (ms)"] / cpu[0]["CPU per output token (ms)"]
     assert cmp["CPU per output token, serving / offline (×)"] == pytest.approx(cpu_ratio, rel=0.05)
+
+
+def _rate_of(rate: float, count: int, wall: float, rate_digits: int) -> bool:
+    """Whether ``rate`` is ``count`` over the unrounded wall time, given the table's
+    rounding (wall to 3 decimals, the rate to ``rate_digits``). Smoke-size walls are a
+    few hundredths of a second, where the wall's rounding alone moves the rate by ~2%."""
+    half_wall, half_rate = 0.0005, 0.5 * 10.0**-rate_digits
+    lo, hi = count / (wall + half_wall), count / max(wall - half_wall, 1e-9)
+    return lo - half_rate <= rate <= hi + half_rate
