@@ -14,19 +14,17 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
+_SHORT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for one of ``DTYPES``."""
     import torch
 
-    dtypes = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    return dtypes[name]
+    if name not in DTYPES:
+        raise KeyError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    dtype: torch.dtype = getattr(torch, _SHORT_NAMES.get(name, name))
+    return dtype
 
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, capped at what max_num_seqs full requests need
