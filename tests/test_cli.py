@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.cli import command_paths
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,31 @@ def test_help_lists_subcommands() -> None:
     assert out.returncode == 0
     for cmd in ("calc", "demo", "bench"):
         assert cmd in out.stdout
+
+
+@pytest.mark.parametrize("path", command_paths(), ids=" ".join)
+def test_every_command_builds_its_parser_alone(path: tuple[str, ...]) -> None:
+    from kvserve.cli import build_parser
+
+    parser = build_parser(list(path))
+    # The chosen command has its arguments and its function; --help on it would list them.
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([*path, "--help"])
+    assert exit_.value.code == 0
+
+
+def test_a_command_imports_only_its_own_module() -> None:
+    # `kvserve gateway` must not import torch through the other commands' modules.
+    code = (
+        "import sys\n"
+        "from kvserve.cli import main\n"
+        "assert main(['gateway', '--new-key']) == 0\n"
+        "print(sorted({'torch', 'transformers', 'kvserve.demo_model.train'} & set(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 
 
 def test_demo_runs_on_a_given_model(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
