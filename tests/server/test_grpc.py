@@ -462,6 +462,17 @@ def test_health_serving(llm_engine: LLMEngine) -> None:
     serve(llm_engine, body)
 
 
+def test_a_taken_port_is_an_error_not_a_shared_port(llm_engine: LLMEngine) -> None:
+    # Without so_reuseport=0, gRPC binds a port another server holds and the two share
+    # its connections: a replica started twice on one port must fail instead.
+    async def body(s: Served) -> None:
+        with pytest.raises(OSError, match=f"127.0.0.1:{s.port} .*in use"):
+            await start_grpc_server(s.engine, "127.0.0.1", s.port)
+        assert (await s.stub.Health(pb.HealthRequest())).serving
+
+    serve(llm_engine, body)
+
+
 def test_get_load_while_running_and_after(llm_engine: LLMEngine) -> None:
     async def body(s: Served) -> None:
         idle = await s.stub.GetLoad(pb.GetLoadRequest())

@@ -435,10 +435,14 @@ MIN_PING_INTERVAL_MS = 10_000
 
 
 def server_options(min_ping_interval_ms: int = MIN_PING_INTERVAL_MS) -> list[tuple[str, int]]:
-    """Channel arguments of the replica's gRPC server: accept the gateway's keepalive."""
+    """Channel arguments of the replica's gRPC server: accept the gateway's keepalive,
+    and own the port alone."""
     return [
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
+        # gRPC sets SO_REUSEPORT by default: a second replica started on a taken port
+        # would bind it too and silently take half the connections. Fail instead.
+        ("grpc.so_reuseport", 0),
     ]
 
 
@@ -457,7 +461,10 @@ async def start_grpc_server(
     server = grpc.aio.server(options=server_options(min_ping_interval_ms))
     add_engine_service(server, engine, telemetry)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # what grpcio raises when the bind fails (older versions: 0)
+        bound = 0
     if bound == 0:
         raise OSError(f"could not bind the gRPC server to {address} (is the port in use?)")
     await server.start()
