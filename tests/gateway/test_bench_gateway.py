@@ -7,6 +7,7 @@ are (they depend on the machine).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,12 +20,13 @@ RUN = "import sys; from kvserve.bench.gateway import main; sys.exit(main(sys.arg
 
 
 @pytest.mark.slow
-def test_bench_gateway_reports_both_phases(
+def test_bench_gateway_reports_every_phase(
     checkpoint_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "report.json"
     streams, requests, max_tokens, rounds = 4, 8, 4, 1
     replicas, agents, questions = 2, 2, 2
+    cap_streams, cap_requests = 3, 7
     proc = subprocess.run(
         [
             sys.executable, "-c", RUN, "--model", str(checkpoint_dir("llama")),
@@ -32,7 +34,9 @@ def test_bench_gateway_reports_both_phases(
             "--max-tokens", str(max_tokens), "--prompt-len", "8", "--rounds", str(rounds),
             "--replicas", str(replicas), "--agents", str(agents),
             "--questions", str(questions), "--system-tokens", "40",
-            "--routing-max-tokens", "4", "--lone-pairs", "3", "--json", str(out),
+            "--routing-max-tokens", "4", "--lone-pairs", "3",
+            "--capacity-streams", str(cap_streams), "--capacity-requests", str(cap_requests),
+            "--json", str(out),
         ],
         capture_output=True,
         text=True,
@@ -71,7 +75,22 @@ def test_bench_gateway_reports_both_phases(
         assert q1 <= median <= q3
     assert "lone requests (3 pairs" in proc.stdout
     assert o["target_ttft_added_ms"] == 5.0 and o["target_itl_added_ms"] == 0.5
-    assert o["target_chunks_per_cpu_second"] == 10_000
+
+    c = report["capacity"]
+    assert (c["streams"], c["requests"], c["max_tokens"]) == (cap_streams, cap_requests, max_tokens)
+    assert len(c["rounds"]) == rounds
+    for x in c["rounds"]:
+        assert (x["requests_ok"], x["requests_failed"]) == (cap_requests, 0)
+        # The stub replica sends max_tokens tokens per request, each a text chunk.
+        assert x["chunks"] == cap_requests * max_tokens
+        assert x["seconds"] > 0 and x["gateway_cpu_seconds"] >= 0
+    assert c["first_error"] is None
+    assert c["target_chunks_per_second"] == 10_000
+    two_cpus = len(os.sched_getaffinity(0)) >= 2
+    assert c["gateway_alone"] is two_cpus
+    assert c["placement"].startswith("separate: the gateway alone on CPU" if two_cpus else "shared")
+    assert o["placement"] == c["placement"]
+    assert "gateway capacity: 3 streams" in proc.stdout
 
     r = report["routing"]
     assert (r["replicas"], r["agents"], r["questions"]) == (replicas, agents, questions)

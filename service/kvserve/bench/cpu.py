@@ -1,9 +1,13 @@
-"""CPU accounting for the benchmarks: how many CPUs this process may use, and how busy
-the whole machine has been (so a report can say what else competed for the CPUs)."""
+"""CPU accounting for the benchmarks: how many CPUs this process may use, how busy the
+whole machine has been (so a report can say what else competed for the CPUs), and which
+CPUs the gateway benchmarks give to which process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -22,3 +26,56 @@ def machine_busy_seconds() -> float:
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
     user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[1:8])
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the gateway benchmarks run their processes: the gateway alone on its own
+    CPU(s), as in production (its own pod, away from the replicas), and everything else
+    (replicas, the stub replica, the benchmark's client) on the rest; or, with ``None``
+    for both, all on every CPU."""
+
+    gateway: frozenset[int] | None
+    others: frozenset[int] | None
+
+    @property
+    def separate(self) -> bool:
+        return self.gateway is not None
+
+    def describe(self) -> str:
+        if self.gateway is None or self.others is None:
+            return "shared: every process may run on every CPU"
+        return (
+            f"separate: the gateway alone on CPU {_cpu_list(self.gateway)}, everything else "
+            f"on CPU {_cpu_list(self.others)}"
+        )
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
+def split_cpus(separate: bool) -> Placement:
+    """The gateway gets the first usable CPU and the rest the others, when asked and when
+    there are at least two (Linux only); otherwise nothing is pinned."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: no affinity
+        return Placement(None, None)
+    if not separate or len(cpus) < 2:
+        return Placement(None, None)
+    return Placement(frozenset(cpus[:1]), frozenset(cpus[1:]))
+
+
+@contextlib.contextmanager
+def running_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Run this thread (and the threads it starts meanwhile) on ``cpus`` (None: as is)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

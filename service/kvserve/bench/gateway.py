@@ -1,5 +1,5 @@
-"""``kvserve bench gateway``: what the gateway adds to a streaming workload, and what
-prefix routing buys over round-robin.
+"""``kvserve bench gateway``: what the gateway adds to a streaming workload, how many
+streamed chunks it can serve on one core, and what prefix routing buys over round-robin.
 
 Everything runs as separate processes on 127.0.0.1, as in production: the replicas are
 ``kvserve serve`` processes (HTTP for the direct path, gRPC for the gateway), the gateway
@@ -7,7 +7,7 @@ a ``kvserve gateway --config FILE`` process with a generated config and keys fil
 this process is the client. Separate processes let the gateway's own CPU time be read
 from ``/proc/PID/stat`` around each measured window.
 
-Two phases (``--phase``):
+Three phases (``--phase``; ``all`` runs them in this order):
 
 * **overhead**: one replica (prefix caching off, so repeating the workload costs the
   engine the same each time). The same workload, ``--requests`` streamed completions of
@@ -17,9 +17,14 @@ Two phases (``--phase``):
   paths alike). Client-side TTFT and every inter-token gap are recorded per request
   (``serving.stream_sse``: send = the write of the request's last bytes, chunks timed
   when their bytes arrive). The gateway's added latency is the difference of the medians;
-  its efficiency is the text chunks it streamed per CPU-second of its process. Then
-  ``--lone-pairs`` lone requests on each path, one at a time and interleaved: the medians
-  of their paired differences are the latency the gateway adds without batching noise.
+  its efficiency at that load is the text chunks it streamed per CPU-second of its
+  process. Then ``--lone-pairs`` lone requests on each path, one at a time and
+  interleaved: the medians of their paired differences are the latency the gateway adds
+  without batching noise.
+* **capacity** (``bench.gateway_capacity``): the gateway alone on one CPU, fed by a stub
+  replica (canned tokens over the engine's gRPC API) and a light load generator on the
+  other CPUs, with more streams than one core can serve: the chunks per second it
+  delivers saturated are its capacity on one core.
 * **routing**: ``--replicas`` replicas, an agent workload: ``--agents`` agents share one
   system prompt of about ``--system-tokens`` tokens (built deterministically from
   ``--seed``, counted with the model's tokenizer) and each asks ``--questions`` short
@@ -37,8 +42,15 @@ its conversation so far is cached, while round-robin scatters its turns. Indepen
 questions share only the system prompt, which every replica caches after its first
 request under either policy.
 
-On a small machine the replicas, the gateway and the client share the CPUs, so the
-gateway's added latency includes waiting for a CPU; the output says how many there are.
+CPU placement (``--placement``, overhead and capacity phases): ``separate`` (the default)
+runs the gateway alone on the first CPU and the replica, the stub replica and this
+process's client on the others, as in production, where the gateway has its own pod and
+never takes CPU from a replica. It needs two CPUs; with one, or ``shared``, every process
+may run on every CPU, and on a small machine the gateway's own work then slows the
+replica it is measured against. Either way the direct path has the replica serve HTTP and
+SSE itself, work the gateway path moves to the gateway (the replica speaks gRPC to it), so
+with ``separate`` the gateway path can come out faster at 64 streams. The routing phase
+always shares the CPUs.
 """
 
 from __future__ import annotations
@@ -59,8 +71,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvserve.bench.cpu import usable_cpus
-from kvserve.bench.processes import Proc, free_ports, spawn, stop, wait_ready
+from kvserve.bench.cpu import Placement, running_on, split_cpus, usable_cpus
+from kvserve.bench.gateway_capacity import CapacityResult, print_capacity, run_capacity
+from kvserve.bench.processes import Proc, free_ports, spawn, stop, wait_listening, wait_ready
 from kvserve.bench.serving import (
     MODEL_NAME,
     ClientRecord,
@@ -82,7 +95,6 @@ if TYPE_CHECKING:
 # The issue's targets, printed next to the measured figures.
 TARGET_TTFT_ADDED_MS = 5.0
 TARGET_ITL_ADDED_MS = 0.5
-TARGET_CHUNKS_PER_CPU_S = 10_000.0
 
 POLICIES = ("prefix", "round_robin")
 DESCRIPTION = (
@@ -92,7 +104,7 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--phase", choices=("overhead", "routing", "all"), default="all")
+    p.add_argument("--phase", choices=("overhead", "capacity", "routing", "all"), default="all")
     p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
@@ -107,6 +119,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds for a process to be ready"
+    )
+    p.add_argument(
+        "--placement",
+        choices=("separate", "shared"),
+        default="separate",
+        help="overhead and capacity phases: 'separate' runs the gateway alone on one CPU and "
+        "everything else on the others, as in production where it has its own pod (needs "
+        "≥ 2 CPUs; with fewer, or 'shared', every process may run on every CPU)",
     )
     o = p.add_argument_group("overhead phase")
     o.add_argument("--streams", type=int, default=64, help="concurrent streaming clients")
@@ -126,6 +146,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="then this many lone requests on each path, one at a time and interleaved, "
         "for the latency the gateway adds without batching noise (0: skip)",
     )
+    c = p.add_argument_group("capacity phase (also uses --max-tokens and --rounds)")
+    c.add_argument(
+        "--capacity-streams",
+        type=int,
+        default=128,
+        help="concurrent streams offered to the gateway (more than it can serve on one core)",
+    )
+    c.add_argument("--capacity-requests", type=int, default=2048, help="requests per round")
     r = p.add_argument_group("routing phase")
     r.add_argument("--replicas", type=int, default=3)
     r.add_argument("--agents", type=int, default=8, help="agents running concurrently")
@@ -177,8 +205,15 @@ class Launcher:
             env["OMP_NUM_THREADS"] = str(threads)
         return env
 
-    def start_replicas(self, n: int, *extra: str, threads: int | None = None) -> list[ReplicaProc]:
-        """``n`` replicas started together; returns once every one answers /ready."""
+    def start_replicas(
+        self,
+        n: int,
+        *extra: str,
+        threads: int | None = None,
+        cpus: frozenset[int] | None = None,
+    ) -> list[ReplicaProc]:
+        """``n`` replicas started together (on ``cpus`` when given); returns once every
+        one answers /ready."""
         a = self.args
         max_seqs = a.max_num_seqs or max(a.streams, a.agents, 1)
         reps: list[ReplicaProc] = []
@@ -194,7 +229,7 @@ class Launcher:
                 "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                 "--seed", str(a.seed), "--drain-timeout", "2", "--log-level", "warning", *extra,
             ]  # fmt: skip
-            proc = spawn(name, argv, log, self._env(threads))
+            proc = spawn(name, argv, log, self._env(threads), cpus)
             self.started.append(proc)
             reps.append(
                 ReplicaProc(proc, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
@@ -204,9 +239,23 @@ class Launcher:
             wait_ready(rep.proc, f"{rep.http_url}/ready", deadline)
         return reps
 
-    def start_gateway(self, replicas: list[ReplicaProc], policy: str) -> tuple[Proc, str, str]:
-        """A gateway for ``replicas`` with routing ``policy``; returns once it can route to
-        every replica. Returns the process, its URL and the API key."""
+    def start_stub_replica(self, cpus: frozenset[int] | None = None) -> str:
+        """A stub replica (``bench.stub_replica``) on ``cpus``; returns its gRPC address
+        once it listens."""
+        (port,) = free_ports(1)
+        name, log = self._name("stub-replica")
+        argv = [sys.executable, "-m", "kvserve.bench.stub_replica", "--port", str(port)]
+        proc = spawn(name, argv, log, self._env(None), cpus)
+        self.started.append(proc)
+        wait_listening(proc, port, time.monotonic() + self.args.startup_timeout)
+        return f"127.0.0.1:{port}"
+
+    def start_gateway(
+        self, addresses: Sequence[str], policy: str, cpus: frozenset[int] | None = None
+    ) -> tuple[Proc, str, str]:
+        """A gateway for the replicas at ``addresses`` (gRPC ``host:port``) with routing
+        ``policy``, on ``cpus`` when given; returns once it can route to every replica.
+        Returns the process, its URL and the API key."""
         import yaml
 
         from kvserve.gateway.config import new_key
@@ -220,12 +269,12 @@ class Launcher:
         # One key, no rate limits (null = unlimited), highest priority.
         entry = {"tenant": "bench", "sha256": digest, "models": ["*"], "priority": "critical"}
         keys = {"keys": [entry]}
-        in_flight = max(a.streams, a.agents, 1)
+        in_flight = max(a.streams, a.agents, a.capacity_streams, 1)
         config = {
             "listen": {"host": "127.0.0.1", "port": port},
             "models": {
                 MODEL_NAME: {
-                    "replicas": [f"grpc://{r.grpc_address}" for r in replicas],
+                    "replicas": [f"grpc://{address}" for address in addresses],
                     # Never the bottleneck: the gateway must not queue what the replica
                     # would run, or the comparison measures the queue.
                     "max_in_flight_per_replica": in_flight,
@@ -241,12 +290,12 @@ class Launcher:
             sys.executable, "-m", "kvserve", "gateway", "--config", str(config_path),
             "--log-level", "warning",
         ]  # fmt: skip
-        proc = spawn(name, argv, log, self._env(None))
+        proc = spawn(name, argv, log, self._env(None), cpus)
         self.started.append(proc)
         url = f"http://127.0.0.1:{port}"
 
         def all_routable(r: httpx.Response) -> bool:
-            return bool(r.json().get("replicas", {}).get(MODEL_NAME) == len(replicas))
+            return bool(r.json().get("replicas", {}).get(MODEL_NAME) == len(addresses))
 
         wait_ready(proc, f"{url}/ready", time.monotonic() + a.startup_timeout, all_routable)
         return proc, url, key
@@ -304,6 +353,7 @@ class OverheadResult:
     max_tokens: int
     prompt_tokens: int
     rounds: int
+    placement: str
     direct: PathStats
     gateway: PathStats
     ttft_p50_added_ms: float | None  # gateway − direct
@@ -331,7 +381,6 @@ class OverheadResult:
     lone_itl_added_q3_ms: float | None = None
     target_ttft_added_ms: float = TARGET_TTFT_ADDED_MS
     target_itl_added_ms: float = TARGET_ITL_ADDED_MS
-    target_chunks_per_cpu_second: float = TARGET_CHUNKS_PER_CPU_S
     passes: list[PassResult] = field(default_factory=list)
 
 
@@ -370,6 +419,7 @@ class Report:
     device: str
     cpus: int
     overhead: OverheadResult | None = None
+    capacity: CapacityResult | None = None
     routing: RoutingResult | None = None
 
 
@@ -539,13 +589,36 @@ def run_overhead(
     args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
 ) -> OverheadResult:
     work = _overhead_workload(args, tokenizer)
-    say("overhead: starting 1 replica (prefix caching off) and the gateway ...")
+    placement = split_cpus(args.placement == "separate")
+    say(
+        f"overhead: starting 1 replica (prefix caching off) and the gateway; {placement.describe()}"
+    )
     # Prefix caching off: every pass repeats the same prompts, and must cost the same.
-    # The replica leaves one CPU to the gateway and the client: an OpenMP team as wide as
-    # the machine stalls at every barrier while those run, which swamped the comparison
-    # (5x slower steps on 2 cores) unless the caller set OMP_NUM_THREADS.
-    (rep,) = launcher.start_replicas(1, "--no-prefix-caching", threads=max(1, usable_cpus() - 1))
-    gateway, gw_url, key = launcher.start_gateway([rep], "prefix")
+    # The replica's OpenMP team leaves one CPU to the gateway (and, shared, the client): a
+    # team as wide as the machine stalls at every barrier while those run, which swamped
+    # the comparison (5x slower steps on 2 cores) unless the caller set OMP_NUM_THREADS.
+    threads = len(placement.others) if placement.others else max(1, usable_cpus() - 1)
+    (rep,) = launcher.start_replicas(
+        1, "--no-prefix-caching", threads=threads, cpus=placement.others
+    )
+    gateway, gw_url, key = launcher.start_gateway(
+        [rep.grpc_address], "prefix", cpus=placement.gateway
+    )
+    with running_on(placement.others):  # the client: never on the gateway's CPU
+        return _overhead_rounds(args, launcher, work, rep, gateway, gw_url, key, placement, say)
+
+
+def _overhead_rounds(
+    args: argparse.Namespace,
+    launcher: Launcher,
+    work: Workload,
+    rep: ReplicaProc,
+    gateway: Proc,
+    gw_url: str,
+    key: str,
+    placement: Placement,
+    say: Callable[[str], None],
+) -> OverheadResult:
     # An untimed pass of one request per stream on each path first: the engine's first
     # steps at each batch size, and the gRPC path's first calls, are several times slower
     # than later ones, and would otherwise fall on whichever path runs first.
@@ -615,6 +688,7 @@ def run_overhead(
         max_tokens=args.max_tokens,
         prompt_tokens=args.prompt_len,
         rounds=args.rounds,
+        placement=placement.describe(),
         direct=direct,
         gateway=via,
         ttft_p50_added_ms=_diff(via.ttft_p50_ms, direct.ttft_p50_ms),
@@ -641,7 +715,20 @@ def run_overhead(
     )
 
 
-# ---- phase 2: routing ----------------------------------------------------------------------
+# ---- phase 2: capacity (kvserve.bench.gateway_capacity) --------------------------------
+def run_capacity_phase(
+    args: argparse.Namespace, launcher: Launcher, say: Callable[[str], None]
+) -> CapacityResult:
+    placement = split_cpus(args.placement == "separate")
+    say(f"capacity: starting a stub replica and the gateway; {placement.describe()}")
+    address = launcher.start_stub_replica(placement.others)
+    gateway, url, key = launcher.start_gateway([address], "prefix", cpus=placement.gateway)
+    result = run_capacity(args, gateway, int(url.rsplit(":", 1)[1]), key, placement, say)
+    launcher.stop_all()
+    return result
+
+
+# ---- phase 3: routing ----------------------------------------------------------------------
 _WORDS = (
     "travel", "train", "flight", "hotel", "booking", "ticket", "station", "airport",
     "luggage", "refund", "delay", "platform", "passport", "itinerary", "connection",
@@ -798,7 +885,7 @@ def run_routing(
         say(f"routing: {policy}: starting {args.replicas} replicas and the gateway ...")
         reps = launcher.start_replicas(args.replicas, threads=threads)
         asyncio.run(_warm_replicas(reps))
-        _, gw_url, key = launcher.start_gateway(reps, policy)
+        _, gw_url, key = launcher.start_gateway([r.grpc_address for r in reps], policy)
         seconds, recs = asyncio.run(_agents_pass(gw_url, key, system, questions, args))
         per_replica, overrides = _routing_counts(gw_url, reps)
         launcher.stop_all()  # fresh replicas (cold caches) for the next policy
@@ -850,14 +937,11 @@ def _f(x: float | None, width: int = 12, spec: str = ".2f", sign: bool = False) 
 
 def print_report(rep: Report) -> None:
     print(f"model: {rep.model} ({rep.dtype}, {rep.device}); {rep.cpus} CPU(s) on this machine")
-    print(
-        f"note: the replica(s), the gateway and this benchmark's client share these {rep.cpus} "
-        "CPU(s),"
-    )
-    print(
-        "      so latencies include waiting for a CPU"
-        + (" (too few CPUs for separate cores each)" if rep.cpus < 4 else "")
-    )
+    if rep.cpus < 4:
+        print(
+            "note: too few CPUs for a core per process: processes that share CPUs wait for "
+            "them, and that waiting is in the latencies"
+        )
     o = rep.overhead
     if o is not None:
         print()
@@ -866,6 +950,7 @@ def print_report(rep: Report) -> None:
             f"requests per pass ({o.prompt_tokens}-token prompts, {o.max_tokens} output tokens, "
             f"ignore_eos), {o.rounds} round(s) alternating direct and gateway"
         )
+        print(f"CPUs: {o.placement}")
         print(
             f"{'':<26}{'TTFT p50 ms':>12}{'TTFT p90 ms':>12}{'ITL p50 ms':>12}{'ITL p90 ms':>12}"
             f"{'chunks':>9}{'chunks/s':>10}{'failed':>8}"
@@ -898,8 +983,8 @@ def print_report(rep: Report) -> None:
             f"gateway CPU: {o.gateway_cpu_seconds:.2f} s (utime+stime) for {o.gateway_chunks} "
             f"streamed chunks = "
             + ("-" if rate is None else f"{rate:,.0f}")
-            + f" chunks per CPU-second (target ≥ {o.target_chunks_per_cpu_second:,.0f} on one "
-            "core)"
+            + " chunks per CPU-second at this load (the capacity phase measures the gateway "
+            "saturated)"
         )
         if o.gateway_cpu_busy is not None:
             print(
@@ -914,6 +999,8 @@ def print_report(rep: Report) -> None:
                 f"replica (no HTTP, no SSE), handled {floor:,.0f} messages per CPU-second "
                 f"({o.grpc_client_messages} messages, {o.grpc_client_cpu_seconds:.2f} CPU-s)"
             )
+    if rep.capacity is not None:
+        print_capacity(rep.capacity)
     r = rep.routing
     if r is not None:
         print()
@@ -921,7 +1008,8 @@ def print_report(rep: Report) -> None:
             f"routing: {r.replicas} replicas, {r.agents} agents × {r.questions} questions, one "
             f"{r.system_prompt_tokens}-token system prompt, "
             + ("each agent keeping its conversation" if r.history else "independent questions")
-            + f", {r.max_tokens} output tokens per answer, cold caches for each policy"
+            + f", {r.max_tokens} output tokens per answer, cold caches for each policy; "
+            "every process may run on every CPU"
         )
         print(
             f"{'policy':<14}{'requests':>9}{'prompt tok':>11}{'cached tok':>11}{'cached':>8}"
@@ -944,6 +1032,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
     positive = (
         "streams", "requests", "max_tokens", "prompt_len", "rounds", "replicas", "agents",
         "questions", "system_tokens", "routing_max_tokens", "block_size",
+        "capacity_streams", "capacity_requests",
     )  # fmt: skip
     for name in positive:
         if getattr(args, name) < 1:
@@ -955,6 +1044,8 @@ def _failures(rep: Report) -> int:
     n = 0
     if rep.overhead is not None:
         n += rep.overhead.direct.requests_failed + rep.overhead.gateway.requests_failed
+    if rep.capacity is not None:
+        n += sum(r.requests_failed for r in rep.capacity.rounds)
     if rep.routing is not None:
         n += sum(p.requests_failed for p in rep.routing.policies)
     return n
@@ -997,6 +1088,8 @@ def run(args: argparse.Namespace) -> int:
         with _launcher(args, model) as launcher:
             if args.phase in ("overhead", "all"):
                 report.overhead = run_overhead(args, launcher, tokenizer, say)
+            if args.phase in ("capacity", "all"):
+                report.capacity = run_capacity_phase(args, launcher, say)
             if args.phase in ("routing", "all"):
                 report.routing = run_routing(args, launcher, tokenizer, say)
     except KeyboardInterrupt:

@@ -8,8 +8,9 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,7 +57,24 @@ class Proc:
             )
 
 
-def spawn(name: str, argv: list[str], log: Path, env: dict[str, str]) -> Proc:
+# Runs a command on given CPUs: sets the affinity, then execs the command, which keeps it
+# (as does every thread the command starts, unlike pinning a process after it started).
+_ON_CPUS = (
+    "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
+def spawn(
+    name: str,
+    argv: list[str],
+    log: Path,
+    env: dict[str, str],
+    cpus: Collection[int] | None = None,
+) -> Proc:
+    """Start ``argv`` with its output in ``log``; on ``cpus`` only when given."""
+    if cpus is not None:
+        argv = [sys.executable, "-c", _ON_CPUS, ",".join(map(str, sorted(cpus))), *argv]
     with log.open("wb") as out:
         popen = subprocess.Popen(
             argv,
@@ -95,6 +113,21 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def wait_listening(proc: Proc, port: int, deadline: float) -> None:
+    """Poll until something accepts TCP connections on 127.0.0.1:``port`` (a process
+    without an HTTP readiness endpoint), the process dies, or the deadline passes."""
+    while True:
+        proc.check_alive()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.name} did not listen on port {port}; log:\n{proc.tail()}")
+        time.sleep(STARTUP_POLL_S)
 
 
 def wait_ready(

@@ -217,7 +217,7 @@ def run(ctx: SuiteContext) -> Section:
         torch.set_num_threads(threads)  # inherited by the short-lived threads below
         ctx.say(f"starting a replica ({threads} compute thread(s)) and a gateway ...")
         (rep,) = launcher.start_replicas(1, "--no-prefix-caching", threads=threads)
-        gateway, url, key = launcher.start_gateway([rep], "prefix")
+        gateway, url, key = launcher.start_gateway([rep.grpc_address], "prefix")
         procs = [rep.proc, gateway]
         llm = call_in_short_lived_thread(
             lambda: LLM(str(model_dir), dtype=DTYPE, device=ctx.device, max_num_seqs=streams,

@@ -1,0 +1,239 @@
+"""The gateway's capacity on one core: ``kvserve bench gateway --phase capacity``.
+
+The target is a rate a gateway process sustains on one core (streamed chunks per
+second), so the gateway must be the bottleneck: it runs alone on one CPU, and what feeds
+it runs on the others. A CPU replica cannot do that on a small machine (it makes ~1,300
+tokens/s on two cores), so the upstream is a stub replica (``bench.stub_replica``: the
+engine's gRPC API with canned tokens and no model; one message per 1 ms step carrying a
+token for every open request, as an engine step does). This process is the load
+generator: ``--capacity-streams`` connections, each sending streaming chat completions
+of ``--max-tokens`` tokens one after another (keep-alive), read with a minimal HTTP/1.1
+client (a full client library would need more CPU than the gateway, and share the
+stub's CPU).
+
+Per round (``--capacity-requests`` requests): the text chunks received per wall second,
+the gateway's CPU time over the round (``/proc/PID/stat``), its busy share of one CPU,
+and the chunks per gateway CPU-second. When the gateway was busy ≥ 90% of its CPU, the
+chunks per second are its capacity on one core; below that the load generator could not
+keep it saturated, and chunks per CPU-second is the figure to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.bench.cpu import Placement, running_on
+from kvserve.bench.processes import Proc
+from kvserve.bench.serving import MODEL_NAME, run_client
+
+TARGET_CHUNKS_PER_SECOND = 10_000.0
+SATURATED = 0.9  # busy share of the gateway's CPU above which a round measures capacity
+STUB_STEP_MS = 1.0  # between the stub replica's output messages
+_TEXT_CHUNK = b'"finish_reason": null'  # in every text delta's event, and only there
+
+
+@dataclass
+class CapacityRound:
+    round: int
+    requests_ok: int
+    requests_failed: int
+    chunks: int  # text chunks received by the client
+    seconds: float
+    gateway_cpu_seconds: float
+    chunks_per_second: float
+    gateway_busy: float  # gateway CPU-seconds / wall seconds
+    chunks_per_cpu_second: float | None
+
+
+@dataclass
+class CapacityResult:
+    streams: int
+    requests: int  # per round
+    max_tokens: int
+    stub_step_ms: float
+    placement: str
+    gateway_alone: bool  # the gateway had a CPU to itself
+    chunks_per_second: float  # median round
+    chunks_per_cpu_second: float | None  # median round
+    gateway_busy: float  # median round
+    saturated: bool  # every round had the gateway busy ≥ SATURATED
+    target_chunks_per_second: float = TARGET_CHUNKS_PER_SECOND
+    rounds: list[CapacityRound] = field(default_factory=list)
+    first_error: str | None = None
+
+
+class _Failed(Exception):
+    pass
+
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    """One chunked SSE response: its text chunks (raises ``_Failed`` on a non-200)."""
+    status = await reader.readuntil(b"\r\n")
+    chunked, length = False, 0
+    while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+        elif name == b"content-length":
+            length = int(value)
+    if not status.startswith(b"HTTP/1.1 200"):
+        body = await reader.readexactly(length) if length else b""
+        raise _Failed(f"{status.decode().strip()}: {body[:300].decode(errors='replace')}")
+    if not chunked:
+        raise _Failed("the stream was not chunked")
+    chunks = 0
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+        data = await reader.readexactly(size + 2)  # the chunk and its CRLF
+        if size == 0:
+            return chunks
+        chunks += data.count(_TEXT_CHUNK)
+
+
+async def _load(
+    port: int, key: str, model: str, streams: int, requests: int, max_tokens: int
+) -> tuple[int, int, int, str | None]:
+    """``streams`` connections drain ``requests`` streaming requests: (ok, failed, text
+    chunks of the ok ones, the first error)."""
+    left = requests
+    ok = failed = chunks = 0
+    first_error: str | None = None
+
+    async def connection() -> None:
+        nonlocal left, ok, failed, chunks, first_error
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while left > 0:
+                left -= 1
+                body = json.dumps(
+                    {
+                        "model": model,
+                        "messages": [{"role": "user", "content": f"capacity probe {left}"}],
+                        "max_tokens": max_tokens,
+                        "stream": True,
+                    }
+                ).encode()
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                    b"authorization: Bearer " + key.encode() + b"\r\n"
+                    b"content-type: application/json\r\n"
+                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
+                try:
+                    n = await _read_response(reader)
+                except _Failed as exc:
+                    failed += 1
+                    first_error = first_error or str(exc)
+                    continue
+                ok += 1
+                chunks += n
+        finally:
+            writer.close()
+
+    results = await asyncio.gather(
+        *(connection() for _ in range(min(streams, requests))), return_exceptions=True
+    )
+    for res in results:
+        if isinstance(res, BaseException):
+            first_error = first_error or f"{type(res).__name__}: {res}"
+    return ok, failed, chunks, first_error
+
+
+def run_capacity(
+    args: argparse.Namespace,
+    gateway: Proc,
+    port: int,
+    key: str,
+    placement: Placement,
+    say: Callable[[str], None],
+) -> CapacityResult:
+    """``--rounds`` timed rounds against a started gateway (after one untimed)."""
+    streams, requests, max_tokens = args.capacity_streams, args.capacity_requests, args.max_tokens
+    model = MODEL_NAME
+    rounds: list[CapacityRound] = []
+    first_error: str | None = None
+    with running_on(placement.others):
+        say(f"  warm-up: {streams} requests (not measured) ...")
+        run_client(_load(port, key, model, streams, streams, max_tokens))
+        for r in range(args.rounds):
+            cpu0, t0 = gateway.cpu_seconds(), time.perf_counter()
+            ok, failed, chunks, error = run_client(
+                _load(port, key, model, streams, requests, max_tokens)
+            )
+            seconds = time.perf_counter() - t0
+            cpu = gateway.cpu_seconds() - cpu0
+            first_error = first_error or error
+            res = CapacityRound(
+                round=r + 1,
+                requests_ok=ok,
+                requests_failed=failed,
+                chunks=chunks,
+                seconds=round(seconds, 3),
+                gateway_cpu_seconds=round(cpu, 2),
+                chunks_per_second=round(chunks / seconds, 1),
+                gateway_busy=round(cpu / seconds, 3),
+                chunks_per_cpu_second=round(chunks / cpu, 1) if cpu > 0 else None,
+            )
+            rounds.append(res)
+            say(
+                f"  round {r + 1}/{args.rounds}: {chunks} chunks in {seconds:.2f} s = "
+                f"{res.chunks_per_second:,.0f} chunks/s; gateway busy {res.gateway_busy:.0%} "
+                f"of one CPU" + (f" ({failed} failed: {error})" if failed else "")
+            )
+    per_cpu = [x.chunks_per_cpu_second for x in rounds if x.chunks_per_cpu_second is not None]
+    return CapacityResult(
+        streams=streams,
+        requests=requests,
+        max_tokens=max_tokens,
+        stub_step_ms=STUB_STEP_MS,
+        placement=placement.describe(),
+        gateway_alone=placement.separate,
+        chunks_per_second=round(statistics.median(x.chunks_per_second for x in rounds), 1),
+        chunks_per_cpu_second=round(statistics.median(per_cpu), 1) if per_cpu else None,
+        gateway_busy=round(statistics.median(x.gateway_busy for x in rounds), 3),
+        saturated=all(x.gateway_busy >= SATURATED for x in rounds),
+        rounds=rounds,
+        first_error=first_error,
+    )
+
+
+def print_capacity(c: CapacityResult) -> None:
+    print()
+    print(
+        f"gateway capacity: {c.streams} streams, {c.requests} requests per round, "
+        f"{c.max_tokens}-token chat answers from a stub replica (no model; a message "
+        f"every {c.stub_step_ms:g} ms); {c.placement}"
+    )
+    print(f"{'round':<8}{'chunks':>9}{'seconds':>9}{'chunks/s':>10}{'GW busy':>9}{'per CPU-s':>11}")
+    for x in c.rounds:
+        per_cpu = "-" if x.chunks_per_cpu_second is None else f"{x.chunks_per_cpu_second:,.0f}"
+        print(
+            f"{x.round:<8}{x.chunks:>9}{x.seconds:>9.2f}{x.chunks_per_second:>10,.0f}"
+            f"{x.gateway_busy:>9.0%}{per_cpu:>11}"
+            + (f"  ({x.requests_failed} failed)" if x.requests_failed else "")
+        )
+    per_cpu = "-" if c.chunks_per_cpu_second is None else f"{c.chunks_per_cpu_second:,.0f}"
+    if c.gateway_alone and c.saturated:
+        print(
+            f"capacity on one core (median round): {c.chunks_per_second:,.0f} chunks/s "
+            f"(target ≥ {c.target_chunks_per_second:,.0f}); {per_cpu} per gateway CPU-second"
+        )
+    else:
+        why = (
+            "the gateway did not have a CPU to itself"
+            if not c.gateway_alone
+            else f"the load generator kept the gateway only {c.gateway_busy:.0%} busy"
+        )
+        print(
+            f"not a capacity figure ({why}): {per_cpu} chunks per gateway CPU-second "
+            f"(target ≥ {c.target_chunks_per_second:,.0f} per second on one core)"
+        )
+    if c.first_error:
+        print(f"  first failure: {c.first_error}")

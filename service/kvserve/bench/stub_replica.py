@@ -1,0 +1,144 @@
+"""A stand-in replica for measuring the gateway alone (``python -m kvserve.bench.stub_replica``).
+
+It speaks the engine's gRPC API as the gateway uses it (``GenerateMany``, ``GetLoad``,
+``Health``) with canned output and no model. Every ``--step-ms`` one
+``GenerateManyResponse`` carries one token for every open request, as a real replica
+sends one message per engine step; a request ends with a ``Final`` (``length``) after
+its ``max_tokens`` tokens, or ``abort`` when the gateway cancels it.
+
+A token costs this process a small fraction of what it costs a real engine on a CPU, so
+a load generator can offer the gateway more streamed chunks than it can handle, which
+is how ``kvserve bench gateway --phase capacity`` measures the gateway's capacity on
+one core. Nothing else uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvserve.server.grpc import engine_pb2 as pb
+from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
+
+TOKEN_ID = 42
+TOKEN_TEXT = " word"
+DEFAULT_MAX_TOKENS = 16  # the engine's default for a request without max_tokens
+
+
+def _prompt_tokens(start: pb.GenerateRequest) -> int:
+    """A plausible prompt length for the usage the gateway settles limits with."""
+    kind = start.WhichOneof("prompt")
+    if kind == "prompt_token_ids":
+        return len(start.prompt_token_ids.ids)
+    if kind == "chat":
+        return sum(len(m.content.split()) + 4 for m in start.chat.messages)
+    return len(start.prompt_text.split())
+
+
+class _Open:
+    __slots__ = ("done", "left", "prompt_tokens")
+
+    def __init__(self, max_tokens: int, prompt_tokens: int) -> None:
+        self.left, self.done, self.prompt_tokens = max_tokens, 0, prompt_tokens
+
+
+class StubEngine(pb_grpc.EngineServiceServicer):
+    def __init__(self, step_seconds: float) -> None:
+        self.step_seconds = step_seconds
+
+    async def GetLoad(self, request: Any, context: Any) -> pb.GetLoadResponse:
+        return pb.GetLoadResponse(block_size=16, num_blocks=1 << 16, num_free_blocks=1 << 16)
+
+    async def Health(self, request: Any, context: Any) -> pb.HealthResponse:
+        return pb.HealthResponse(serving=True)
+
+    async def GenerateMany(
+        self, request_iterator: AsyncIterator[pb.GenerateManyRequest], context: Any
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        open_: dict[int, _Open] = {}
+        ended: list[pb.TaggedOutput] = []  # cancelled requests' finals, sent with the next step
+        work = asyncio.Event()
+
+        async def read_commands() -> None:
+            async for message in request_iterator:
+                for command in message.commands:
+                    if command.WhichOneof("kind") == "start":
+                        start = command.start
+                        max_tokens = start.max_tokens if start.HasField("max_tokens") else 0
+                        open_[command.tag] = _Open(
+                            max_tokens or DEFAULT_MAX_TOKENS, _prompt_tokens(start)
+                        )
+                    elif open_.pop(command.tag, None) is not None:
+                        final = pb.Final(finish_reason="abort", usage=pb.Usage())
+                        ended.append(pb.TaggedOutput(tag=command.tag, final=final))
+                work.set()
+
+        reader = asyncio.create_task(read_commands())
+        try:
+            while not reader.done() or open_ or ended:
+                if not open_ and not ended:
+                    work.clear()
+                    waiter = asyncio.ensure_future(work.wait())
+                    await asyncio.wait((waiter, reader), return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    continue
+                await asyncio.sleep(self.step_seconds)
+                outputs, ended = ended, []
+                for tag, req in list(open_.items()):
+                    delta = pb.Delta(token_ids=[TOKEN_ID], text=TOKEN_TEXT)
+                    outputs.append(pb.TaggedOutput(tag=tag, delta=delta))
+                    req.left -= 1
+                    req.done += 1
+                    if req.left <= 0:
+                        del open_[tag]
+                        usage = pb.Usage(
+                            prompt_tokens=req.prompt_tokens, completion_tokens=req.done
+                        )
+                        final = pb.Final(finish_reason="length", usage=usage)
+                        outputs.append(pb.TaggedOutput(tag=tag, final=final))
+                if outputs:
+                    yield pb.GenerateManyResponse(outputs=outputs)
+        finally:
+            reader.cancel()
+
+
+async def serve(host: str, port: int, step_seconds: float) -> None:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port is an error
+    pb_grpc.add_EngineServiceServicer_to_server(StubEngine(step_seconds), server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # what grpcio raises when the bind fails (older versions: 0)
+        bound = 0
+    if bound == 0:
+        raise SystemExit(f"stub replica: cannot listen on {host}:{port}")
+    await server.start()
+    print(f"stub replica on {host}:{port}, a step every {step_seconds * 1e3:g} ms", flush=True)
+    await server.wait_for_termination()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvserve.bench.stub_replica", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--step-ms", type=float, default=1.0, help="time between output messages")
+    args = p.parse_args(argv)
+    coro = serve(args.host, args.port, args.step_ms / 1e3)
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            import uvloop
+        except ImportError:  # not on Windows
+            asyncio.run(coro)
+        else:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(coro)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

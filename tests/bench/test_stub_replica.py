@@ -1,0 +1,102 @@
+"""The stub replica of ``kvserve bench gateway --phase capacity``, as a real process read
+by the gateway's own upstream client (``ReplicaClient``: one shared ``GenerateMany``)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvserve.bench.processes import Proc, free_ports, spawn, stop, wait_listening
+from kvserve.gateway.upstream import ReplicaClient, generate_request
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.grpc import engine_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    (port,) = free_ports(1)
+    log = Path(tmp_path_factory.mktemp("stub")) / "stub.log"
+    argv = [sys.executable, "-m", "kvserve.bench.stub_replica", "--port", str(port)]
+    proc: Proc = spawn("stub-replica", argv, log, {}, cpus=None)
+    try:
+        wait_listening(proc, port, time.monotonic() + 60)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop([proc])
+        assert proc.popen.returncode is not None
+
+
+async def read_all(call: Any) -> list[pb.TaggedOutput]:
+    return [out async for out in call]
+
+
+async def _generate(address: str, max_tokens: int | None, n: int) -> list[list[pb.TaggedOutput]]:
+    client = ReplicaClient(address)
+    try:
+        params = SamplingParams(max_tokens=max_tokens or 16)
+        calls = []
+        for i in range(n):
+            request = generate_request(
+                f"r{i}", [1, 2, 3], params, max_tokens_set=max_tokens is not None
+            )
+            calls.append(client.generate(request, 30.0, {}))
+        return await asyncio.gather(*(read_all(call) for call in calls))
+    finally:
+        await client.close()
+
+
+def test_each_request_gets_its_tokens_then_a_final(stub: str) -> None:
+    outputs = asyncio.run(_generate(stub, 5, 3))
+    for outs in outputs:
+        kinds = [o.WhichOneof("kind") for o in outs]
+        assert kinds == ["delta"] * 5 + ["final"]
+        assert all(o.delta.text == " word" for o in outs[:-1])
+        final = outs[-1].final
+        assert final.finish_reason == "length"
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (3, 5)
+
+
+def test_without_max_tokens_the_engine_default_applies(stub: str) -> None:
+    (outs,) = asyncio.run(_generate(stub, None, 1))
+    assert outs[-1].final.usage.completion_tokens == 16
+
+
+def test_a_cancelled_request_ends_and_others_go_on(stub: str) -> None:
+    async def scenario() -> tuple[list[pb.TaggedOutput], grpc.StatusCode]:
+        client = ReplicaClient(stub)
+        try:
+            params = SamplingParams(max_tokens=1000)
+            doomed = client.generate(generate_request("doomed", [1], params), 30.0, {})
+            assert (await doomed.read()).WhichOneof("kind") == "delta"
+            doomed.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await doomed.read()
+            request = generate_request("other", [1], SamplingParams(max_tokens=2))
+            other = client.generate(request, 30.0, {})
+            return [out async for out in other], err.value.code()
+        finally:
+            await client.close()
+
+    outs, code = asyncio.run(scenario())
+    assert code == grpc.StatusCode.CANCELLED
+    assert [o.WhichOneof("kind") for o in outs] == ["delta", "delta", "final"]
+
+
+def test_it_refuses_a_port_in_use(tmp_path: Path, stub: str) -> None:
+    port = stub.rsplit(":", 1)[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve.bench.stub_replica", "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
