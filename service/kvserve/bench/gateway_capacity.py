@@ -97,6 +97,33 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
         chunks += data.count(_TEXT_CHUNK)
 
 
+def _request(key: str, model: str, max_tokens: int, content: str) -> bytes:
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        b"authorization: Bearer " + key.encode() + b"\r\n"
+        b"content-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+# What ends one request of the load generator as failed (and its connection).
+_REQUEST_FAILED = (
+    _Failed,
+    OSError,
+    ValueError,
+    asyncio.IncompleteReadError,
+    asyncio.LimitOverrunError,
+)
+
+
 async def _load(
     port: int, key: str, model: str, streams: int, requests: int, max_tokens: int
 ) -> tuple[int, int, int, str | None]:
@@ -108,41 +135,28 @@ async def _load(
 
     async def connection() -> None:
         nonlocal left, ok, failed, chunks, first_error
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            while left > 0:
-                left -= 1
-                body = json.dumps(
-                    {
-                        "model": model,
-                        "messages": [{"role": "user", "content": f"capacity probe {left}"}],
-                        "max_tokens": max_tokens,
-                        "stream": True,
-                    }
-                ).encode()
-                writer.write(
-                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-                    b"authorization: Bearer " + key.encode() + b"\r\n"
-                    b"content-type: application/json\r\n"
-                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-                )
-                try:
-                    n = await _read_response(reader)
-                except _Failed as exc:
-                    failed += 1
-                    first_error = first_error or str(exc)
-                    continue
-                ok += 1
-                chunks += n
-        finally:
-            writer.close()
+        stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        while left > 0:
+            left -= 1
+            try:
+                if stream is None:
+                    stream = await asyncio.open_connection("127.0.0.1", port)
+                reader, writer = stream
+                writer.write(_request(key, model, max_tokens, f"capacity probe {left}"))
+                n = await _read_response(reader)
+            except _REQUEST_FAILED as exc:
+                failed += 1
+                first_error = first_error or f"{type(exc).__name__}: {exc}"
+                if stream is not None:  # a fresh connection for the next request
+                    stream[1].close()
+                    stream = None
+                continue
+            ok += 1
+            chunks += n
+        if stream is not None:
+            stream[1].close()
 
-    results = await asyncio.gather(
-        *(connection() for _ in range(min(streams, requests))), return_exceptions=True
-    )
-    for res in results:
-        if isinstance(res, BaseException):
-            first_error = first_error or f"{type(res).__name__}: {res}"
+    await asyncio.gather(*(connection() for _ in range(min(streams, requests))))
     return ok, failed, chunks, first_error
 
 

@@ -1,5 +1,6 @@
-"""The stub replica of ``kvserve bench gateway --phase capacity``, as a real process read
-by the gateway's own upstream client (``ReplicaClient``: one shared ``GenerateMany``)."""
+"""``kvserve bench gateway --phase capacity``'s parts: the stub replica, as a real process
+read by the gateway's own upstream client (``ReplicaClient``: one shared ``GenerateMany``),
+and the load generator against a real gateway in front of it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from typing import Any
 import grpc
 import pytest
 
+from kvserve.bench.gateway_capacity import _load
 from kvserve.bench.processes import Proc, free_ports, spawn, stop, wait_listening
+from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.upstream import ReplicaClient, generate_request
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.grpc import engine_pb2 as pb
+from tests.gateway.conftest import KEY_A, keys_file, serve_gateway
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +104,26 @@ def test_it_refuses_a_port_in_use(tmp_path: Path, stub: str) -> None:
     )
     assert out.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+
+
+def test_the_load_generator_counts_chunks_and_failures(stub: str) -> None:
+    config = GatewayConfig.model_validate(
+        {"models": {"m": {"replicas": [f"grpc://{stub}"]}}, "keys_file": "unused.yaml"}
+    )
+    gw = serve_gateway(config, keys_file())
+    try:
+        port = int(gw.url.rsplit(":", 1)[1])
+        ok, failed, chunks, error = asyncio.run(_load(port, KEY_A, "m", 3, 7, 5))
+        assert (ok, failed, chunks, error) == (7, 0, 7 * 5, None)
+        # Refused requests: counted, with the first error's status and body, and the
+        # connection replaced (the next request still gets its answer).
+        ok, failed, chunks, error = asyncio.run(_load(port, "sk-wrong", "m", 2, 4, 5))
+        assert (ok, failed, chunks) == (0, 4, 0)
+        assert error is not None and "401" in error and "invalid_api_key" in error
+        ok, failed, _, error = asyncio.run(_load(port, KEY_A, "no-such-model", 1, 2, 5))
+        assert (ok, failed) == (0, 2) and error is not None and "404" in error
+    finally:
+        gw.stop()
+    # Nothing listening: every request fails, none is left out.
+    ok, failed, _, error = asyncio.run(_load(port, KEY_A, "m", 2, 5, 5))
+    assert (ok, failed) == (0, 5) and error is not None and "ConnectionRefused" in error
