@@ -10,17 +10,21 @@ from ``/proc/PID/stat`` around each measured window.
 Three phases (``--phase``; ``all`` runs them in this order):
 
 * **overhead**: one replica (prefix caching off, so repeating the workload costs the
-  engine the same each time). The same workload, ``--requests`` streamed completions of
-  ``--max-tokens`` tokens each (``ignore_eos``, greedy) from ``--streams`` concurrent
-  clients, goes direct to the replica's HTTP API and through the gateway, alternated
-  within each of ``--rounds`` rounds (ABBA order, so drift in machine load falls on both
-  paths alike). Client-side TTFT and every inter-token gap are recorded per request
-  (``serving.stream_sse``: send = the write of the request's last bytes, chunks timed
-  when their bytes arrive). The gateway's added latency is the difference of the medians;
-  its efficiency at that load is the text chunks it streamed per CPU-second of its
-  process. Then ``--lone-pairs`` lone requests on each path, one at a time and
-  interleaved: the medians of their paired differences are the latency the gateway adds
-  without batching noise.
+  engine the same each time). The same workload, ``--requests`` streamed completions
+  (``ignore_eos``, greedy; output lengths uniform in ``--max-tokens`` × (1 ±
+  ``--max-tokens-spread``), seeded, so streams end at different steps as in production)
+  from ``--streams`` concurrent clients, goes direct to the replica's HTTP API and
+  through the gateway, alternated within each of ``--rounds`` rounds (ABBA order, so
+  drift in machine load falls on both paths alike). Client-side TTFT and every
+  inter-token gap are recorded per request (``bench.sse_client``: send = just before the
+  request's one write, chunks timed when their read completes). The gateway's added
+  latency is the difference of the medians; each request is also found in the replica's
+  request log and split at its engine (TTFT inside and outside the engine, delay added
+  per gap beyond the engine's pace), which separates what the path adds from how the
+  requests fell into batches. The gateway's efficiency at that load is the text chunks it
+  streamed per CPU-second of its process. Then ``--lone-pairs`` lone requests on each
+  path, one at a time and interleaved: the medians of their paired differences are the
+  latency the gateway adds without batching noise.
 * **capacity** (``bench.gateway_capacity``): the gateway alone on one CPU, fed by a stub
   replica (canned tokens over the engine's gRPC API) and a light load generator on the
   other CPUs, with more streams than one core can serve: the chunks per second it
@@ -81,10 +85,12 @@ from kvserve.bench.serving import (
     _client,
     _ms,
     _percentile,
-    _stream_one,
+    _request_log,
+    _same_clock,
     run_client,
     stream_sse,
 )
+from kvserve.bench.sse_client import Connection
 from kvserve.bench.timelines import Workload
 from kvserve.config import DTYPES
 from kvserve.telemetry import definitions
@@ -130,8 +136,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     o = p.add_argument_group("overhead phase")
     o.add_argument("--streams", type=int, default=64, help="concurrent streaming clients")
-    o.add_argument("--requests", type=int, default=128, help="requests per pass")
+    o.add_argument("--requests", type=int, default=384, help="requests per pass")
     o.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    o.add_argument(
+        "--max-tokens-spread",
+        type=float,
+        default=0.5,
+        help="output lengths uniform in --max-tokens × (1 ± this), seeded; 0: all equal, "
+        "so the streams start and end in waves of --streams requests at once",
+    )
     o.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     o.add_argument(
         "--rounds",
@@ -211,9 +224,10 @@ class Launcher:
         *extra: str,
         threads: int | None = None,
         cpus: frozenset[int] | None = None,
+        log_level: str = "warning",
     ) -> list[ReplicaProc]:
         """``n`` replicas started together (on ``cpus`` when given); returns once every
-        one answers /ready."""
+        one answers /ready. At ``log_level`` info their logs hold the request log."""
         a = self.args
         max_seqs = a.max_num_seqs or max(a.streams, a.agents, 1)
         reps: list[ReplicaProc] = []
@@ -227,7 +241,7 @@ class Launcher:
                 "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
                 "--max-num-seqs", str(max_seqs),
                 "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-                "--seed", str(a.seed), "--drain-timeout", "2", "--log-level", "warning", *extra,
+                "--seed", str(a.seed), "--drain-timeout", "2", "--log-level", log_level, *extra,
             ]  # fmt: skip
             proc = spawn(name, argv, log, self._env(threads), cpus)
             self.started.append(proc)
@@ -344,6 +358,16 @@ class PathStats:
     itl_p50_ms: float | None
     itl_p90_ms: float | None
     replica_cpu_seconds: float
+    # Each request's latencies split at the replica's engine, from the replica's request
+    # log (same clock as the client); medians over the requests found in it (None: no
+    # log, or not one clock on this OS). TTFT: the engine's own part, arrival → first
+    # token (waiting for a batch, prefill), and the rest (the way in before arrival, the
+    # way out after the token). Gaps: client TPOT − the engine's TPOT, the delay the way
+    # out adds per gap on top of the engine's own pace.
+    engine_ttft_p50_ms: float | None = None
+    ttft_outside_engine_p50_ms: float | None = None
+    gap_added_p50_ms: float | None = None
+    split_requests: int = 0
 
 
 @dataclass
@@ -351,6 +375,9 @@ class OverheadResult:
     streams: int
     requests: int
     max_tokens: int
+    output_tokens_min: int  # the workload's output lengths (ignore_eos: exact)
+    output_tokens_max: int
+    output_tokens_per_pass: int
     prompt_tokens: int
     rounds: int
     placement: str
@@ -360,6 +387,10 @@ class OverheadResult:
     ttft_p90_added_ms: float | None
     itl_p50_added_ms: float | None
     itl_p90_added_ms: float | None
+    # The same, of each request's TTFT outside the replica's engine, and of the delay
+    # added per gap beyond the engine's pace (see PathStats).
+    ttft_outside_engine_added_ms: float | None
+    gap_added_by_gateway_ms: float | None
     gateway_cpu_seconds: float  # Δ(utime + stime) over the gateway passes
     gateway_chunks: int
     gateway_chunks_per_cpu_second: float | None
@@ -423,7 +454,41 @@ class Report:
     routing: RoutingResult | None = None
 
 
-def _path_stats(passes: Sequence[tuple[PassResult, list[ClientRecord]]]) -> PathStats:
+@dataclass
+class EngineSplit:
+    """One request's latencies split at the replica's engine (seconds; see PathStats)."""
+
+    engine_ttft: float  # arrival → first token, in the engine
+    outside_ttft: float  # client TTFT − that: the way in and the way out
+    gap_added: float | None  # client TPOT − the engine's (None: fewer than 2 tokens)
+
+
+def _split_at_engine(
+    records: Sequence[ClientRecord], tag: str, log: dict[str, dict[str, Any]]
+) -> list[EngineSplit]:
+    """The split of each request of a pass found in the replica's request log (request
+    ``i`` is ``{tag}-{i}``)."""
+    split = []
+    for i, rec in enumerate(records):
+        entry = log.get(f"{tag}-{i}")
+        if entry is None or not rec.ok or rec.first is None or rec.last is None:
+            continue
+        f, e = entry.get("first_token_time"), entry.get("last_token_time")
+        if f is None or e is None:
+            continue
+        engine = float(f) - float(entry["arrival_time"])
+        tokens = int(entry["output_tokens"])
+        # Each chunk's delay after its token, last minus first, spread over the gaps.
+        gap = (
+            ((rec.last - float(e)) - (rec.first - float(f))) / (tokens - 1) if tokens > 1 else None
+        )
+        split.append(EngineSplit(engine, definitions.ttft(rec.send, rec.first) - engine, gap))
+    return split
+
+
+def _path_stats(
+    passes: Sequence[tuple[PassResult, list[ClientRecord]]], split: Sequence[EngineSplit] = ()
+) -> PathStats:
     records = [rec for _, recs in passes for rec in recs]
     seconds = sum(p.seconds for p, _ in passes)
     ttfts, itls = _ttfts(records), _itls(records)
@@ -438,6 +503,12 @@ def _path_stats(passes: Sequence[tuple[PassResult, list[ClientRecord]]]) -> Path
         itl_p50_ms=_ms(_percentile(itls, 50)),
         itl_p90_ms=_ms(_percentile(itls, 90)),
         replica_cpu_seconds=round(sum(p.replica_cpu_seconds for p, _ in passes), 2),
+        engine_ttft_p50_ms=_ms(_percentile([x.engine_ttft for x in split], 50)),
+        ttft_outside_engine_p50_ms=_ms(_percentile([x.outside_ttft for x in split], 50)),
+        gap_added_p50_ms=_ms(
+            _percentile([x.gap_added for x in split if x.gap_added is not None], 50)
+        ),
+        split_requests=len(split),
     )
 
 
@@ -452,42 +523,54 @@ def _overhead_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
     special = set(tokenizer.all_special_ids)
     ids = [i for i in range(len(tokenizer)) if i not in special]
     prompts = [[rng.choice(ids) for _ in range(args.prompt_len)] for _ in range(args.requests)]
-    return Workload(prompts, [args.max_tokens] * args.requests)
+    lo = max(1, round(args.max_tokens * (1 - args.max_tokens_spread)))
+    hi = max(lo, round(args.max_tokens * (1 + args.max_tokens_spread)))
+    return Workload(prompts, [rng.randint(lo, hi) for _ in range(args.requests)])
 
 
 async def _overhead_pass(
-    url: str, key: str | None, work: Workload, streams: int, procs: Sequence[Proc]
+    url: str,
+    key: str | None,
+    work: Workload,
+    streams: int,
+    procs: Sequence[Proc],
+    tag: str | None = None,
 ) -> tuple[float, list[ClientRecord], list[float]]:
-    """``streams`` clients drain the workload; returns wall seconds, the records, and each
-    of ``procs``' CPU seconds over the timed window (warm-up excluded)."""
-    todo: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(work.prompts)):
-        todo.put_nowait(i)
+    """``streams`` clients (``sse_client``, one keep-alive connection each) drain the
+    workload; returns wall seconds, the records (in the workload's order), and each of
+    ``procs``' CPU seconds over the timed window (warm-up excluded). With ``tag``, request
+    ``i`` goes as request id ``{tag}-{i}``."""
+    n = min(streams, len(work.prompts))
+    connections = [Connection(url, key) for _ in range(n)]
     records: list[ClientRecord | None] = [None] * len(work.prompts)
-    async with _client(url, streams) as client:
-        if key is not None:
-            client.headers["authorization"] = f"Bearer {key}"
-        # Warm-up: connections (and the gateway's channel), outside the timed window.
+    todo = iter(range(len(work.prompts)))
+
+    async def worker(conn: Connection) -> None:
+        for i in todo:
+            body = _body(work.prompts[i], work.output_lens[i])
+            records[i] = await conn.stream("/v1/completions", body, rid(i))
+
+    def rid(i: int) -> str | None:
+        return None if tag is None else f"{tag}-{i}"
+
+    try:
+        # Warm-up: the connections (and the gateway's channel), outside the timed window.
         warm = await asyncio.gather(
-            *(_stream_one(client, _body(p, 2)) for p in work.prompts[: min(4, streams)])
+            *(c.stream("/v1/completions", _body(work.prompts[0], 2)) for c in connections)
         )
         if any(rec.error for rec in warm):
             raise RuntimeError(f"warm-up request to {url} failed: {warm[0].error}")
-
-        async def worker() -> None:
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                records[i] = await _stream_one(client, _body(work.prompts[i], work.output_lens[i]))
-
         cpu0 = [p.cpu_seconds() for p in procs]
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(streams, len(work.prompts)))))
+        await asyncio.gather(*(worker(c) for c in connections))
         seconds = time.perf_counter() - start
         cpu = [p.cpu_seconds() - c for p, c in zip(procs, cpu0, strict=True)]
-    return seconds, [r for r in records if r is not None], cpu
+    finally:
+        for c in connections:
+            c.close()
+    done = [r for r in records if r is not None]
+    assert len(done) == len(records), "every request of the pass has its record"
+    return seconds, done, cpu
 
 
 def _own_cpu_seconds() -> float:
@@ -554,12 +637,12 @@ async def _lone_pairs(
     """``n`` lone requests on each path, one at a time, the order swapped every pair (so
     drift falls on both alike). Only pairs where both requests succeeded are kept."""
     pairs: list[LonePair] = []
-    async with _client(direct_url, 1) as direct, _client(gateway_url, 1) as via:
-        via.headers["authorization"] = f"Bearer {key}"
+    direct, via = Connection(direct_url), Connection(gateway_url, key)
+    try:
         for i in range(n):
             body = _body(work.prompts[i % len(work.prompts)], work.output_lens[0])
-            clients = (direct, via) if i % 2 == 0 else (via, direct)
-            recs = {id(c): await _stream_one(c, body) for c in clients}
+            conns = (direct, via) if i % 2 == 0 else (via, direct)
+            recs = {id(c): await c.stream("/v1/completions", body) for c in conns}
             d, g = recs[id(direct)], recs[id(via)]
             if not (d.ok and g.ok and d.first is not None and g.first is not None):
                 continue
@@ -574,6 +657,9 @@ async def _lone_pairs(
                     statistics.median(gaps_g),
                 )
             )
+    finally:
+        direct.close()
+        via.close()
     return pairs
 
 
@@ -599,7 +685,7 @@ def run_overhead(
     # the comparison (5x slower steps on 2 cores) unless the caller set OMP_NUM_THREADS.
     threads = len(placement.others) if placement.others else max(1, usable_cpus() - 1)
     (rep,) = launcher.start_replicas(
-        1, "--no-prefix-caching", threads=threads, cpus=placement.others
+        1, "--no-prefix-caching", threads=threads, cpus=placement.others, log_level="info"
     )
     gateway, gw_url, key = launcher.start_gateway(
         [rep.grpc_address], "prefix", cpus=placement.gateway
@@ -631,12 +717,14 @@ def _overhead_rounds(
         if errors:
             raise RuntimeError(f"{len(errors)} warm-up requests to {url} failed: {errors[0]}")
     passes: list[tuple[PassResult, list[ClientRecord]]] = []
+    tags: dict[int, str] = {}  # id(records) -> the pass's request id prefix
     floor_messages, floor_cpu = 0, 0.0
     for r in range(args.rounds):
         order = ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")
         for path in order:
             via_gw = path == "gateway"
             procs = [rep.proc, gateway] if via_gw else [rep.proc]
+            tag = f"{path}-r{r + 1}"
             seconds, recs, cpu = asyncio.run(
                 _overhead_pass(
                     gw_url if via_gw else rep.http_url,
@@ -644,8 +732,10 @@ def _overhead_rounds(
                     work,
                     args.streams,
                     procs,
+                    tag,
                 )
             )
+            tags[id(recs)] = tag
             result = PassResult(
                 path=path,
                 round=r + 1,
@@ -676,16 +766,23 @@ def _overhead_rounds(
     if args.lone_pairs > 0:
         say(f"  {args.lone_pairs} lone requests on each path, one at a time, interleaved ...")
         lone = run_client(_lone_pairs(rep.http_url, gw_url, key, work, args.lone_pairs))
-    launcher.stop_all()
+    launcher.stop_all()  # the request log is complete once the replica has stopped
+    engine_log = _request_log(rep.proc.log) if _same_clock() else {}
+    splits: dict[str, list[EngineSplit]] = {"direct": [], "gateway": []}
+    for result, recs in passes:
+        splits[result.path] += _split_at_engine(recs, tags[id(recs)], engine_log)
     lone_ttft = _median_and_quartiles([p.ttft_gateway - p.ttft_direct for p in lone])
     lone_itl = _median_and_quartiles([p.itl_gateway - p.itl_direct for p in lone])
-    direct = _path_stats([p for p in passes if p[0].path == "direct"])
-    via = _path_stats([p for p in passes if p[0].path == "gateway"])
+    direct = _path_stats([p for p in passes if p[0].path == "direct"], splits["direct"])
+    via = _path_stats([p for p in passes if p[0].path == "gateway"], splits["gateway"])
     gw_cpu = sum(p.gateway_cpu_seconds or 0.0 for p, _ in passes)
     return OverheadResult(
         streams=args.streams,
         requests=args.requests,
         max_tokens=args.max_tokens,
+        output_tokens_min=min(work.output_lens),
+        output_tokens_max=max(work.output_lens),
+        output_tokens_per_pass=sum(work.output_lens),
         prompt_tokens=args.prompt_len,
         rounds=args.rounds,
         placement=placement.describe(),
@@ -694,6 +791,10 @@ def _overhead_rounds(
         ttft_p50_added_ms=_diff(via.ttft_p50_ms, direct.ttft_p50_ms),
         ttft_p90_added_ms=_diff(via.ttft_p90_ms, direct.ttft_p90_ms),
         itl_p50_added_ms=_diff(via.itl_p50_ms, direct.itl_p50_ms),
+        ttft_outside_engine_added_ms=_diff(
+            via.ttft_outside_engine_p50_ms, direct.ttft_outside_engine_p50_ms
+        ),
+        gap_added_by_gateway_ms=_diff(via.gap_added_p50_ms, direct.gap_added_p50_ms),
         itl_p90_added_ms=_diff(via.itl_p90_ms, direct.itl_p90_ms),
         gateway_cpu_seconds=round(gw_cpu, 2),
         gateway_chunks=via.chunks,
@@ -944,10 +1045,15 @@ def print_report(rep: Report) -> None:
         )
     o = rep.overhead
     if o is not None:
+        lengths = (
+            str(o.output_tokens_min)
+            if o.output_tokens_min == o.output_tokens_max
+            else f"{o.output_tokens_min}–{o.output_tokens_max} (uniform, seeded)"
+        )
         print()
         print(
             f"gateway overhead: 1 replica, {o.streams} concurrent streams, {o.requests} "
-            f"requests per pass ({o.prompt_tokens}-token prompts, {o.max_tokens} output tokens, "
+            f"requests per pass ({o.prompt_tokens}-token prompts, {lengths} output tokens, "
             f"ignore_eos), {o.rounds} round(s) alternating direct and gateway"
         )
         print(f"CPUs: {o.placement}")
@@ -970,6 +1076,23 @@ def print_report(rep: Report) -> None:
             f"{'target (added, median)':<26}{'≤ ' + format(o.target_ttft_added_ms, '.1f'):>12}"
             f"{'':>12}{'≤ ' + format(o.target_itl_added_ms, '.1f'):>12}"
         )
+        d, g = o.direct, o.gateway
+        if d.split_requests and g.split_requests:
+            print(
+                f"split at the replica's engine (its request log; {d.split_requests} + "
+                f"{g.split_requests} requests), medians, direct / via the gateway:"
+            )
+            print(
+                f"  TTFT inside the engine (arrival → first token) {_f(d.engine_ttft_p50_ms, 0)}"
+                f" / {_f(g.engine_ttft_p50_ms, 0)} ms; outside it (the way in and out) "
+                f"{_f(d.ttft_outside_engine_p50_ms, 0)} / {_f(g.ttft_outside_engine_p50_ms, 0)}"
+                f" ms: added {_f(o.ttft_outside_engine_added_ms, 0, sign=True)} ms"
+            )
+            print(
+                f"  delay added per gap beyond the engine's pace (client TPOT − engine TPOT) "
+                f"{_f(d.gap_added_p50_ms, 0, '.3f')} / {_f(g.gap_added_p50_ms, 0, '.3f')} ms: "
+                f"added {_f(o.gap_added_by_gateway_ms, 0, '.3f', sign=True)} ms"
+            )
         if o.lone_pairs:
             print(
                 f"lone requests ({o.lone_pairs} pairs, one at a time, interleaved), median of "
@@ -1037,6 +1160,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
     for name in positive:
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be ≥ 1"
+    if not 0 <= args.max_tokens_spread < 1:
+        return "--max-tokens-spread must be in [0, 1)"
     return None
 
 

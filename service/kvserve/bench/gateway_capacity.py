@@ -7,9 +7,9 @@ tokens/s on two cores), so the upstream is a stub replica (``bench.stub_replica`
 engine's gRPC API with canned tokens and no model; one message per 1 ms step carrying a
 token for every open request, as an engine step does). This process is the load
 generator: ``--capacity-streams`` connections, each sending streaming chat completions
-of ``--max-tokens`` tokens one after another (keep-alive), read with a minimal HTTP/1.1
-client (a full client library would need more CPU than the gateway, and share the
-stub's CPU).
+of ``--max-tokens`` tokens one after another (keep-alive), read with the minimal HTTP/1.1
+client of ``bench.sse_client`` (a full client library would need more CPU than the
+gateway, and shares the stub's CPU).
 
 Per round (``--capacity-requests`` requests): the text chunks received per wall second,
 the gateway's CPU time over the round (``/proc/PID/stat``), its busy share of one CPU,
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -31,11 +30,11 @@ from dataclasses import dataclass, field
 from kvserve.bench.cpu import Placement, running_on
 from kvserve.bench.processes import Proc
 from kvserve.bench.serving import MODEL_NAME, run_client
+from kvserve.bench.sse_client import Connection
 
 TARGET_CHUNKS_PER_SECOND = 10_000.0
 SATURATED = 0.9  # busy share of the gateway's CPU above which a round measures capacity
 STUB_STEP_MS = 1.0  # between the stub replica's output messages
-_TEXT_CHUNK = b'"finish_reason": null'  # in every text delta's event, and only there
 
 
 @dataclass
@@ -68,95 +67,37 @@ class CapacityResult:
     first_error: str | None = None
 
 
-class _Failed(Exception):
-    pass
-
-
-async def _read_response(reader: asyncio.StreamReader) -> int:
-    """One chunked SSE response: its text chunks (raises ``_Failed`` on a non-200)."""
-    status = await reader.readuntil(b"\r\n")
-    chunked, length = False, 0
-    while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"transfer-encoding":
-            chunked = b"chunked" in value.lower()
-        elif name == b"content-length":
-            length = int(value)
-    if not status.startswith(b"HTTP/1.1 200"):
-        body = await reader.readexactly(length) if length else b""
-        raise _Failed(f"{status.decode().strip()}: {body[:300].decode(errors='replace')}")
-    if not chunked:
-        raise _Failed("the stream was not chunked")
-    chunks = 0
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-        data = await reader.readexactly(size + 2)  # the chunk and its CRLF
-        if size == 0:
-            return chunks
-        chunks += data.count(_TEXT_CHUNK)
-
-
-def _request(key: str, model: str, max_tokens: int, content: str) -> bytes:
-    body = json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens,
-            "stream": True,
-        }
-    ).encode()
-    return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-        b"authorization: Bearer " + key.encode() + b"\r\n"
-        b"content-type: application/json\r\n"
-        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-    )
-
-
-# What ends one request of the load generator as failed (and its connection).
-_REQUEST_FAILED = (
-    _Failed,
-    OSError,
-    ValueError,
-    asyncio.IncompleteReadError,
-    asyncio.LimitOverrunError,
-)
-
-
 async def _load(
     port: int, key: str, model: str, streams: int, requests: int, max_tokens: int
 ) -> tuple[int, int, int, str | None]:
-    """``streams`` connections drain ``requests`` streaming requests: (ok, failed, text
-    chunks of the ok ones, the first error)."""
-    left = requests
+    """``streams`` connections drain ``requests`` streaming chat requests: (ok, failed,
+    text chunks of the ok ones, the first error)."""
+    todo = iter(range(requests))
     ok = failed = chunks = 0
     first_error: str | None = None
 
-    async def connection() -> None:
-        nonlocal left, ok, failed, chunks, first_error
-        stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        while left > 0:
-            left -= 1
-            try:
-                if stream is None:
-                    stream = await asyncio.open_connection("127.0.0.1", port)
-                reader, writer = stream
-                writer.write(_request(key, model, max_tokens, f"capacity probe {left}"))
-                n = await _read_response(reader)
-            except _REQUEST_FAILED as exc:
-                failed += 1
-                first_error = first_error or f"{type(exc).__name__}: {exc}"
-                if stream is not None:  # a fresh connection for the next request
-                    stream[1].close()
-                    stream = None
-                continue
-            ok += 1
-            chunks += n
-        if stream is not None:
-            stream[1].close()
+    async def worker() -> None:
+        nonlocal ok, failed, chunks, first_error
+        conn = Connection(f"http://127.0.0.1:{port}", key)
+        try:
+            for i in todo:
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"capacity probe {i}"}],
+                    "max_tokens": max_tokens,
+                    "stream": True,
+                }
+                rec = await conn.stream("/v1/chat/completions", body)
+                if rec.ok:
+                    ok += 1
+                    chunks += len(rec.chunk_times)
+                else:
+                    failed += 1
+                    first_error = first_error or rec.error or "the stream ended without a finish"
+        finally:
+            conn.close()
 
-    await asyncio.gather(*(connection() for _ in range(min(streams, requests))))
+    await asyncio.gather(*(worker() for _ in range(min(streams, requests))))
     return ok, failed, chunks, first_error
 
 

@@ -12,11 +12,12 @@ caching off so every round costs the same), the same concurrency, on two paths:
   throughput as ``generate``.
 * **gateway + server**: one ``kvserve serve`` replica process behind a ``kvserve gateway``
   process (``kvserve.bench.gateway.Launcher``), and 32 streaming clients in this process
-  (``bench.gateway._overhead_pass``: HTTP + SSE to the gateway, gRPC from it to the
-  replica), taking requests from a shared queue.
+  (``bench.gateway._overhead_pass``: HTTP + SSE to the gateway with the light client of
+  ``bench.sse_client``, gRPC from it to the replica), taking requests from a shared
+  queue.
 
-Per request ``s`` = arrival in the engine (offline) or the request's last byte on the
-socket (client); ``f``/``e`` = the first/last output with visible text, ``n`` = the outputs
+Per request ``s`` = arrival in the engine (offline) or the request's one write to the
+socket (client, stamped just before it); ``f``/``e`` = the first/last output with visible text, ``n`` = the outputs
 with text (definitions' "visible output tokens": engine steps whose ``delta_text`` is
 non-empty; SSE chunks with text), so TPOT is the mean gap between visible outputs on both
 sides. Every figure comes from ``kvserve.telemetry.definitions`` (via ``bench.timelines``).
