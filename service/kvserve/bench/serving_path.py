@@ -17,14 +17,15 @@ caching off so every round costs the same), the same concurrency, on two paths:
   queue.
 
 Per request ``s`` = arrival in the engine (offline) or the request's one write to the
-socket (client, stamped just before it); ``f``/``e`` = the first/last output with visible text, ``n`` = the outputs
-with text (definitions' "visible output tokens": engine steps whose ``delta_text`` is
-non-empty; SSE chunks with text), so TPOT is the mean gap between visible outputs on both
-sides. Every figure comes from ``kvserve.telemetry.definitions`` (via ``bench.timelines``).
-Throughput = output tokens / wall seconds (the serving side counts each stream's
-``usage``). With random weights, greedy decoding often emits byte tokens the byte-level
-tokenizer cannot show yet (not valid UTF-8); a request stuck on such bytes shows text late,
-which stretches TTFT's tail on both sides alike; the section counts those requests.
+socket (client, stamped just before it); ``f``/``e`` = the first/last output with
+visible text, ``n`` = the outputs with text (definitions' "visible output tokens":
+engine steps whose ``delta_text`` is non-empty; SSE chunks with text), so TPOT is the
+mean gap between visible outputs on both sides. Every figure comes from
+``kvserve.telemetry.definitions`` (via ``bench.timelines``). Throughput = output tokens
+/ wall seconds (the serving side counts each stream's ``usage``). With random weights,
+greedy decoding often emits byte tokens the byte-level tokenizer cannot show yet (not
+valid UTF-8); a request stuck on such bytes shows text late, which stretches TTFT's tail
+on both sides alike; the section counts those requests.
 
 Threads: both engines compute with the same number of threads, ``CPUs − 1`` (at least 1;
 ``OMP_NUM_THREADS`` when set, for both), so the comparison measures the path and not the
