@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.fresh_python import heavy_modules_after
 
 
 def test_the_gateway_app_imports_without_torch() -> None:
-    code = (
-        "import sys, kvserve.gateway.app\n"
-        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert heavy_modules_after("import kvserve.gateway.app", {"torch", "transformers"}) == set()

@@ -463,6 +463,11 @@ class EngineSplit:
     gap_added: float | None  # client TPOT − the engine's (None: fewer than 2 tokens)
 
 
+def _pass_tag(path: str, round_: int) -> str:
+    """The request id prefix of a pass: its request ``i`` is ``{tag}-{i}``."""
+    return f"{path}-r{round_}"
+
+
 def _split_at_engine(
     records: Sequence[ClientRecord], tag: str, log: dict[str, dict[str, Any]]
 ) -> list[EngineSplit]:
@@ -717,14 +722,12 @@ def _overhead_rounds(
         if errors:
             raise RuntimeError(f"{len(errors)} warm-up requests to {url} failed: {errors[0]}")
     passes: list[tuple[PassResult, list[ClientRecord]]] = []
-    tags: dict[int, str] = {}  # id(records) -> the pass's request id prefix
     floor_messages, floor_cpu = 0, 0.0
     for r in range(args.rounds):
         order = ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")
         for path in order:
             via_gw = path == "gateway"
             procs = [rep.proc, gateway] if via_gw else [rep.proc]
-            tag = f"{path}-r{r + 1}"
             seconds, recs, cpu = asyncio.run(
                 _overhead_pass(
                     gw_url if via_gw else rep.http_url,
@@ -732,10 +735,9 @@ def _overhead_rounds(
                     work,
                     args.streams,
                     procs,
-                    tag,
+                    _pass_tag(path, r + 1),
                 )
             )
-            tags[id(recs)] = tag
             result = PassResult(
                 path=path,
                 round=r + 1,
@@ -770,7 +772,8 @@ def _overhead_rounds(
     engine_log = _request_log(rep.proc.log) if _same_clock() else {}
     splits: dict[str, list[EngineSplit]] = {"direct": [], "gateway": []}
     for result, recs in passes:
-        splits[result.path] += _split_at_engine(recs, tags[id(recs)], engine_log)
+        tag = _pass_tag(result.path, result.round)
+        splits[result.path] += _split_at_engine(recs, tag, engine_log)
     lone_ttft = _median_and_quartiles([p.ttft_gateway - p.ttft_direct for p in lone])
     lone_itl = _median_and_quartiles([p.itl_gateway - p.itl_direct for p in lone])
     direct = _path_stats([p for p in passes if p[0].path == "direct"], splits["direct"])

@@ -111,16 +111,15 @@ def run_capacity(
 ) -> CapacityResult:
     """``--rounds`` timed rounds against a started gateway (after one untimed)."""
     streams, requests, max_tokens = args.capacity_streams, args.capacity_requests, args.max_tokens
-    model = MODEL_NAME
     rounds: list[CapacityRound] = []
     first_error: str | None = None
     with running_on(placement.others):
         say(f"  warm-up: {streams} requests (not measured) ...")
-        run_client(_load(port, key, model, streams, streams, max_tokens))
+        run_client(_load(port, key, MODEL_NAME, streams, streams, max_tokens))
         for r in range(args.rounds):
             cpu0, t0 = gateway.cpu_seconds(), time.perf_counter()
             ok, failed, chunks, error = run_client(
-                _load(port, key, model, streams, requests, max_tokens)
+                _load(port, key, MODEL_NAME, streams, requests, max_tokens)
             )
             seconds = time.perf_counter() - t0
             cpu = gateway.cpu_seconds() - cpu0
