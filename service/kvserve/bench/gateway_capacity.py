@@ -15,7 +15,8 @@ Per round (``--capacity-requests`` requests): the text chunks received per wall 
 the gateway's CPU time over the round (``/proc/PID/stat``), its busy share of one CPU,
 and the chunks per gateway CPU-second. When the gateway was busy ≥ 90% of its CPU, the
 chunks per second are its capacity on one core; below that the load generator could not
-keep it saturated, and chunks per CPU-second is the figure to read.
+keep it saturated, and chunks per CPU-second is the figure to read. After the rounds:
+the gateway's peak resident memory (VmHWM), which its pod's memory request must cover.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class CapacityResult:
     chunks_per_cpu_second: float | None  # median round
     gateway_busy: float  # median round
     saturated: bool  # every round had the gateway busy ≥ SATURATED
+    gateway_peak_rss_mb: float | None  # VmHWM after the rounds: what its pod must hold
     target_chunks_per_second: float = TARGET_CHUNKS_PER_SECOND
     rounds: list[CapacityRound] = field(default_factory=list)
     first_error: str | None = None
@@ -142,6 +144,7 @@ def run_capacity(
                 f"of one CPU" + (f" ({failed} failed: {error})" if failed else "")
             )
     per_cpu = [x.chunks_per_cpu_second for x in rounds if x.chunks_per_cpu_second is not None]
+    peak_rss = gateway.peak_rss_bytes()
     return CapacityResult(
         streams=streams,
         requests=requests,
@@ -153,6 +156,7 @@ def run_capacity(
         chunks_per_cpu_second=round(statistics.median(per_cpu), 1) if per_cpu else None,
         gateway_busy=round(statistics.median(x.gateway_busy for x in rounds), 3),
         saturated=all(x.gateway_busy >= SATURATED for x in rounds),
+        gateway_peak_rss_mb=None if peak_rss is None else round(peak_rss / 1e6, 1),
         rounds=rounds,
         first_error=first_error,
     )
@@ -189,5 +193,7 @@ def print_capacity(c: CapacityResult) -> None:
             f"not a capacity figure ({why}): {per_cpu} chunks per gateway CPU-second "
             f"(target ≥ {c.target_chunks_per_second:,.0f} per second on one core)"
         )
+    if c.gateway_peak_rss_mb is not None:
+        print(f"gateway peak memory (VmHWM): {c.gateway_peak_rss_mb:,.0f} MB")
     if c.first_error:
         print(f"  first failure: {c.first_error}")

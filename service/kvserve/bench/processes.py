@@ -1,5 +1,6 @@
 """Child processes of the benchmarks (``kvserve serve`` replicas, gateways): start them
-with their output in a log file, wait until they answer, read their CPU time, stop them.
+with their output in a log file, wait until they answer, read their CPU time and peak
+memory, stop them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,18 @@ class Proc:
         stat = Path(f"/proc/{self.popen.pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def peak_rss_bytes(self) -> int | None:
+        """The most resident memory the process has had (VmHWM in /proc/PID/status), or
+        None where /proc does not say."""
+        try:
+            status = Path(f"/proc/{self.popen.pid}/status").read_text()
+        except OSError:
+            return None
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # in kB
+        return None
 
     def tail(self, lines: int = 20) -> str:
         try:
