@@ -18,7 +18,7 @@ import pytest
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.gateway.upstream import KEEPALIVE_TIME_MS, ReplicaClient
-from kvserve.server.grpc.service import MIN_PING_INTERVAL_MS
+from kvserve.server.grpc.listen import MIN_PING_INTERVAL_MS
 from tests.server.test_grpc import BLOCK_SIZE, LONG, Served, eventually, request, serve
 
 

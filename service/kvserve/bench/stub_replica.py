@@ -23,8 +23,10 @@ from typing import Any
 
 import grpc
 
+from kvserve.bench.serving import run_on_uvloop
 from kvserve.server.grpc import engine_pb2 as pb
 from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
+from kvserve.server.grpc.listen import bind, server_options
 
 TOKEN_ID = 42
 TOKEN_TEXT = " word"
@@ -109,14 +111,9 @@ class StubEngine(pb_grpc.EngineServiceServicer):
 
 
 async def serve(host: str, port: int, step_seconds: float) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port is an error
+    server = grpc.aio.server(options=server_options())
     pb_grpc.add_EngineServiceServicer_to_server(StubEngine(step_seconds), server)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError:  # what grpcio raises when the bind fails (older versions: 0)
-        bound = 0
-    if bound == 0:
-        raise SystemExit(f"stub replica: cannot listen on {host}:{port}")
+    bind(server, host, port)
     await server.start()
     print(f"stub replica on {host}:{port}, a step every {step_seconds * 1e3:g} ms", flush=True)
     await server.wait_for_termination()
@@ -128,15 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--step-ms", type=float, default=1.0, help="time between output messages")
     args = p.parse_args(argv)
-    coro = serve(args.host, args.port, args.step_ms / 1e3)
-    with contextlib.suppress(KeyboardInterrupt):
-        try:
-            import uvloop
-        except ImportError:  # not on Windows
-            asyncio.run(coro)
-        else:
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                runner.run(coro)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            run_on_uvloop(serve(args.host, args.port, args.step_ms / 1e3))
+    except OSError as exc:  # the port is taken
+        raise SystemExit(f"stub replica: {exc}") from None
     return 0
 
 

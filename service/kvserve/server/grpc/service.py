@@ -33,6 +33,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.grpc import engine_pb2 as pb
 from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
+from kvserve.server.grpc.listen import MIN_PING_INTERVAL_MS, bind, server_options
 from kvserve.telemetry import definitions as d
 from kvserve.telemetry.tracing import RequestTelemetry
 
@@ -427,25 +428,6 @@ def add_engine_service(
     pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine, telemetry), server)
 
 
-# The gateway pings each replica every 30 s (kvserve.gateway.upstream) to notice a dead
-# one, also while its GenerateMany call is idle. gRPC's default refuses pings without data
-# more often than every 5 minutes and answers them with GOAWAY "too_many_pings", which
-# would end that call (and any request waiting on it) after about 90 idle seconds.
-MIN_PING_INTERVAL_MS = 10_000
-
-
-def server_options(min_ping_interval_ms: int = MIN_PING_INTERVAL_MS) -> list[tuple[str, int]]:
-    """Channel arguments of the replica's gRPC server: accept the gateway's keepalive,
-    and own the port alone."""
-    return [
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
-        # gRPC sets SO_REUSEPORT by default: a second replica started on a taken port
-        # would bind it too and silently take half the connections. Fail instead.
-        ("grpc.so_reuseport", 0),
-    ]
-
-
 async def start_grpc_server(
     engine: AsyncEngine,
     host: str,
@@ -460,13 +442,7 @@ async def start_grpc_server(
     """
     server = grpc.aio.server(options=server_options(min_ping_interval_ms))
     add_engine_service(server, engine, telemetry)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError:  # what grpcio raises when the bind fails (older versions: 0)
-        bound = 0
-    if bound == 0:
-        raise OSError(f"could not bind the gRPC server to {address} (is the port in use?)")
+    bound = bind(server, host, port)
     await server.start()
     log.info("gRPC engine service listening on %s:%d", host, bound)
     return server, bound
