@@ -87,7 +87,7 @@ from kvserve.bench.serving import (
     _percentile,
     _request_log,
     _same_clock,
-    run_client,
+    run_on_uvloop,
     stream_sse,
 )
 from kvserve.bench.sse_client import Connection
@@ -553,18 +553,17 @@ async def _overhead_pass(
     async def worker(conn: Connection) -> None:
         for i in todo:
             body = _body(work.prompts[i], work.output_lens[i])
-            records[i] = await conn.stream("/v1/completions", body, rid(i))
-
-    def rid(i: int) -> str | None:
-        return None if tag is None else f"{tag}-{i}"
+            rid = None if tag is None else f"{tag}-{i}"
+            records[i] = await conn.stream("/v1/completions", body, rid)
 
     try:
         # Warm-up: the connections (and the gateway's channel), outside the timed window.
         warm = await asyncio.gather(
             *(c.stream("/v1/completions", _body(work.prompts[0], 2)) for c in connections)
         )
-        if any(rec.error for rec in warm):
-            raise RuntimeError(f"warm-up request to {url} failed: {warm[0].error}")
+        errors = [rec.error for rec in warm if rec.error]
+        if errors:
+            raise RuntimeError(f"warm-up request to {url} failed: {errors[0]}")
         cpu0 = [p.cpu_seconds() for p in procs]
         start = time.perf_counter()
         await asyncio.gather(*(worker(c) for c in connections))
@@ -646,9 +645,12 @@ async def _lone_pairs(
     try:
         for i in range(n):
             body = _body(work.prompts[i % len(work.prompts)], work.output_lens[0])
-            conns = (direct, via) if i % 2 == 0 else (via, direct)
-            recs = {id(c): await c.stream("/v1/completions", body) for c in conns}
-            d, g = recs[id(direct)], recs[id(via)]
+            if i % 2 == 0:
+                d = await direct.stream("/v1/completions", body)
+                g = await via.stream("/v1/completions", body)
+            else:
+                g = await via.stream("/v1/completions", body)
+                d = await direct.stream("/v1/completions", body)
             if not (d.ok and g.ok and d.first is not None and g.first is not None):
                 continue
             gaps_d, gaps_g = definitions.itls(d.chunk_times), definitions.itls(g.chunk_times)
@@ -758,7 +760,7 @@ def _overhead_rounds(
                 + (f" ({result.requests_failed} failed)" if result.requests_failed else "")
             )
         # On uvloop where installed, as the gateway's uvicorn runs.
-        texts, cpu_s = run_client(
+        texts, cpu_s = run_on_uvloop(
             _grpc_client_pass(rep.grpc_address, work, args.streams, f"floor-{r}")
         )
         floor_messages += texts
@@ -767,7 +769,7 @@ def _overhead_rounds(
     lone: list[LonePair] = []
     if args.lone_pairs > 0:
         say(f"  {args.lone_pairs} lone requests on each path, one at a time, interleaved ...")
-        lone = run_client(_lone_pairs(rep.http_url, gw_url, key, work, args.lone_pairs))
+        lone = run_on_uvloop(_lone_pairs(rep.http_url, gw_url, key, work, args.lone_pairs))
     launcher.stop_all()  # the request log is complete once the replica has stopped
     engine_log = _request_log(rep.proc.log) if _same_clock() else {}
     splits: dict[str, list[EngineSplit]] = {"direct": [], "gateway": []}

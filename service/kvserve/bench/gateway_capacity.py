@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvserve.bench.cpu import Placement, running_on
 from kvserve.bench.processes import Proc
-from kvserve.bench.serving import MODEL_NAME, run_client
+from kvserve.bench.serving import MODEL_NAME, run_on_uvloop
 from kvserve.bench.sse_client import Connection
 
 TARGET_CHUNKS_PER_SECOND = 10_000.0
@@ -117,10 +117,10 @@ def run_capacity(
     first_error: str | None = None
     with running_on(placement.others):
         say(f"  warm-up: {streams} requests (not measured) ...")
-        run_client(_load(port, key, MODEL_NAME, streams, streams, max_tokens))
+        run_on_uvloop(_load(port, key, MODEL_NAME, streams, streams, max_tokens))
         for r in range(args.rounds):
             cpu0, t0 = gateway.cpu_seconds(), time.perf_counter()
-            ok, failed, chunks, error = run_client(
+            ok, failed, chunks, error = run_on_uvloop(
                 _load(port, key, MODEL_NAME, streams, requests, max_tokens)
             )
             seconds = time.perf_counter() - t0

@@ -217,10 +217,11 @@ def _ms(seconds: float | None) -> float | None:
 
 
 # ---- engines and the server ------------------------------------------------------------
-def run_client(coro: Coroutine[Any, Any, T]) -> T:
-    """Run benchmark clients on uvloop where it is installed, as the servers run.
+def run_on_uvloop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a benchmark's clients (or stand-in server) on uvloop where it is installed, as
+    the servers run.
 
-    The client's own wake-ups fall inside the TTFT it measures (the offline side has no
+    A client's own wake-ups fall inside the TTFT it measures (the offline side has no
     client), so a slower client loop would be charged to the server.
     """
     try:
@@ -735,7 +736,7 @@ def run(args: argparse.Namespace) -> int:
                 produced = sum(len(o.outputs[0].token_ids) for o in outs)
                 assert produced == work.output_tokens, (produced, work.output_tokens)
                 say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
-                serving.append(run_client(_serving_pass(url, work, args.concurrency)))
+                serving.append(run_on_uvloop(_serving_pass(url, work, args.concurrency)))
                 failed = sum(not rec.ok for rec in serving[-1].records)
                 say(
                     f"  round {r + 1}/{args.rounds}: serving  {serving[-1].seconds:7.2f} s"
@@ -744,7 +745,7 @@ def run(args: argparse.Namespace) -> int:
             pairs: list[TtftPair] = []
             if args.ttft_requests > 0:
                 say(f"  TTFT: {args.ttft_requests} lone requests on each side, interleaved ...")
-                pairs, sent, visible_at = run_client(
+                pairs, sent, visible_at = run_on_uvloop(
                     _ttft_pairs(url, on_torch_async, offline.engine, work, args.ttft_requests)
                 )
                 _decompose(pairs, sent, visible_at, _request_log(server.log))

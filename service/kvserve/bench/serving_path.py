@@ -13,8 +13,8 @@ caching off so every round costs the same), the same concurrency, on two paths:
 * **gateway + server**: one ``kvserve serve`` replica process behind a ``kvserve gateway``
   process (``kvserve.bench.gateway.Launcher``), and 32 streaming clients in this process
   (``bench.gateway._overhead_pass``: HTTP + SSE to the gateway with the light client of
-  ``bench.sse_client``, gRPC from it to the replica), taking requests from a shared
-  queue.
+  ``bench.sse_client``, gRPC from it to the replica), each taking the next request of
+  the workload when its last one ends.
 
 Per request ``s`` = arrival in the engine (offline) or the request's one write to the
 socket (client, stamped just before it); ``f``/``e`` = the first/last output with
