@@ -11,10 +11,8 @@ STAMP  := $(VENV)/.installed
 # needs ~3.5 GB more for the downloads while it installs, so check before downloading.
 MIN_FREE_GB ?= 10
 $(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import shutil, sys; free = shutil.disk_usage(".").free / 1e9; \
-	  need = float(sys.argv[1]); \
-	  sys.exit(0) if free >= need else sys.exit( \
-	    f"make: {free:.1f} GB free here, the install needs about {need:.0f} GB " \
+	@$(PYTHON) -c 'import shutil, sys; free, need = shutil.disk_usage(".").free / 1e9, float(sys.argv[1]); \
+	  free >= need or sys.exit(f"make: {free:.1f} GB free here, the install needs about {need:.0f} GB " \
 	    "(PyTorch with its CUDA libraries); free some space, or MIN_FREE_GB=0 to try anyway")' \
 	  $(if $(wildcard $(BIN)/python),1,$(MIN_FREE_GB))
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
