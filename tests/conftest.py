@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.testing.checkpoints import build_random_checkpoint
+from tests.support import processes
 
 # name → build arguments. Together they cover every supported architecture and the
 # config features that change the forward pass.
@@ -101,3 +102,17 @@ def k8s_cluster():  # type: ignore[no-untyped-def]
         yield cluster
     finally:
         cluster.stop()
+
+
+# ---- processes started by tests: their output is shown when a test fails ----------------
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for title, text in processes.reports_since(call.start):
+            report.sections.append((title, text))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    processes.remove_logs()

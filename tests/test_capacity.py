@@ -1,4 +1,4 @@
-"""Capacity calculator: fixed formulas (DESIGN.md §3), CLI output, refusals."""
+"""Capacity calculator: fixed formulas (docs/architecture.md §3), CLI output, refusals."""
 
 from __future__ import annotations
 

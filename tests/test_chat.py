@@ -17,14 +17,10 @@ from typing import Any
 import pytest
 
 from kvserve.chat import ChatParams, HTTPBackend, InProcessBackend, Repl
-from tests.server.conftest import (
-    RunningServer,
-    free_port,
-    metric,
-    start_server,
-    stop_server,
-    wait_until,
-)
+from tests.support.engine_server import RunningServer, start_server, stop_server
+from tests.support.net import free_port
+from tests.support.prometheus import metric
+from tests.support.waiting import wait_until
 
 GREEDY = ("--temperature", "0")
 CheckpointDir = Callable[[str], Path]

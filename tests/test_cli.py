@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import command_paths
-from tests.fresh_python import heavy_modules_after
+from tests.support.fresh_python import heavy_modules_after
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ from kvserve.model.pull import (
     verify_model,
 )
 from kvserve.testing.checkpoints import build_random_checkpoint
-from tests.fresh_python import heavy_modules_after
+from tests.support.fresh_python import heavy_modules_after
 
 PULL_PY = Path(__file__).resolve().parents[1] / "service" / "kvserve" / "model" / "pull.py"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -1,4 +1,4 @@
-"""The fixed metric definitions (DESIGN.md §3), with its worked check."""
+"""The fixed metric definitions (docs/architecture.md §3), with its worked check."""
 
 from __future__ import annotations
 

@@ -291,6 +291,7 @@ def test_request_record(
     drv, _, _ = driven
     keys = {
         "request_id",
+        "engine_request_id",
         "trace_id",
         "model",
         "prompt_tokens",

@@ -1,6 +1,6 @@
 """Capacity calculator: weights, KV cache, blocks and a memory-bound decode time.
 
-Formulas are the fixed ones in DESIGN.md §3:
+Formulas are the fixed ones in docs/architecture.md §3:
 
 - KV bytes per token = 2 × layers × kv_heads × head_dim × bytes_per_element
 - KV for requests = KV bytes per token × Σ Tᵢ

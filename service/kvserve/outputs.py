@@ -53,3 +53,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    external_id: str | None = None  # the client's id for the request (``Request.external_id``)
+
+    @property
+    def client_id(self) -> str:
+        """The id to show the client and put in logs: theirs, else the engine's."""
+        return self.external_id if self.external_id is not None else self.request_id

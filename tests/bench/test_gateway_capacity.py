@@ -18,10 +18,11 @@ import pytest
 from kvserve.bench.gateway_capacity import _load
 from kvserve.bench.processes import Proc, free_ports, spawn, stop, wait_listening
 from kvserve.gateway.config import GatewayConfig
-from kvserve.gateway.upstream import ReplicaClient, generate_request
+from kvserve.gateway.upstream import ReplicaClient
+from kvserve.rpc import engine_pb2 as pb
+from kvserve.rpc.codec import encode_request
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.grpc import engine_pb2 as pb
-from tests.gateway.conftest import KEY_A, keys_file, serve_gateway
+from tests.support.gateway import KEY_A, keys_file, serve_gateway
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,8 @@ async def _generate(address: str, max_tokens: int | None, n: int) -> list[list[p
         params = SamplingParams(max_tokens=max_tokens or 16)
         calls = []
         for i in range(n):
-            request = generate_request(
-                f"r{i}", [1, 2, 3], params, max_tokens_set=max_tokens is not None
+            request = encode_request(
+                [1, 2, 3], params, request_id=f"r{i}", max_tokens_set=max_tokens is not None
             )
             calls.append(client.generate(request, 30.0, {}))
         return await asyncio.gather(*(read_all(call) for call in calls))
@@ -78,12 +79,12 @@ def test_a_cancelled_request_ends_and_others_go_on(stub: str) -> None:
         client = ReplicaClient(stub)
         try:
             params = SamplingParams(max_tokens=1000)
-            doomed = client.generate(generate_request("doomed", [1], params), 30.0, {})
+            doomed = client.generate(encode_request([1], params, request_id="doomed"), 30.0, {})
             assert (await doomed.read()).WhichOneof("kind") == "delta"
             doomed.cancel()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await doomed.read()
-            request = generate_request("other", [1], SamplingParams(max_tokens=2))
+            request = encode_request([1], SamplingParams(max_tokens=2), request_id="other")
             other = client.generate(request, 30.0, {})
             return [out async for out in other], err.value.code()
         finally:

@@ -29,10 +29,10 @@ import pytest
 import yaml
 
 from tests.chart import documents, find, helm, prepared_chart
-from tests.cluster.conftest import poll
 from tests.cluster.controlplane import Cluster
 from tests.operator.conftest import OperatorProcess
-from tests.server.conftest import free_port
+from tests.support.net import free_port
+from tests.support.waiting import poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -473,7 +473,8 @@ def test_static_mode_has_no_gateway_rbac_and_no_token(
 def test_gateway_config_and_keys_load_in_the_gateway(
     rendered: dict[str, list[dict[str, Any]]], values: str, tmp_path: Path
 ) -> None:
-    from kvserve.gateway.config import GatewayConfig, load_config, load_keys
+    from kvserve.gateway.config import GatewayConfig, load_config
+    from kvserve.gateway.keys import load_keys
     from kvserve.gateway.main import add_arguments
 
     objects = rendered[values]
@@ -534,6 +535,7 @@ def test_gateway_config_values_schema_follows_the_gateway() -> None:
     from pydantic import BaseModel
 
     from kvserve.gateway import config as gw
+    from kvserve.gateway import keys
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     props = schema["properties"]["gateway"]["properties"]["config"]["properties"]
@@ -548,8 +550,8 @@ def test_gateway_config_values_schema_follows_the_gateway() -> None:
     models = props["models"]["additionalProperties"]["properties"]
     assert set(models) == set(gw.ModelConfig.model_fields)
     entry = schema["definitions"]["keyEntry"]["properties"]
-    assert set(entry) == set(gw.KeyEntry.model_fields)
-    assert set(schema["definitions"]["keyLimits"]["properties"]) == set(gw.KeyLimits.model_fields)
+    assert set(entry) == set(keys.KeyEntry.model_fields)
+    assert set(schema["definitions"]["keyLimits"]["properties"]) == set(keys.KeyLimits.model_fields)
     assert issubclass(gw.GatewayConfig, BaseModel)
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tests.cluster.conftest import poll
 from tests.cluster.controlplane import GPU_NODES, Cluster
+from tests.support.waiting import poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

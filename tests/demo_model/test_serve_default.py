@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from kvserve.demo_model import DEMO_MODEL_NAME, corpus
-from tests.server.test_shutdown import start_cli_server
+from tests.support.cli_server import start_cli_server
 
 QUESTION = "Hotels in Kyoto under $200 with an onsen?"
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvserve.gateway.auth import AuthError, KeyStore, Tenant, bearer_token
-from kvserve.gateway.config import KeyEntry, KeyLimits, KeysFile, new_key
+from kvserve.gateway.keys import KeyEntry, KeyLimits, KeysFile, new_key
 
 KEY_A, DIGEST_A = new_key()
 KEY_A2, DIGEST_A2 = new_key()

@@ -8,17 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.gateway.config import (
-    ConfigError,
-    ConfigWatcher,
-    GatewayConfig,
-    KeyEntry,
-    hash_key,
-    load_config,
-    load_keys,
-    new_key,
-    parse_replica_url,
-)
+from kvserve.gateway.config import GatewayConfig, load_config, parse_replica_url
+from kvserve.gateway.files import ConfigError
+from kvserve.gateway.keys import KeyEntry, hash_key, load_keys, new_key
+from kvserve.gateway.watch import ConfigWatcher
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "gateway-config.md"
 

@@ -14,9 +14,11 @@ import pytest
 
 from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.discovery import DiscoveryState, KubernetesDiscovery, Snapshot
-from tests.cluster.conftest import poll
 from tests.cluster.controlplane import Cluster
-from tests.gateway.conftest import MODEL, keys_file, serve_gateway, start_replicas
+from tests.support.gateway import keys_file, serve_gateway
+from tests.support.replicas import REPLICA_MODEL as MODEL
+from tests.support.replicas import start_replicas
+from tests.support.waiting import poll
 
 
 def endpoint_slice(

@@ -11,18 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.gateway.conftest import (
-    KEY_A,
-    KEY_B,
-    KEY_LIMITED,
-    MODEL,
-    Gateway,
-    Replica,
-    start_gateway,
-    start_replicas,
-    stream_text,
-)
-from tests.server.conftest import wait_until
+from tests.support.gateway import KEY_A, KEY_B, KEY_LIMITED, Gateway, start_gateway, stream_text
+from tests.support.replicas import REPLICA_MODEL as MODEL
+from tests.support.replicas import Replica, start_replicas
+from tests.support.waiting import wait_until
 
 GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
 SYSTEM = "You are the travel desk. " * 24  # a shared prefix longer than prefix_chars (512)
@@ -344,8 +336,8 @@ def test_the_gateway_command_fails_fast_on_a_bad_config_and_serves_a_good_one(
     import subprocess
     import sys
 
-    from kvserve.gateway.config import hash_key
-    from tests.server.conftest import free_port
+    from kvserve.gateway.keys import hash_key
+    from tests.support.net import free_port
 
     (tmp_path / "keys.yaml").write_text(
         f'keys:\n  - tenant: a\n    sha256: "{hash_key(KEY_A)}"\n    models: ["*"]\n'
@@ -390,8 +382,9 @@ def test_the_gateway_command_fails_fast_on_a_bad_config_and_serves_a_good_one(
 def test_a_changed_keys_file_is_applied_without_a_restart(
     tmp_path: Any, replicas: list[Replica]
 ) -> None:
-    from kvserve.gateway.config import ConfigWatcher, hash_key
-    from tests.gateway.conftest import serve_gateway
+    from kvserve.gateway.keys import hash_key
+    from kvserve.gateway.watch import ConfigWatcher
+    from tests.support.gateway import serve_gateway
 
     keys = tmp_path / "keys.yaml"
     entry = '  - tenant: {t}\n    sha256: "{d}"\n    models: ["*"]\n'

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvserve.gateway.auth import Tenant
-from kvserve.gateway.config import KeyLimits
+from kvserve.gateway.keys import KeyLimits
 from kvserve.gateway.ratelimit import (
     Admission,
     LimitExceeded,

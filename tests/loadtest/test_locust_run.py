@@ -19,7 +19,7 @@ from kvserve.loadtest import cli
 from kvserve.loadtest.records import read_records
 from kvserve.loadtest.report import Slo, WindowRule, read_summary, summarize
 from kvserve.loadtest.sweep import locust_runner, sweep
-from tests.gateway.conftest import Replica, start_replicas
+from tests.support.replicas import Replica, start_replicas
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
 GENEROUS = ["--slo-ttft-ms", "120000", "--slo-tpot-ms", "60000"]

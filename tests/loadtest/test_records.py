@@ -1,4 +1,4 @@
-"""The JSONL record: the DESIGN.md §3 figures from it, and its versioned format."""
+"""The JSONL record: the docs/architecture.md §3 figures from it, and its versioned format."""
 
 from __future__ import annotations
 

@@ -29,16 +29,11 @@ import pytest
 import yaml
 
 from kvserve.observability import dashboards as dash
-from tests.gateway.conftest import (
-    KEY_A,
-    KEY_LIMITED,
-    MODEL,
-    Gateway,
-    Replica,
-    start_gateway,
-    start_replicas,
-)
-from tests.server.conftest import free_port, wait_until
+from tests.support.gateway import KEY_A, KEY_LIMITED, Gateway, start_gateway
+from tests.support.net import free_port
+from tests.support.replicas import REPLICA_MODEL as MODEL
+from tests.support.replicas import Replica, start_replicas
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvserve.server.disconnect import cancel_on_disconnect
+from kvserve.openai.disconnect import cancel_on_disconnect
 
 
 class Client:

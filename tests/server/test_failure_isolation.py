@@ -12,17 +12,20 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.server.app import create_app
-from tests.server.conftest import MODEL, free_port, wait_until
+from tests.support.engine_server import SERVED_MODEL as MODEL
+from tests.support.net import free_port
+from tests.support.waiting import wait_until
 
 
 class FaultyEngine(LLMEngine):
-    """A real engine whose step fails once while a request with a marked id is in it
+    """A real engine whose step fails once while a request with a marked client id is in it
     (fault injection: the code under test is the server's isolation of the failure)."""
 
     failed = False
 
     def step(self) -> list[RequestOutput]:
-        if not self.failed and any(rid.startswith("boom") for rid in self.requests):
+        marked = [r for r in self.requests.values() if (r.external_id or "").startswith("boom")]
+        if not self.failed and marked:
             self.failed = True
             self.last_schedule = self.scheduler.schedule()  # the batch that fails
             raise RuntimeError("injected failure")

@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.server.conftest import MODEL, RunningServer, start_server, stop_server
+from tests.support.engine_server import SERVED_MODEL as MODEL
+from tests.support.engine_server import RunningServer, start_server, stop_server
 
 MAX_MODEL_LEN = 96
 MAX_EXAMPLES = 30

@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +19,16 @@ import grpc
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.llm import LLM
+from kvserve.rpc import codec
+from kvserve.rpc import engine_pb2 as pb
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.grpc import engine_pb2 as pb
-from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
-from kvserve.server.grpc.service import start_grpc_server
+from kvserve.server.grpc_service import start_grpc_server
+from tests.support.grpc_engine import BLOCK_SIZE, LONG, PROMPT, Served, request, serve
+from tests.support.waiting import eventually
 
-PROMPT = "the cache keeps keys and values"
-BLOCK_SIZE = 4
 MAX_NUM_SEQS = 2  # small, so a third concurrent request has to wait
-LONG = 500  # output tokens: far more than any test lets run (~20 ms a step on CPU)
 
 
 @pytest.fixture(scope="module")
@@ -49,62 +46,6 @@ def llm_engine(model_dir: Path) -> Iterator[LLMEngine]:
         max_num_seqs=MAX_NUM_SEQS,
     )
     yield LLMEngine(cfg)
-
-
-@dataclass
-class Served:
-    engine: AsyncEngine
-    stub: Any  # pb_grpc.EngineServiceStub (generated, untyped)
-    port: int
-    server: grpc.aio.Server
-
-    async def stop_server(self) -> None:
-        """Stop serving gRPC at once (cancelling every call), as a replica that dies."""
-        await self.server.stop(None)
-
-    def is_idle(self) -> bool:
-        """No request left in the engine and every KV block free."""
-        core = self.engine.engine
-        return not core.requests and core.kv.pool.num_free_blocks == core.num_kv_blocks
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll until ``predicate()`` holds; fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.005)
-
-
-def serve(
-    llm_engine: LLMEngine, body: Callable[[Served], Awaitable[None]], **server_kw: Any
-) -> None:
-    """Run ``body`` against a fresh AsyncEngine + gRPC server on one event loop."""
-
-    async def main() -> None:
-        engine = AsyncEngine(llm_engine)
-        engine.start()
-        server, port = await start_grpc_server(engine, "127.0.0.1", 0, **server_kw)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                served = Served(engine, pb_grpc.EngineServiceStub(channel), port, server)
-                await asyncio.wait_for(body(served), timeout=60)
-                # Whatever the test did, nothing may be left behind in the engine.
-                await eventually(served.is_idle)
-        finally:
-            await server.stop(None)
-            await engine.stop()
-
-    asyncio.run(main())
-
-
-def request(request_id: str, max_tokens: int, **kw: Any) -> pb.GenerateRequest:
-    """A greedy request that ignores EOS (so it produces exactly max_tokens tokens)."""
-    kw.setdefault("prompt_text", PROMPT)
-    return pb.GenerateRequest(
-        request_id=request_id, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw
-    )
 
 
 async def expect_error(call: Any, code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -206,7 +147,7 @@ def test_chat_is_rendered_with_the_models_template(llm_engine: LLMEngine) -> Non
                 assert dict(lp.top_tokens) == {t: tok.decode([t]) for t in lp.top}
         empty = pb.GenerateRequest(request_id="chat-2", chat=pb.ChatMessages())
         error = await expect_error(s.stub.Generate(empty), grpc.StatusCode.INVALID_ARGUMENT)
-        assert "invalid chat:" in (error.details() or "")
+        assert codec.error_param(error.trailing_metadata()) == "chat"
 
     serve(llm_engine, body)
 
@@ -219,7 +160,6 @@ def test_chat_is_rendered_with_the_models_template(llm_engine: LLMEngine) -> Non
         ({"max_tokens": 1020}, "max_tokens"),  # prompt + max_tokens > max_model_len
         ({"prompt_text": ""}, "prompt"),
         ({"top_p": 0.0}, "top_p"),
-        ({"request_id": ""}, "request_id"),
     ],
 )
 def test_invalid_argument_names_the_param(
@@ -233,26 +173,55 @@ def test_invalid_argument_names_the_param(
             else:
                 setattr(req, name, value)
         error = await expect_error(s.stub.Generate(req), grpc.StatusCode.INVALID_ARGUMENT)
-        assert f"invalid {param}:" in (error.details() or "")
+        # The parameter travels as a structured field, never inside the message.
+        assert codec.error_param(error.trailing_metadata()) == param
 
     serve(llm_engine, body)
 
 
-def test_missing_prompt_and_duplicate_id(llm_engine: LLMEngine) -> None:
+def test_missing_prompt(llm_engine: LLMEngine) -> None:
     async def body(s: Served) -> None:
         error = await expect_error(
             s.stub.Generate(pb.GenerateRequest(request_id="no-prompt", max_tokens=4)),
             grpc.StatusCode.INVALID_ARGUMENT,
         )
-        assert "invalid prompt:" in (error.details() or "")
+        assert codec.error_param(error.trailing_metadata()) == "prompt"
 
+    serve(llm_engine, body)
+
+
+def test_requests_sharing_a_client_id_both_run(llm_engine: LLMEngine) -> None:
+    """The client's id is not the engine's key: a second request with an id that is in
+    use runs to the end, and so does the first; an empty id is allowed."""
+
+    async def body(s: Served) -> None:
         running = s.stub.Generate(request("dup", LONG))
         assert (await running.read()).WhichOneof("kind") == "delta"
-        error = await expect_error(
-            s.stub.Generate(request("dup", 4)), grpc.StatusCode.INVALID_ARGUMENT
-        )
-        assert "already in use" in (error.details() or "")
-        running.cancel()
+        second = [r async for r in s.stub.Generate(request("dup", 4))]
+        assert second[-1].final.finish_reason == "length"
+        assert second[-1].final.usage.completion_tokens == 4
+        while (last := await running.read()).WhichOneof("kind") == "delta":
+            pass
+        assert last.final.usage.completion_tokens == LONG
+        anonymous = [r async for r in s.stub.Generate(request("", 2))]
+        assert anonymous[-1].final.usage.completion_tokens == 2
+
+    serve(llm_engine, body)
+
+
+def test_abort_rpc_aborts_every_request_with_that_client_id(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        calls = [s.stub.Generate(request("twin", LONG)) for _ in range(MAX_NUM_SEQS)]
+        for call in calls:
+            assert (await call.read()).WhichOneof("kind") == "delta"
+        await s.stub.Abort(pb.AbortRequest(request_id="twin"))
+        finals = []
+        for call in calls:
+            while (last := await call.read()).WhichOneof("kind") == "delta":
+                pass
+            finals.append(last.final)
+        assert [f.finish_reason for f in finals] == ["abort"] * MAX_NUM_SEQS
+        assert all(f.usage.completion_tokens < LONG for f in finals)
 
     serve(llm_engine, body)
 
@@ -263,7 +232,7 @@ def test_client_cancel_aborts_in_engine(llm_engine: LLMEngine) -> None:
         call = s.stub.Generate(request("cancel-me", LONG))
         for _ in range(2):
             assert (await call.read()).WhichOneof("kind") == "delta"
-        assert "cancel-me" in s.engine.engine.requests
+        assert s.client_ids() == ["cancel-me"]
         assert call.cancel()
         await eventually(s.is_idle)
         assert s.engine.num_in_flight == 0
@@ -383,19 +352,18 @@ def test_generate_many_refuses_bad_commands_one_by_one(llm_engine: LLMEngine) ->
             start(1, request("many-bad", 0)),  # max_tokens 0
             start(2, request("many-long", LONG)),
             start(2, request("many-same-tag", 4)),
-            start(3, request("many-long", 4)),  # the request id is in use
+            start(3, request("many-long", 4)),  # the client id is in use: allowed
             start(4, pb.GenerateRequest(request_id="many-no-prompt")),
         ]
         await call.write(pb.GenerateManyRequest(commands=commands))
         outputs, _ = await read_until_ended(call, {1, 3, 4})
-        errors = {tag: outputs[tag][-1].error for tag in (1, 3, 4)}
+        errors = {tag: outputs[tag][-1].error for tag in (1, 4)}
         assert all(e.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for e in errors.values())
-        assert errors[1].message.startswith("invalid max_tokens:")
-        assert "already in use" in errors[3].message
-        assert errors[4].message.startswith("invalid prompt:")
+        assert (errors[1].param, errors[4].param) == ("max_tokens", "prompt")
+        assert outputs[3][-1].final.usage.completion_tokens == 4
 
         # The long request carries on; the refused duplicate tag left it alone.
-        await eventually(lambda: "many-long" in s.engine.engine.requests)
+        await eventually(lambda: s.client_ids() == ["many-long"])
         await call.write(pb.GenerateManyRequest(commands=[cancel(2), cancel(99)]))
         _, messages = await read_until_ended(call, {2})
         ends = [o for m in messages for o in m.outputs if o.WhichOneof("kind") != "delta"]
@@ -415,7 +383,7 @@ def test_ending_a_generate_many_call_aborts_its_requests(llm_engine: LLMEngine) 
         seen: set[int] = set()
         while seen != {1, 2}:
             seen |= {o.tag for o in (await call.read()).outputs}
-        assert {"orphan-1", "orphan-2"} <= set(s.engine.engine.requests)
+        assert s.client_ids() == ["orphan-1", "orphan-2"]
         assert call.cancel()
         await eventually(s.is_idle)
         assert s.engine.num_in_flight == 0
@@ -441,9 +409,10 @@ def test_a_consumer_that_fails_on_its_output_loses_only_its_own_request(
 
         # Started together, so their outputs come in the same steps (one dispatch each).
         s.engine.add_request(s.engine.make_request(PROMPT, params, "broken"), failing)
-        s.engine.add_request(s.engine.make_request(PROMPT, params, "fine"), healthy)
+        fine = s.engine.make_request(PROMPT, params, "fine")
+        s.engine.add_request(fine, healthy)
         await asyncio.wait_for(finished.wait(), timeout=30)
-        s.engine.release("fine", abort=False)
+        s.engine.release(fine.request_id, abort=False)
         assert not any(isinstance(o, BaseException) for o in outputs)
         assert len(outputs[-1].outputs[0].token_ids) == 6
         await eventually(s.is_idle)  # the failing consumer's request was aborted

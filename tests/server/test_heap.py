@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from kvserve.server.heap import freeze_startup_heap
+from kvserve.heap import freeze_startup_heap
 
 
 def test_freeze_moves_the_live_heap_out_of_the_collectors_way() -> None:

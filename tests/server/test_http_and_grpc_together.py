@@ -7,9 +7,10 @@ import asyncio
 import grpc
 import httpx
 
-from kvserve.server.grpc import engine_pb2 as pb
-from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
-from tests.server.conftest import MODEL, start_server, stop_server
+from kvserve.rpc import engine_pb2 as pb
+from kvserve.rpc import engine_pb2_grpc as pb_grpc
+from tests.support.engine_server import SERVED_MODEL as MODEL
+from tests.support.engine_server import start_server, stop_server
 
 
 def test_grpc_and_http_share_the_engine(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]

@@ -11,14 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import (
-    MODEL,
-    RunningServer,
-    metric,
-    start_server,
-    stop_server,
-    wait_until,
-)
+from tests.support.engine_server import SERVED_MODEL as MODEL
+from tests.support.engine_server import RunningServer, start_server, stop_server
+from tests.support.prometheus import metric
+from tests.support.waiting import wait_until
 
 GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
 

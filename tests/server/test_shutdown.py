@@ -5,42 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import free_port, wait_until
-
-
-def start_cli_server(model: Path | None, *extra: str) -> tuple[subprocess.Popen[str], str, int]:
-    """``kvserve serve`` as a real process on a free port, once it reports ready.
-
-    ``model=None`` runs it with no model arguments at all (the bundled demo model).
-    """
-    port = free_port()
-    args = ["--port", str(port), "--no-grpc"]
-    if model is not None:
-        args += ["--model", str(model), "--served-model-name", "m", "--dtype", "float32"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve", "serve", *args, *extra, "--log-level", "warning"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/ready").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(ready, timeout=120)
-    return proc, url, port
+from tests.support.cli_server import start_cli_server
+from tests.support.waiting import wait_until
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvserve.server import openai_format as fmt
-from kvserve.server.sse import SSE_DONE, EventStreamResponse, TextEvents, encode_event
+from kvserve.openai import format as fmt
+from kvserve.openai.sse import SSE_DONE, EventStreamResponse, TextEvents, encode_event
 
 TEXTS = ["", "hello", ' "quoted" \\ back', "line\nbreak\ttab", "héllo wörld ✈", "\x00\x1f", "}]"]
 

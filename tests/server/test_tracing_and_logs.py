@@ -12,7 +12,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from tests.server.conftest import MODEL, start_server, stop_server, wait_until
+from tests.support.engine_server import SERVED_MODEL as MODEL
+from tests.support.engine_server import start_server, stop_server
+from tests.support.waiting import wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -86,8 +88,8 @@ def test_grpc_request_continues_the_gateways_trace(checkpoint_dir) -> None:  # t
 
     import grpc
 
-    from kvserve.server.grpc import engine_pb2 as pb
-    from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
+    from kvserve.rpc import engine_pb2 as pb
+    from kvserve.rpc import engine_pb2_grpc as pb_grpc
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

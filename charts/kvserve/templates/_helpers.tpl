@@ -42,6 +42,10 @@
 {{- end -}}
 {{- end -}}
 
+{{- define "kvserve.gateway.cacheSaltSecretName" -}}
+{{- default (printf "%s-cache-salt" (include "kvserve.gateway.fullname" .)) .Values.gateway.cacheSaltSecret.name | trunc 253 -}}
+{{- end -}}
+
 {{- define "kvserve.gateway.keysSecretName" -}}
 {{- default (printf "%s-keys" (include "kvserve.gateway.fullname" .)) .Values.gateway.keys.secretName | trunc 253 -}}
 {{- end -}}

@@ -272,7 +272,7 @@ class Launcher:
         Returns the process, its URL and the API key."""
         import yaml
 
-        from kvserve.gateway.config import new_key
+        from kvserve.gateway.keys import new_key
 
         a = self.args
         (port,) = free_ports(1)
@@ -590,7 +590,8 @@ async def _grpc_client_pass(
     ``GenerateMany`` call) in this process, nothing else running in it meanwhile.
     Returns the delta messages with text and this process's CPU seconds over the timed
     window."""
-    from kvserve.gateway.upstream import ReplicaClient, generate_request
+    from kvserve.gateway.upstream import ReplicaClient
+    from kvserve.rpc.codec import encode_request
     from kvserve.sampling_params import SamplingParams
 
     client = ReplicaClient(address)
@@ -600,7 +601,7 @@ async def _grpc_client_pass(
 
     async def one(rid: str, prompt: list[int], max_tokens: int) -> int:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        call = client.generate(generate_request(rid, prompt, params), 600.0, {})
+        call = client.generate(encode_request(prompt, params, request_id=rid), 600.0, {})
         texts = 0
         async for msg in call:
             if msg.WhichOneof("kind") == "delta" and msg.delta.text:

@@ -34,7 +34,7 @@ one pair at a time, so drift in the machine's speed falls on both alike. Two fig
   ((server TTFT − compute) − (offline TTFT − offline compute)) is the figure held to the
   2 ms target.
 
-Every latency figure comes from ``kvserve.telemetry.definitions`` (DESIGN.md §3):
+Every latency figure comes from ``kvserve.telemetry.definitions`` (docs/architecture.md §3):
 ``s`` = when the request's last byte was written to the socket (client side) or its
 arrival (engine side), ``f``/``e`` = the first/last non-empty visible output (SSE chunks
 with text on the client; steps whose ``delta_text`` is non-empty in the engine), so both
@@ -672,8 +672,8 @@ def _print_table(res: BenchResult) -> None:
 def run(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
+    from kvserve.heap import freeze_startup_heap
     from kvserve.model.config import ModelConfig
-    from kvserve.server.heap import freeze_startup_heap
     from kvserve.testing.checkpoints import build_random_checkpoint
 
     def say(msg: str) -> None:
@@ -721,7 +721,7 @@ def run(args: argparse.Namespace) -> int:
             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
         ]
         on_torch(lambda: offline.generate(work.prompts[:2], sampling[:2], use_tqdm=False))
-        # As `kvserve serve` does before serving (kvserve.server.heap): both sides then run
+        # As `kvserve serve` does before serving (kvserve.heap): both sides then run
         # with the garbage collector off their start-up heaps, and neither pays for
         # collections the other skips. Undone at the end (a caller may go on running).
         server, url = _start_server(model_dir, work, args, Path(tmp))

@@ -24,9 +24,9 @@ from typing import Any
 import grpc
 
 from kvserve.bench.serving import run_on_uvloop
-from kvserve.server.grpc import engine_pb2 as pb
-from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
-from kvserve.server.grpc.listen import bind, server_options
+from kvserve.rpc import engine_pb2 as pb
+from kvserve.rpc import engine_pb2_grpc as pb_grpc
+from kvserve.rpc.listen import bind, server_options
 
 TOKEN_ID = 42
 TOKEN_TEXT = " word"

@@ -3,7 +3,7 @@
 Every engine (kvserve, transformers static or continuous batching) is reduced to the same
 four numbers per request — ``s`` (arrival), ``f`` (first output token), ``e`` (last
 output token), ``n`` (output tokens) — on one clock, and every figure is computed from
-them by ``kvserve.telemetry.definitions`` (DESIGN.md §3).
+them by ``kvserve.telemetry.definitions`` (docs/architecture.md §3).
 """
 
 from __future__ import annotations

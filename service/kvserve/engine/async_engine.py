@@ -5,11 +5,17 @@ event loop never waits for a forward pass. The event loop talks to that thread t
 a command queue (add, abort); the thread hands each step's outputs back with one
 ``call_soon_threadsafe`` per step. An abort is applied before the next step starts, so a
 cancelled request stops costing compute within one step.
+
+The engine names each request itself (``make_request`` mints ``Request.request_id``); the
+client's id is kept as ``Request.external_id``. Clients choose their ids, so two of them
+may send the same one at the same time, or reuse an id while the engine is still
+aborting the request that had it: neither may fail nor receive the other's outputs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -60,7 +66,9 @@ class AsyncEngine:
         self.engine = engine
         self.hooks = hooks or EngineHooks()
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._streams: dict[str, OutputSink] = {}
+        self._streams: dict[str, OutputSink] = {}  # engine id → consumer
+        self._external_ids: dict[str, str | None] = {}  # engine id → client id, in flight
+        self._next_id = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -88,32 +96,39 @@ class AsyncEngine:
         self,
         prompt: str | list[int],
         params: SamplingParams,
-        request_id: str,
+        external_id: str | None = None,
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Tokenize and validate; raises ValueError for bad input (before any streaming)."""
+        """Tokenize and validate; raises ValueError for bad input (before any streaming).
+
+        The request gets an engine id of its own; ``external_id`` (the client's, any
+        string, unique or not) travels with it into outputs, logs and spans.
+        """
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
         return self.engine.build_request(
-            request_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt
+            f"req-{next(self._next_id)}",
+            prompt,
+            params,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+            external_id=external_id,
         )
 
     async def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
-        request_id: str,
+        external_id: str | None = None,
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``async for out in engine.generate(...)``: ``make_request`` then ``stream``."""
         req = self.make_request(
-            prompt, params, request_id, arrival_time=arrival_time, cache_salt=cache_salt
+            prompt, params, external_id, arrival_time=arrival_time, cache_salt=cache_salt
         )
         async for out in self.stream(req):
             yield out
@@ -137,7 +152,10 @@ class AsyncEngine:
         """
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
+        if req.request_id in self._streams:  # a Request object submitted twice
+            raise ValueError(f"request {req.request_id} was already submitted")
         self._streams[req.request_id] = on_output
+        self._external_ids[req.request_id] = req.external_id
         self._commands.put(_Add(req))
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
@@ -154,13 +172,26 @@ class AsyncEngine:
             outputs.close()
 
     async def abort(self, request_id: str) -> None:
+        """Abort the request with this engine id (its stream ends with "abort")."""
         self._commands.put(_Abort(request_id))
 
+    def abort_external(self, external_id: str) -> int:
+        """Abort every in-flight request whose client id is ``external_id``; how many."""
+        found = [rid for rid, ext in self._external_ids.items() if ext == external_id]
+        for rid in found:
+            self._commands.put(_Abort(rid))
+        return len(found)
+
     def release(self, request_id: str, abort: bool) -> None:
-        """The consumer is done with a request's outputs; ``abort`` it if still running."""
+        """The consumer is done with a request's outputs; ``abort`` it if still running.
+
+        The engine id is never reused, so outputs the engine thread still sends for this
+        request (the abort is applied before its next step) reach no one.
+        """
         if abort:
             self._commands.put(_Abort(request_id))
         self._streams.pop(request_id, None)
+        self._external_ids.pop(request_id, None)
 
     # ---- the engine thread -------------------------------------------------------------
     def _run(self) -> None:

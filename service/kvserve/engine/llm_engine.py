@@ -148,6 +148,7 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        external_id: str | None = None,
     ) -> Request:
         """Tokenize and validate a request without touching engine state.
 
@@ -197,6 +198,7 @@ class LLMEngine:
                 arrival_time=self.clock() if arrival_time is None else arrival_time
             ),
             prompt=text,
+            external_id=external_id,
             cache_salt=cache_salt,
             eos_token_ids=frozenset(() if params.ignore_eos else self.eos_token_ids),
         )
@@ -297,6 +299,7 @@ class LLMEngine:
         text = req.detokenizer.text if req.detokenizer is not None else ""
         return RequestOutput(
             request_id=req.request_id,
+            external_id=req.external_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=[

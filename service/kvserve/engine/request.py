@@ -30,11 +30,14 @@ class Request:
     the step samples a new token.
     """
 
-    request_id: str
+    request_id: str  # the engine's key: unique among its requests (see ``external_id``)
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
     prompt: str | None = None
+    # The client's id (``x-request-id``): logged, traced and echoed, never a key. Clients
+    # choose it, so two in-flight requests may share one (docs/architecture.md).
+    external_id: str | None = None
     cache_salt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-from kvserve.gateway.config import WILDCARD, KeyLimits, KeysFile, Priority, hash_key
+from kvserve.gateway.keys import WILDCARD, KeyLimits, KeysFile, Priority, hash_key
 
 MAX_MODEL_IN_MESSAGE = 200  # the model name comes from the client: don't echo a novel
 
@@ -23,6 +23,7 @@ class Tenant:
     priority: Priority
     limits: KeyLimits
     models: frozenset[str]  # {"*"} allows every model
+    share_prefix_cache: bool | str = False  # see kvserve.gateway.tenancy
 
     def allows(self, model: str) -> bool:
         return WILDCARD in self.models or model in self.models
@@ -89,7 +90,13 @@ def tenants_of(keys: KeysFile) -> dict[str, Tenant]:
     for entry in keys.keys:
         tenant = tenants.get(entry.tenant)
         if tenant is None:
-            tenant = Tenant(entry.tenant, entry.priority, entry.limits, frozenset(entry.models))
+            tenant = Tenant(
+                entry.tenant,
+                entry.priority,
+                entry.limits,
+                frozenset(entry.models),
+                entry.share_prefix_cache,
+            )
             tenants[entry.tenant] = tenant
         by_digest[entry.sha256] = tenant
     return by_digest

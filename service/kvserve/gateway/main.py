@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.gateway.config import ConfigError, ConfigWatcher, new_key
+    from kvserve.gateway.files import ConfigError
+    from kvserve.gateway.keys import new_key
+    from kvserve.gateway.watch import ConfigWatcher
 
     if args.new_key:
         key, digest = new_key()
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.gateway.app import create_gateway_app
-    from kvserve.server.heap import freeze_startup_heap
+    from kvserve.heap import freeze_startup_heap
 
     config = watcher.config
     host = args.host or config.listen.host

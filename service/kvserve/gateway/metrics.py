@@ -1,7 +1,7 @@
 """The gateway's Prometheus metrics (prefix ``kvserve_gateway_``).
 
 Client-side latency is measured as the gateway sees it, with the one definitions module
-(DESIGN.md §3): ``s`` = the request reached the gateway, ``f``/``e`` = the first/last
+(docs/architecture.md §3): ``s`` = the request reached the gateway, ``f``/``e`` = the first/last
 chunk with visible text was handed to the client's connection.
 
 =================================================== =======================================

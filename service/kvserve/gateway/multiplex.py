@@ -24,16 +24,19 @@ from typing import Any
 
 import grpc
 
-from kvserve.server.grpc import engine_pb2 as pb
+from kvserve.rpc import codec
+from kvserve.rpc import engine_pb2 as pb
 
 log = logging.getLogger("kvserve.gateway")
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
-_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
+def rpc_error(
+    code: grpc.StatusCode, details: str, error: pb.Error | None = None
+) -> grpc.aio.AioRpcError:
+    """The error a failed request raises; an engine's ``Error`` rides in its trailing
+    metadata, as on a failed ``Generate`` call (``codec.error_param`` reads it)."""
+    trailers = grpc.aio.Metadata(*codec.error_metadata(error)) if error else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details)
 
 
 class UpstreamRequest:
@@ -64,8 +67,7 @@ class UpstreamRequest:
             raise item
         kind = item.WhichOneof("kind")
         if kind == "error":
-            code = _STATUS_BY_VALUE.get(item.error.code, grpc.StatusCode.UNKNOWN)
-            error = rpc_error(code, item.error.message)
+            error = rpc_error(codec.status_code(item.error), item.error.message, item.error)
             self._items.appendleft(error)
             raise error
         if kind == "final":

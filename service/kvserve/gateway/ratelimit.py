@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvserve.gateway.auth import Tenant
-from kvserve.gateway.config import KeyLimits
+from kvserve.gateway.keys import KeyLimits
 
 Reason = Literal["rate_limited_requests", "rate_limited_tokens", "concurrency"]
 

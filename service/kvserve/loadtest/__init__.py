@@ -1,4 +1,4 @@
-"""Locust load tests that measure SLO goodput (DESIGN.md §3), and their reports.
+"""Locust load tests that measure SLO goodput (docs/architecture.md §3), and their reports.
 
 ``loadtests/locustfile.py`` is the Locust glue; this package holds what it uses:
 :mod:`~kvserve.loadtest.workloads` (seeded request mixes),

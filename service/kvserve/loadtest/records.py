@@ -9,7 +9,7 @@ Record fields (version 1; times in seconds):
 
 * ``format`` -- always ``"kvserve.loadtest/1"``; a reader refuses other major versions.
 * ``send_time`` -- wall clock (Unix seconds, ``time.time()``) just before the request was sent.
-  This is ``s`` in DESIGN.md §3 (client send).
+  This is ``s`` in docs/architecture.md §3 (client send).
 * ``first_token_s``, ``last_token_s`` -- offsets from the send of the first and the last SSE
   chunk carrying non-empty visible text (``f − s`` and ``e − s``); null without text.
 * ``chunk_times_s`` -- offsets of every chunk with visible text, in order (ITL = their gaps).
@@ -70,7 +70,7 @@ class RequestRecord:
     user: str | None = None
     format: str = FORMAT
 
-    # ---- the DESIGN.md §3 figures, from kvserve.telemetry.definitions -----------------
+    # ---- the docs/architecture.md §3 figures, from kvserve.telemetry.definitions -----------------
     @property
     def ok(self) -> bool:
         return self.status == "ok"

@@ -1,8 +1,8 @@
 """The load-test report: SLO goodput and latency percentiles from request records.
 
-Every figure comes from :mod:`kvserve.telemetry.definitions` (DESIGN.md §3) applied to the
-records of :mod:`kvserve.loadtest.records`; this module only chooses which requests count
-(the window rule) and lays the numbers out (text table, JSON, CSV).
+Every figure comes from :mod:`kvserve.telemetry.definitions` (docs/architecture.md §3)
+applied to the records of :mod:`kvserve.loadtest.records`; this module only chooses which
+requests count (the window rule) and lays the numbers out (text table, JSON, CSV).
 
 Counting, for both window rules:
 

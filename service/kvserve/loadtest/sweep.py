@@ -2,7 +2,7 @@
 
 Each step is a separate headless Locust run of the locustfile (``--load-shape poisson
 --rate R``) for ``--step-seconds``, into its own directory; its records are then summarised
-here with the same rule and SLOs for every step. The max goodput rate (DESIGN.md §3,
+here with the same rule and SLOs for every step. The max goodput rate (docs/architecture.md §3,
 DistServe) is the highest offered rate whose attainment still meets the target
 (``definitions.max_goodput_rate``). Steps run in order of rate and, by default, stop after
 the first one that misses the target (higher rates only queue more).

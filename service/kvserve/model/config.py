@@ -126,7 +126,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    # ---- sizes (formulas fixed in DESIGN.md §3) -------------------------------------
+    # ---- sizes (formulas fixed in docs/architecture.md §3) -------------------------------------
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

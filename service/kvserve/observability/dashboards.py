@@ -340,9 +340,9 @@ def goodput_panel(s: Scope, window: str = RATE, stat: bool = False) -> Panel:
     return Panel(
         "Goodput (lower bound)",
         "Requests per second that succeeded (stop or length) and met both the TTFT "
-        "($ttft_slo s) and TPOT ($tpot_slo s) SLOs (DESIGN.md §3). The two SLOs come from "
-        "separate histograms, so the joint count is bounded from below: succeeded − over-TTFT "
-        "− over-TPOT (clamped at 0); the true goodput is at least this."
+        "($ttft_slo s) and TPOT ($tpot_slo s) SLOs (docs/architecture.md §3). The two SLOs "
+        "come from separate histograms, so the joint count is bounded from below: "
+        "succeeded − over-TTFT − over-TPOT (clamped at 0); the true goodput is at least this."
         + (
             " Averaged over the dashboard's time range."
             if stat
@@ -365,7 +365,7 @@ def error_ratio_panel(s: Scope, window: str = RATE, stat: bool = False) -> Panel
         queries.append(Query(q.ratio(abort, all_finished), f"cancelled {s.legend}"))
     return Panel(
         "Error ratio" if stat else "Error and cancellation ratio",
-        "Share of finished requests that failed with an error (DESIGN.md §3 error rate: "
+        "Share of finished requests that failed with an error (docs/architecture.md §3 error rate: "
         "failed / attempted)"
         + (
             ", and the share cancelled by the client (finish reason abort: the client "

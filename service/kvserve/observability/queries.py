@@ -1,6 +1,6 @@
 """The PromQL formulas of the dashboards and the alert rules, each written once.
 
-DESIGN.md §3 fixes the definitions (TTFT, TPOT, goodput, error rate); this module fixes
+docs/architecture.md §3 fixes the definitions (TTFT, TPOT, goodput, error rate); this module fixes
 how each is computed from the exported series, so a dashboard panel and the alert that
 pages on the same thing cannot drift apart. Every function returns an expression string;
 ``matchers`` is the inside of a selector's braces (``namespace=~"$namespace"``), ``by``
@@ -19,7 +19,7 @@ from typing import Final
 
 from prometheus_client.utils import floatToGoString
 
-# Engine series (server-side timeline, DESIGN.md §3).
+# Engine series (server-side timeline, docs/architecture.md §3).
 TTFT: Final = "kvserve_time_to_first_token_seconds"
 TPOT: Final = "kvserve_time_per_output_token_seconds"
 ITL: Final = "kvserve_inter_token_latency_seconds"
@@ -102,7 +102,7 @@ def succeeded_rate(matchers: str, by: Sequence[str], window: str) -> str:
 def goodput_lower_bound(
     ttft_threshold: str, tpot_threshold: str, matchers: str, by: Sequence[str], window: str
 ) -> str:
-    """Goodput (DESIGN.md §3: requests that succeeded AND met every SLO, per second), as
+    """Goodput (docs/architecture.md §3: requests that succeeded AND met every SLO, per second), as
     the largest value the separate histograms guarantee.
 
     The TTFT and TPOT histograms are separate, so the number of requests that met both
@@ -111,7 +111,7 @@ def goodput_lower_bound(
     misses both SLOs and no failed or aborted request missed one; otherwise it is low,
     never high. (``min`` of the good rates would be an upper bound, not a safe figure.)
     Requests with no output token have no TTFT and those with one token no TPOT; they
-    count as meeting that SLO, as DESIGN.md leaves the figure undefined for them.
+    count as meeting that SLO, as docs/architecture.md leaves the figure undefined for them.
     """
     bad_ttft = slo_bad_rate(TTFT, ttft_threshold, matchers, by, window)
     bad_tpot = slo_bad_rate(TPOT, tpot_threshold, matchers, by, window)
@@ -119,7 +119,7 @@ def goodput_lower_bound(
 
 
 def error_ratio(matchers: str, by: Sequence[str], window: str) -> str:
-    """DESIGN.md §3 error rate: failed / attempted. Attempted = every finished request
+    """docs/architecture.md §3 error rate: failed / attempted. Attempted = every finished request
     (stop, length, abort, error); failed = finished with ``error``. Client cancellations
     (abort) are attempted but not failed."""
     failed = rate_sum(FINISHED, join(matchers, 'finished_reason="error"'), by, window)

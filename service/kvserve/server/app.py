@@ -12,10 +12,10 @@ from opentelemetry.trace import TracerProvider
 from kvserve.engine.async_engine import AsyncEngine, EngineHooks
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import Request
+from kvserve.openai.errors import install_error_handlers
+from kvserve.openai.middleware import RequestContextMiddleware
 from kvserve.outputs import RequestOutput
-from kvserve.server.errors import install_error_handlers
-from kvserve.server.grpc.service import start_grpc_server
-from kvserve.server.middleware import RequestContextMiddleware
+from kvserve.server.grpc_service import start_grpc_server
 from kvserve.server.routers import health, openai
 from kvserve.server.state import ServerState
 from kvserve.telemetry.prometheus import EngineMetrics

@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.config import EngineConfig
     from kvserve.engine.cpu_threads import call_in_short_lived_thread
     from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.heap import freeze_startup_heap
     from kvserve.server.app import create_app
-    from kvserve.server.heap import freeze_startup_heap
     from kvserve.server.shutdown import DrainingServer
     from kvserve.telemetry.prometheus import EngineMetrics
 

@@ -1,4 +1,4 @@
-"""The one definition of each latency figure (DESIGN.md §3). Everything uses these.
+"""The one definition of each latency figure (docs/architecture.md §3). Everything uses these.
 
 Times are seconds on one clock. ``s`` = request received, ``f`` = first visible output
 token, ``e`` = last visible output token, ``O`` = visible output tokens.
@@ -61,7 +61,7 @@ def decode_time(f: float, e: float) -> float:
     return e - f
 
 
-# ---- a set of requests over a window (DESIGN.md §3: goodput, throughput, error rate) -------
+# ---- a set of requests over a window (docs/architecture.md §3: goodput, throughput, errors)
 def request_throughput(num_succeeded: int, window_seconds: float) -> float:
     """Request throughput, requests/s: successful requests / window seconds."""
     return num_succeeded / _window(window_seconds)

@@ -2,7 +2,7 @@
 
 Every series carries the label ``model``; ``kvserve_requests_finished_total`` also carries
 ``finished_reason`` (``stop``, ``length``, ``abort``, ``error``). Latency figures come from
-``kvserve.telemetry.definitions`` (DESIGN.md §3) applied to the server-side timeline of
+``kvserve.telemetry.definitions`` (docs/architecture.md §3) applied to the server-side timeline of
 each request (``RequestMetrics``): ``s`` = arrival at the engine, ``f`` = first output
 token, ``e`` = last output token, ``O`` = output tokens. Timeline figures are observed
 once per finished request (``observe_finished``); a request that produced no token (for

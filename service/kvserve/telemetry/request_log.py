@@ -2,7 +2,7 @@
 
 The record holds the request's counts, its timeline instants (seconds on the engine's
 monotonic clock, comparable with each other, not wall-clock time) and the latency
-figures of DESIGN.md §3, computed by ``kvserve.telemetry.definitions``. A figure that is
+figures of docs/architecture.md §3, computed by ``kvserve.telemetry.definitions``. A figure that is
 undefined for the request (no output token yet, O ≤ 1 for TPOT, never scheduled) is
 ``None``.
 """
@@ -28,7 +28,8 @@ def request_record(
     e = m.token_times[-1] if m.token_times else None
     num_output = sum(len(c.token_ids) for c in out.outputs)
     return {
-        "request_id": out.request_id,
+        "request_id": out.client_id,
+        "engine_request_id": out.request_id,
         "trace_id": trace_id,
         "model": model,
         "prompt_tokens": len(out.prompt_token_ids),

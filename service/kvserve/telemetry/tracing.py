@@ -72,8 +72,13 @@ class RequestTelemetry:
         params: SamplingParams,
         headers: Mapping[str, str],
         arrival: float,
+        external_id: str | None = None,
     ) -> str | None:
-        """Start the span (child of the caller's traceparent); returns the trace id."""
+        """Start the span (child of the caller's traceparent); returns the trace id.
+
+        ``request_id`` is the engine's id (the key until ``finish``); ``external_id`` the
+        client's, which the span shows as ``kvserve.request_id``.
+        """
         span = self.tracer.start_span(
             f"{operation} {self.model}",
             context=extract(dict(headers)),
@@ -85,7 +90,8 @@ class RequestTelemetry:
                 "gen_ai.request.max_tokens": params.max_tokens,
                 "gen_ai.request.temperature": params.temperature,
                 "gen_ai.request.top_p": params.top_p,
-                "kvserve.request_id": request_id,
+                "kvserve.request_id": request_id if external_id is None else external_id,
+                "kvserve.engine_request_id": request_id,
             },
         )
         ctx = span.get_span_context()

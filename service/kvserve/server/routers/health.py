@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
-from kvserve.server.errors import error_response
+from kvserve.openai.errors import error_response
 from kvserve.server.state import State
 
 router = APIRouter()

@@ -12,13 +12,14 @@ from fastapi.responses import JSONResponse
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvserve.engine.request import Request as EngineRequest
 from kvserve.errors import InvalidRequestError
+from kvserve.openai import checks
+from kvserve.openai import format as fmt
+from kvserve.openai.body import body_schema, parse_body
+from kvserve.openai.disconnect import until_disconnected
+from kvserve.openai.errors import OpenAIError, error_body
+from kvserve.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+from kvserve.openai.sse import SSE_DONE, EventStreamResponse, TextEvents, encode_event
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from kvserve.server import openai_format as fmt
-from kvserve.server.disconnect import until_disconnected
-from kvserve.server.errors import OpenAIError, error_body
-from kvserve.server.json_body import body_schema, parse_body
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
-from kvserve.server.sse import SSE_DONE, EventStreamResponse, TextEvents, encode_event
 from kvserve.server.state import ServerState, State, server_state
 
 router = APIRouter()
@@ -46,25 +47,13 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     body = await parse_body(request, CompletionRequest)
     state = server_state(request)
     _check_common(body, state)
-    prompt: str | list[int]
-    if isinstance(body.prompt, list) and any(isinstance(p, str) for p in body.prompt):
-        if len(body.prompt) != 1 or not isinstance(body.prompt[0], str):
-            raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
-        prompt = body.prompt[0]
-    else:
-        prompt = body.prompt  # type: ignore[assignment]
-    if body.max_tokens is not None and body.max_tokens < 1:
-        raise OpenAIError(400, f"max_tokens must be ≥ 1, got {body.max_tokens}", param="max_tokens")
-    req = _make_request(
-        state,
-        request,
-        body,
-        prompt,
-        body.max_tokens or 16,
-        body.logprobs,
-        arrival,
+    prompt = checks.completion_prompt(body)
+    limit = checks.token_limit(body).value
+    assert limit is not None  # a completion's limit defaults to 16
+    req = _make_request(state, request, body, prompt, limit, arrival)
+    ids = fmt.response_ids(
+        request.state.request_id, state.served_model_name, False, int(time.time())
     )
-    ids = fmt.response_ids(req.request_id, state.served_model_name, False, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
 
     if body.stream:
@@ -102,24 +91,19 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     body = await parse_body(request, ChatCompletionRequest)
     state = server_state(request)
     _check_common(body, state)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    limit = checks.token_limit(body).value
     try:
-        prompt_ids = state.engine.engine.chat_prompt(messages)
+        prompt_ids = state.engine.engine.chat_prompt(checks.chat_messages(body))
     except InvalidRequestError as exc:
         raise OpenAIError(
             400, f"model {state.served_model_name!r}: {exc}", param=exc.param
         ) from exc
-    limit = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
-    if limit is not None and limit < 1:
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        raise OpenAIError(400, f"{param} must be ≥ 1, got {limit}", param=param)
     if limit is None:  # as much as the context allows
         limit = max(state.max_model_len - len(prompt_ids), 1)
-    top_n = (body.top_logprobs or 0) if body.logprobs else None
-    req = _make_request(state, request, body, prompt_ids, limit, top_n, arrival)
-    ids = fmt.response_ids(req.request_id, state.served_model_name, True, int(time.time()))
+    req = _make_request(state, request, body, prompt_ids, limit, arrival)
+    ids = fmt.response_ids(
+        request.state.request_id, state.served_model_name, True, int(time.time())
+    )
     text_of = fmt.tokenizer_text(state.tokenizer)
 
     if body.stream:
@@ -151,7 +135,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
 
 
 # ---- shared pieces -------------------------------------------------------------------
-def _check_common(body: _Common, state: ServerState) -> None:
+def _check_common(body: CommonRequest, state: ServerState) -> None:
     if not state.admitting:
         raise OpenAIError(503, "the server is shutting down; retry on another replica")
     if body.model != state.served_model_name:
@@ -161,32 +145,31 @@ def _check_common(body: _Common, state: ServerState) -> None:
             param="model",
             code="model_not_found",
         )
-    if body.n != 1:
-        raise OpenAIError(400, f"n={body.n} is not supported (only n=1)", param="n")
+    checks.check_n(body)
 
 
 def _make_request(
     state: ServerState,
     request: Request,
-    body: _Common,
+    body: CompletionRequest | ChatCompletionRequest,
     prompt: str | list[int],
     max_tokens: int,
-    logprobs: int | None,
     arrival: float,
 ) -> EngineRequest:
+    """The engine request (the engine names it; ``x-request-id`` is kept as the client's)."""
     rid: str = request.state.request_id
     try:
-        params = body.sampling_params(max_tokens, logprobs)
-        req = state.engine.make_request(prompt, params, rid, arrival_time=arrival)
+        params = body.sampling_params(max_tokens, checks.logprobs_count(body))
+        req = state.engine.make_request(
+            prompt, params, rid, arrival_time=arrival, cache_salt=body.cache_salt
+        )
         operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
-        state.telemetry.begin(rid, operation, params, request.headers, arrival)
+        state.telemetry.begin(req.request_id, operation, params, request.headers, arrival, rid)
         return req
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
     except InvalidRequestError as exc:
         raise OpenAIError(400, str(exc), param=exc.param) from exc
-    except ValueError as exc:  # a duplicate request id
-        raise OpenAIError(400, str(exc), param="x-request-id") from exc
 
 
 def _delta_logprobs(c: CompletionOutput) -> list[TokenLogprob] | None:
@@ -232,7 +215,7 @@ def _sse(
                     yield b"".join(parts)
                     parts = []
         except (RequestFailedError, EngineDeadError) as exc:
-            parts.append(encode_event(error_body(500, str(exc), request_id=req.request_id)))
+            parts.append(encode_event(error_body(500, str(exc), request_id=req.external_id)))
         if include_usage and last is not None:
             parts.append(encode_event(fmt.usage_chunk(ids, chat, _usage(last))))
         yield b"".join([*parts, SSE_DONE])
@@ -255,7 +238,7 @@ async def _run_to_end(request: Request, engine: AsyncEngine, req: EngineRequest)
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
     except RequestFailedError as exc:
-        raise OpenAIError(500, f"request {req.request_id} failed: {exc}") from exc
+        raise OpenAIError(500, f"request {req.external_id} failed: {exc}") from exc
     if last is None:
         raise OpenAIError(499, "client disconnected")
     return last

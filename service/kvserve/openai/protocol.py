@@ -15,7 +15,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+# vLLM's bound is "long enough to be unpredictable"; this one keeps a salt a key, not a body.
+MAX_CACHE_SALT_CHARS = 1024
+
+
+class CommonRequest(BaseModel):
+    """The fields completions and chat completions share."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str
@@ -33,6 +39,10 @@ class _Common(BaseModel):
     top_k: int = 0
     min_p: float = Field(0.0, ge=0, le=1)
     ignore_eos: bool = False
+    # Prefix-cache isolation (vLLM's name and meaning): a request reuses cached prompt
+    # blocks only from requests with the same salt. Behind the gateway, the tenant's own
+    # salt is always applied as well (docs/architecture.md).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -55,7 +65,7 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(CommonRequest):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -78,7 +88,7 @@ class ChatMessage(BaseModel):
         return value
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

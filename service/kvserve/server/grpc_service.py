@@ -10,6 +10,10 @@ in the engine, which frees its KV blocks before the next step.
 and writes one message per batch of ready outputs instead of one per request and step:
 per-message cost is what limits a gateway, not bytes. Ending that call aborts whatever
 it started that is still running.
+
+Requests are converted to and from messages by ``kvserve.rpc.codec`` only. A refused
+request's error names its parameter in a structured field (``Error.param``, and in a
+failed ``Generate`` call's trailing metadata).
 """
 
 from __future__ import annotations
@@ -21,20 +25,18 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import grpc
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
-from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from kvserve.sampling_params import SamplingParams
-from kvserve.server.grpc import engine_pb2 as pb
-from kvserve.server.grpc import engine_pb2_grpc as pb_grpc
-from kvserve.server.grpc.listen import MIN_PING_INTERVAL_MS, bind, server_options
-from kvserve.telemetry import definitions as d
+from kvserve.outputs import RequestOutput
+from kvserve.rpc import codec
+from kvserve.rpc import engine_pb2 as pb
+from kvserve.rpc import engine_pb2_grpc as pb_grpc
+from kvserve.rpc.listen import MIN_PING_INTERVAL_MS, bind, server_options
 from kvserve.telemetry.tracing import RequestTelemetry
 
 log = logging.getLogger(__name__)
@@ -43,125 +45,19 @@ log = logging.getLogger(__name__)
 # must not get one message over its receive limit).
 MAX_OUTPUTS_PER_MESSAGE = 1024
 
-# Optional request fields passed to SamplingParams only when the client set them.
-_OPTIONAL_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-    "skip_special_tokens",
-)
-
-
-def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams from a request; unset optional fields keep the engine's defaults.
-
-    Raises InvalidRequestError (naming the field) for values the engine rejects.
-    """
-    kwargs: dict[str, Any] = {
-        name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)
-    }
-    return SamplingParams(
-        stop=list(request.stop),
-        stop_token_ids=list(request.stop_token_ids),
-        ignore_eos=request.ignore_eos,
-        include_stop_str_in_output=request.include_stop_str_in_output,
-        **kwargs,
-    )
-
-
-def prompt_from_proto(request: pb.GenerateRequest, engine: LLMEngine) -> str | list[int]:
-    """The prompt as text or token ids; a chat is rendered with the model's template."""
-    kind = request.WhichOneof("prompt")
-    if kind == "prompt_text":
-        return request.prompt_text
-    if kind == "prompt_token_ids":
-        return list(request.prompt_token_ids.ids)
-    if kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        if not messages:
-            raise InvalidRequestError("chat.messages must not be empty", "chat")
-        return engine.chat_prompt(messages)
-    raise InvalidRequestError("set prompt_text, prompt_token_ids or chat", "prompt")
-
-
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    return str(tokenizer.decode([token_id])) if tokenizer is not None else str(token_id)
-
-
-def _logprobs_to_proto(entries: list[TokenLogprob], tokenizer: Any) -> list[pb.TokenLogprob]:
-    return [
-        pb.TokenLogprob(
-            token_id=e.token_id,
-            logprob=e.logprob,
-            top=e.top,
-            token=_token_text(tokenizer, e.token_id),
-            top_tokens={t: _token_text(tokenizer, t) for t in e.top},
-        )
-        for e in entries
-    ]
-
-
-def delta_from_output(
-    completion: CompletionOutput, num_sent: int, tokenizer: Any = None
-) -> pb.Delta | None:
-    """What this step added, or None if it added nothing.
-
-    ``num_sent``: tokens already streamed (to pick this step's logprob entries).
-    """
-    if not completion.delta_token_ids and not completion.delta_text:
-        return None
-    delta = pb.Delta(token_ids=completion.delta_token_ids, text=completion.delta_text)
-    if completion.logprobs is not None:
-        end = num_sent + len(completion.delta_token_ids)
-        delta.logprobs.extend(_logprobs_to_proto(completion.logprobs[num_sent:end], tokenizer))
-    return delta
-
-
-def final_from_output(out: RequestOutput) -> pb.Final:
-    """The closing message: finish reason, usage, server-side timings (DESIGN.md §3).
-
-    ``s`` is the request's arrival at the engine; every figure comes from
-    ``kvserve.telemetry.definitions``; an undefined figure is 0.
-    """
-    completion = out.outputs[0]
-    m = out.metrics
-    s = m.arrival_time
-    final = pb.Final(
-        finish_reason=completion.finish_reason or "abort",
-        usage=pb.Usage(
-            prompt_tokens=len(out.prompt_token_ids),
-            completion_tokens=len(completion.token_ids),
-            cached_tokens=out.num_cached_tokens,
-        ),
-        num_preemptions=m.num_preemptions,
-    )
-    if isinstance(completion.stop_reason, str):
-        final.stop_reason = completion.stop_reason
-    elif isinstance(completion.stop_reason, int):
-        final.stop_token_id = completion.stop_reason
-    if m.first_scheduled_time is not None:
-        final.queue_time = d.queue_time(s, m.first_scheduled_time)
-    if m.first_token_time is not None and m.token_times:
-        f, e = m.first_token_time, m.token_times[-1]
-        final.ttft = d.ttft(s, f)
-        final.e2e = d.e2e(s, e)
-        final.tpot = d.tpot(f, e, len(m.token_times)) or 0.0
-    return final
-
 
 class _Refused(Exception):
     """A request the engine will not (or can no longer) serve, as a gRPC status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
+
+    @property
+    def error(self) -> pb.Error:
+        return codec.encode_error(self.code, self.message, self.param)
 
 
 def _refusal(exc: BaseException) -> _Refused:
@@ -171,9 +67,8 @@ def _refusal(exc: BaseException) -> _Refused:
     if isinstance(exc, EngineDeadError):
         return _Refused(grpc.StatusCode.UNAVAILABLE, str(exc))
     if isinstance(exc, InvalidRequestError):
-        message = f"invalid {exc.param}: {exc}" if exc.param else str(exc)
-        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, message)
-    if isinstance(exc, ValueError):  # e.g. the request id is already in use
+        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param)
+    if isinstance(exc, ValueError):
         return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, RequestFailedError):
         return _Refused(grpc.StatusCode.INTERNAL, str(exc))
@@ -192,30 +87,34 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     ) -> Request:
         """The engine request for ``request``; raises ``_Refused`` for bad input.
 
-        ``metadata`` gives the call's (or the command's) trace context, read only when
-        tracing is on.
+        ``request.request_id`` is the client's id (the engine mints its own key; empty
+        means none). ``metadata`` gives the call's (or the command's) trace context, read
+        only when tracing is on.
         """
-        if not request.request_id:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid request_id: required")
         arrival = time.monotonic()
+        engine = self.engine.engine
         try:
-            prompt = prompt_from_proto(request, self.engine.engine)
-            is_chat = request.WhichOneof("prompt") == "chat"
-            if is_chat and not request.HasField("max_tokens"):  # as much as the context allows
-                request.max_tokens = max(self.engine.engine.max_model_len - len(prompt), 1)
-            params = sampling_params_from_proto(request)
+            prompt = codec.decode_prompt(request)
+            default_max_tokens = None
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt = engine.chat_prompt(prompt)  # type: ignore[arg-type]
+                # A chat without max_tokens gets as much as the context allows.
+                default_max_tokens = max(engine.max_model_len - len(prompt), 1)
+            params = codec.decode_sampling_params(request, default_max_tokens=default_max_tokens)
             req = self.engine.make_request(
-                prompt,
+                prompt,  # type: ignore[arg-type]
                 params,
-                request.request_id,
+                request.request_id or None,
                 arrival_time=arrival,
-                cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                cache_salt=codec.decode_cache_salt(request),
             )
         except (EngineDeadError, ValueError) as exc:  # InvalidRequestError is a ValueError
             raise _refusal(exc) from None
         if self.telemetry is not None:  # continues the gateway's W3C traceparent
-            operation = "chat" if is_chat else "text_completion"
-            self.telemetry.begin(req.request_id, operation, params, metadata(), arrival)
+            operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
+            self.telemetry.begin(
+                req.request_id, operation, params, metadata(), arrival, req.external_id
+            )
         return req
 
     async def Generate(
@@ -227,25 +126,26 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         try:
             req = self.build_request(request, lambda: _call_metadata(context))
         except _Refused as exc:
-            await _abort(context, exc.code, exc.message)
+            await _abort(context, exc)
 
         num_sent = 0
-        tokenizer = self.engine.engine.tokenizer
+        token_text = codec.tokenizer_text(self.engine.engine.tokenizer)
         last: RequestOutput | None = None
         try:
             async with _closing(self.engine.stream(req)) as outputs:
                 async for out in outputs:
                     last = out
-                    delta = delta_from_output(out.outputs[0], num_sent, tokenizer)
+                    delta = codec.encode_delta(out.outputs[0], num_sent, token_text)
                     if delta is not None:
                         num_sent += len(delta.token_ids)
                         await context.write(pb.GenerateResponse(delta=delta))
         except (EngineDeadError, RequestFailedError, ValueError) as exc:
-            refused = _refusal(exc)
-            await _abort(context, refused.code, refused.message)
+            await _abort(context, _refusal(exc))
         if last is None or not last.finished:
-            await _abort(context, grpc.StatusCode.INTERNAL, "the engine stream ended early")
-        await context.write(pb.GenerateResponse(final=final_from_output(last)))
+            await _abort(
+                context, _Refused(grpc.StatusCode.INTERNAL, "the engine stream ended early")
+            )
+        await context.write(pb.GenerateResponse(final=codec.encode_final(last)))
 
     async def GenerateMany(
         self,
@@ -261,8 +161,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        if request.request_id:
-            await self.engine.abort(request.request_id)
+        if request.request_id:  # every request with this client id (ids need not be unique)
+            self.engine.abort_external(request.request_id)
         return pb.AbortResponse()
 
     async def Health(
@@ -308,7 +208,7 @@ class _ManyCall:
         self.servicer = servicer
         self.engine = servicer.engine
         self.context = context
-        self.tokenizer = servicer.engine.engine.tokenizer
+        self.token_text = codec.tokenizer_text(servicer.engine.engine.tokenizer)
         self.started: dict[int, _Started] = {}
         self.ready: list[pb.TaggedOutput] = []
         self.wake = asyncio.Event()
@@ -363,12 +263,12 @@ class _ManyCall:
         try:
             if isinstance(out, BaseException):
                 raise out
-            delta = delta_from_output(out.outputs[0], started.num_sent, self.tokenizer)
+            delta = codec.encode_delta(out.outputs[0], started.num_sent, self.token_text)
             if delta is not None:
                 started.num_sent += len(delta.token_ids)
                 self._push(pb.TaggedOutput(tag=tag, delta=delta))
             if out.finished:
-                self._push(pb.TaggedOutput(tag=tag, final=final_from_output(out)))
+                self._push(pb.TaggedOutput(tag=tag, final=codec.encode_final(out)))
                 self._end(tag, started, abort=False)
         except Exception as exc:  # the engine failed it, or turning it into messages did
             if out is not exc:
@@ -391,18 +291,18 @@ class _ManyCall:
 
 
 def _error_output(tag: int, refused: _Refused) -> pb.TaggedOutput:
-    error = pb.Error(code=refused.code.value[0], message=refused.message)
-    return pb.TaggedOutput(tag=tag, error=error)
+    return pb.TaggedOutput(tag=tag, error=refused.error)
 
 
 def _call_metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
-) -> NoReturn:
-    await context.abort(code, message)
+async def _abort(context: grpc.aio.ServicerContext, refused: _Refused) -> NoReturn:
+    """End the call with ``refused``'s status; its ``Error`` rides in the trailers."""
+    await context.abort(
+        refused.code, refused.message, trailing_metadata=codec.error_metadata(refused.error)
+    )
     raise AssertionError("context.abort returned")  # it always raises
 
 

@@ -1,9 +1,9 @@
-"""Regenerate the gRPC code next to ``engine.proto``: ``python -m kvserve.server.grpc.generate``.
+"""Regenerate the gRPC code next to ``engine.proto``: ``python -m kvserve.rpc.generate``.
 
 Writes ``engine_pb2.py``, ``engine_pb2.pyi`` and ``engine_pb2_grpc.py`` (commit them).
 The proto is compiled with ``service/`` as its root, under its package path
-``kvserve/server/grpc/engine.proto``, so the generated service module imports its
-messages as ``from kvserve.server.grpc import engine_pb2`` (no ``sys.path`` tricks).
+``kvserve/rpc/engine.proto``, so the generated service module imports its
+messages as ``from kvserve.rpc import engine_pb2`` (no ``sys.path`` tricks).
 
 ``--check`` regenerates into a temporary folder and fails if the committed files differ.
 """
@@ -17,11 +17,11 @@ from importlib.resources import files
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-SOURCE_ROOT = PACKAGE_DIR.parents[2]  # .../service: the folder that holds ``kvserve/``
+SOURCE_ROOT = PACKAGE_DIR.parents[1]  # .../service: the folder that holds ``kvserve/``
 PROTO = PACKAGE_DIR.relative_to(SOURCE_ROOT) / "engine.proto"
 GENERATED = ("engine_pb2.py", "engine_pb2.pyi", "engine_pb2_grpc.py")
 HEADER = (
-    "# Generated from engine.proto by `python -m kvserve.server.grpc.generate`. DO NOT EDIT.\n"
+    "# Generated from engine.proto by `python -m kvserve.rpc.generate`. DO NOT EDIT.\n"
     "# mypy: ignore-errors\n"
     "# ruff: noqa\n"
 )
@@ -53,7 +53,7 @@ def generate(out_root: Path) -> list[Path]:
         if not text.startswith(HEADER):
             path.write_text(HEADER + text, encoding="utf-8")
     grpc_module = out_dir / "engine_pb2_grpc.py"
-    expected = "from kvserve.server.grpc import engine_pb2"
+    expected = "from kvserve.rpc import engine_pb2"
     if expected not in grpc_module.read_text(encoding="utf-8"):
         raise RuntimeError(f"{grpc_module} does not import its messages as {expected!r}")
     return paths
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if stale:
         print(
-            f"out of date: {', '.join(stale)}; run `python -m kvserve.server.grpc.generate` "
+            f"out of date: {', '.join(stale)}; run `python -m kvserve.rpc.generate` "
             "and commit the result",
             file=sys.stderr,
         )

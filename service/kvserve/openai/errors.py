@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger("kvserve.server")
+log = logging.getLogger("kvserve.http")
 
 _TYPES = {
     400: "invalid_request_error",

@@ -25,8 +25,8 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvserve.server import openai_format as fmt
-from kvserve.server.disconnect import cancel_on_disconnect
+from kvserve.openai import format as fmt
+from kvserve.openai.disconnect import cancel_on_disconnect
 
 _SENTINEL = "\x00kvserve-text\x00"
 # A str as a JSON string literal, non-ASCII kept (the C function behind json.dumps).

@@ -1,4 +1,4 @@
-# Generated from engine.proto by `python -m kvserve.server.grpc.generate`. DO NOT EDIT.
+# Generated from engine.proto by `python -m kvserve.rpc.generate`. DO NOT EDIT.
 # mypy: ignore-errors
 # ruff: noqa
 from google.protobuf.internal import containers as _containers
@@ -179,12 +179,14 @@ class Cancel(_message.Message):
     def __init__(self) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "param")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    param: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class TaggedOutput(_message.Message):
     __slots__ = ("tag", "delta", "final", "error")

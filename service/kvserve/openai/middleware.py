@@ -11,7 +11,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.server.errors import error_body
+from kvserve.openai.errors import error_body
 
 MAX_REQUEST_ID_LEN = 128
 

@@ -1,0 +1,177 @@
+"""One request's trip to the replicas: a slot, the upstream call, retries, and cleanup.
+
+Before the first output the request may be retried on another replica; after it, never.
+``UpstreamCall.close`` runs exactly once, whatever ended the request, and settles its
+slot, its token reservation, its metrics and its span. Turning the replica's messages
+into the client's response is ``kvserve.gateway.relay``'s job.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from kvserve.gateway.admission import AdmissionRejected, Slot
+from kvserve.gateway.auth import Tenant
+from kvserve.gateway.ratelimit import Admission
+from kvserve.gateway.replicas import Replica
+from kvserve.gateway.state import GatewayState
+from kvserve.openai.errors import OpenAIError
+from kvserve.rpc import codec
+
+# Engine refusals that mean "this request is bad", not "this replica is bad": never retried.
+CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+
+
+class UpstreamCall:
+    """One request's upstream life (see the module docstring)."""
+
+    def __init__(
+        self,
+        state: GatewayState,
+        model: str,
+        tenant: Tenant,
+        admission: Admission,
+        span: trace.Span,
+        s: float,
+        prompt_estimate: int,
+    ) -> None:
+        self.state, self.model, self.tenant = state, model, tenant
+        self.admission, self.span, self.s = admission, span, s
+        self.prompt_estimate = prompt_estimate
+        self.output_tokens = 0  # seen so far (charged if the request never finishes)
+        self.slot: Slot | None = None
+        self.grpc_call: Any = None
+        self.replica: Replica | None = None
+        self.f: float | None = None  # first chunk with text handed to the client
+        self.e: float | None = None  # last one
+        self.usage_tokens = 0
+        self.status = 200
+        self.done = False
+        self.closed = False
+
+    # ---- before the first token: route, queue, call, retry --------------------------
+    async def start(self, key: str, request: Any, metadata: dict[str, str]) -> Any:
+        """The replica's first response message; retries on other replicas until one
+        answers (or raises the OpenAIError the client gets)."""
+        st = self.state
+        cfg = st.config
+        exclude: set[str] = set()
+        last_error = "no replica answered"
+        for attempt in range(cfg.retry.max_attempts):
+            if attempt:
+                st.metrics.retries.labels(self.model).inc()
+            decisions: list[Any] = []
+            pick = functools.partial(self._pick, key, exclude, decisions)
+            try:
+                self.slot = await st.queue.acquire(self.tenant.name, self.tenant.priority, pick)
+            except AdmissionRejected as exc:
+                reason = "queue_timeout" if exc.reason == "timeout" else "queue_full"
+                st.metrics.rejections.labels(reason).inc()
+                raise OpenAIError(
+                    503, str(exc), code=reason, headers={"retry-after": str(exc.retry_after)}
+                ) from None
+            decision = decisions[-1]
+            st.metrics.routing.labels(self.model, cfg.routing.policy, decision.address).inc()
+            if decision.overridden or attempt:
+                st.metrics.overrides.labels(self.model).inc()
+            self.replica = st.fleet.get(self.model, self.slot.address)
+            if self.replica is None:  # removed while we waited
+                self._release_slot()
+                continue
+            self.span.set_attribute("kvserve.replica", self.replica.address)
+            self.grpc_call = self.replica.client.generate(
+                request, cfg.request_timeout_seconds, metadata
+            )
+            try:
+                first = await self.grpc_call.read()
+            except grpc.aio.AioRpcError as exc:
+                first = exc
+            if not isinstance(first, grpc.aio.AioRpcError) and first is not grpc.aio.EOF:
+                st.fleet.mark_ok(self.replica)
+                return first
+            code = first.code() if isinstance(first, grpc.aio.AioRpcError) else None
+            detail = first.details() if isinstance(first, grpc.aio.AioRpcError) else "empty"
+            st.metrics.upstream_errors.labels(self.model, code.name if code else "EOF").inc()
+            self._release_slot()
+            if code in CLIENT_ERRORS:  # the engine refused the request itself
+                assert isinstance(first, grpc.aio.AioRpcError)
+                st.metrics.rejections.labels("invalid").inc()
+                param = codec.error_param(first.trailing_metadata())
+                raise OpenAIError(400, f"{detail}", param=param)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise OpenAIError(504, f"the replica did not answer within the timeout: {detail}")
+            st.fleet.mark_failed(self.replica, f"{code.name if code else 'EOF'}: {detail}")
+            exclude.add(self.replica.address)
+            last_error = f"replica {self.replica.address}: {detail}"
+        raise OpenAIError(502, f"no replica could serve the request ({last_error})")
+
+    def _pick(self, key: str, exclude: set[str], decisions: list[Any]) -> str | None:
+        """The admission queue's ``pick``: route now, remember the decision."""
+        decision = self.state.router.route(key, self.state.fleet.views(self.model), exclude)
+        if decision is None:
+            return None
+        decisions.append(decision)
+        return str(decision.address)
+
+    # ---- what the relay reports while it hands the output over ---------------------------
+    def count(self, delta: Any) -> None:
+        self.output_tokens += len(delta.token_ids)
+
+    def handed_over(self) -> None:
+        """A delta with text reached the client (streaming) or the answer (whole): the
+        f and e instants of docs/architecture.md's latency definitions."""
+        self.e = time.monotonic()
+        if self.f is None:
+            self.f = self.e
+
+    def finished(self, final: Any) -> None:
+        self.done = True
+        self.usage_tokens = final.usage.prompt_tokens + final.usage.completion_tokens
+        self.span.set_attribute("gen_ai.response.finish_reasons", [final.finish_reason])
+        self.span.set_attribute("gen_ai.usage.input_tokens", final.usage.prompt_tokens)
+        self.span.set_attribute("gen_ai.usage.output_tokens", final.usage.completion_tokens)
+        self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", final.usage.cached_tokens)
+
+    def failed_upstream(self, exc: grpc.aio.AioRpcError) -> None:
+        """The replica failed after the first output (never retried: output was sent)."""
+        self.status = 502
+        self.state.metrics.upstream_errors.labels(self.model, exc.code().name).inc()
+
+    async def read(self) -> Any:
+        return await self.grpc_call.read()
+
+    # ---- cleanup (exactly once) ----------------------------------------------------------
+    def _release_slot(self) -> None:
+        if self.slot is not None:
+            self.state.queue.release(self.slot)
+            self.slot = None
+
+    def close(self, exc: BaseException | None, disconnected: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.grpc_call is not None and not self.done:
+            self.grpc_call.cancel()  # aborts the request in the engine
+        self._release_slot()
+        # Settle the token reservation to what was used: the replica's usage when it
+        # finished, else the prompt estimate and the tokens produced before the end.
+        used = self.usage_tokens if self.done else self.prompt_estimate + self.output_tokens
+        self.admission.finish(used if self.grpc_call is not None else 0)
+        m = self.state.metrics
+        if disconnected:
+            m.disconnects.labels(self.model).inc()
+            self.status = 499
+        elif isinstance(exc, OpenAIError):
+            self.status = exc.status
+        elif exc is not None:
+            self.status = 500
+        m.requests.labels(self.model, str(self.status)).inc()
+        if self.status == 200:
+            m.observe_timeline(self.model, self.s, self.f, self.e)
+        self.span.set_attribute("http.response.status_code", self.status)
+        self.span.end()

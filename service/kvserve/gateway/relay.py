@@ -1,0 +1,123 @@
+"""The replica's messages as the client's response: SSE events, or one JSON body.
+
+Both read an ``UpstreamCall`` that has its first message, and report to it what reached
+the client (tokens counted, first and last text handed over, the final usage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from kvserve.gateway.call import UpstreamCall
+from kvserve.openai import format as fmt
+from kvserve.openai.errors import OpenAIError, error_body
+from kvserve.openai.sse import SSE_DONE, TextEvents, encode_event
+from kvserve.rpc.codec import DeltaLogprobs, decode_delta_logprobs
+
+
+async def sse(
+    call: UpstreamCall, first: Any, ids: dict[str, Any], chat: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The response's events (the response's ``on_close`` closes the call)."""
+    plain = TextEvents(ids, chat)
+    opening = True  # a chat's first delta carries the role
+    read = call.grpc_call.read
+    msg = first
+    try:
+        # The hot loop of the gateway (one pass per streamed token): one generator,
+        # the common case (text, no logprobs, not the first chat delta) first.
+        while msg is not grpc.aio.EOF:
+            if msg.WhichOneof("kind") != "delta":  # the end: one write with [DONE]
+                final = msg.final
+                chunk = _chunk(ids, chat, "", None, final.finish_reason, opening)
+                ending = [encode_event(chunk)]
+                if include_usage:
+                    ending.append(encode_event(fmt.usage_chunk(ids, chat, _usage(final))))
+                call.finished(final)
+                yield b"".join([*ending, SSE_DONE])
+                return
+            delta = msg.delta
+            call.count(delta)
+            text = delta.text
+            lp = decode_delta_logprobs(delta)
+            if lp is None and not opening:
+                if text:
+                    yield plain.text(text)
+                    call.handed_over()
+            elif text or lp is not None:
+                yield encode_event(_chunk(ids, chat, text, lp, None, opening))
+                opening = False
+                if text:
+                    call.handed_over()
+            msg = await read()
+        yield SSE_DONE  # the stream ended without a final (the replica went away)
+    except grpc.aio.AioRpcError as exc:  # the replica failed mid-stream: never retried
+        call.failed_upstream(exc)
+        error = encode_event(error_body(502, f"the replica failed: {exc.details()}"))
+        yield error + SSE_DONE
+
+
+async def collect(
+    call: UpstreamCall, first: Any, ids: dict[str, Any], chat: bool
+) -> dict[str, Any]:
+    """The whole answer as one response body."""
+    text: list[str] = []
+    entries: list[Any] = []
+    texts: dict[int, str] = {}
+    final: Any = None
+    msg = first
+    try:
+        while msg is not grpc.aio.EOF:
+            if msg.WhichOneof("kind") == "delta":
+                delta = msg.delta
+                call.count(delta)
+                text.append(delta.text)
+                if delta.text:
+                    call.handed_over()
+                lp = decode_delta_logprobs(delta)
+                if lp is not None:
+                    entries += lp.entries
+                    texts.update(lp.texts)
+            else:
+                final = msg.final
+                call.finished(final)
+            msg = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        call.failed_upstream(exc)
+        raise OpenAIError(502, f"the replica failed: {exc.details()}") from None
+    if final is None:
+        call.status = 502
+        raise OpenAIError(502, "the replica's stream ended without a final message")
+    token_text = DeltaLogprobs(entries, texts).token_text
+    logprobs: dict[str, Any] | None = None
+    if entries:
+        logprobs = (
+            fmt.chat_logprobs(entries, token_text)
+            if chat
+            else fmt.completion_logprobs(entries, token_text)
+        )
+    build = fmt.chat_response if chat else fmt.completion_response
+    return build(ids, "".join(text), logprobs, final.finish_reason, _usage(final))
+
+
+def _chunk(
+    ids: dict[str, Any],
+    chat: bool,
+    text: str,
+    lp: DeltaLogprobs | None,
+    finish: str | None,
+    opening: bool,
+) -> dict[str, Any]:
+    if chat:
+        logprobs = fmt.chat_logprobs(lp.entries, lp.token_text) if lp else None
+        return fmt.chat_chunk(ids, text, logprobs, finish, opening)
+    logprobs = fmt.completion_logprobs(lp.entries, lp.token_text) if lp else None
+    return fmt.completion_chunk(ids, text, logprobs, finish)
+
+
+def _usage(final: Any) -> dict[str, Any]:
+    u = final.usage
+    return fmt.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)

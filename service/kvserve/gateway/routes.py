@@ -1,0 +1,236 @@
+"""The gateway's HTTP routes: health, readiness, metrics, and the OpenAI API.
+
+A completion goes through, in order (each step's refusal has its status and metric
+reason): request id and body size (middleware; 400 / 413 ``payload_too_large``) → JSON
+schema (400 ``invalid``) → API key (401 ``unauthenticated``) → model known (404) → key
+allowed for it (403 ``forbidden``) → the shared request checks and the ``max_tokens``
+ceiling (400 ``invalid``) → per-tenant rate limits (429 ``rate_limited_*``/``concurrency``)
+→ a replica slot, routed and possibly queued (503 ``queue_full``/``queue_timeout``) → the
+request on the replica's shared ``GenerateMany`` call, retried on another replica while
+no output has been received (``call``) → the answer, streamed or whole (``relay``).
+
+Response headers go out only once the replica has sent its first message, so a replica
+failing before any output is retried invisibly, and an engine refusal (INVALID_ARGUMENT)
+becomes a 400 naming the engine's parameter. A client that goes away at any point
+(queued, waiting for the first token, mid-stream) has its upstream request cancelled,
+which aborts the request in the engine and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
+
+from kvserve.errors import InvalidRequestError
+from kvserve.gateway import relay
+from kvserve.gateway.auth import AuthError, Tenant
+from kvserve.gateway.call import UpstreamCall
+from kvserve.gateway.ratelimit import LimitExceeded, RateLimited
+from kvserve.gateway.routing import prefix_key
+from kvserve.gateway.state import GatewayState
+from kvserve.openai import checks
+from kvserve.openai import format as fmt
+from kvserve.openai.body import body_schema, parse_body
+from kvserve.openai.disconnect import until_disconnected
+from kvserve.openai.errors import OpenAIError, error_body
+from kvserve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.openai.sse import EventStreamResponse
+from kvserve.rpc.codec import Prompt, encode_request
+
+CHARS_PER_TOKEN = 4  # admission estimate of prompt tokens; settled to the real count later
+
+
+def gateway_router(state: GatewayState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @router.get("/ready", response_model=None)
+    async def ready() -> JSONResponse:
+        routable = {
+            model: sum(v.healthy and not v.draining for v in state.fleet.views(model))
+            for model in state.fleet.models()
+        }
+        if not state.ready or not any(routable.values()):
+            return JSONResponse(error_body(503, "no healthy replica to route to"), status_code=503)
+        return JSONResponse({"status": "ready", "replicas": routable})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        state.update_gauges()
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        tenant = _authenticate(state, request)
+        names = [m for m in state.model_names() if tenant.allows(m)]
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "kvserve"} for m in names
+            ],
+        }
+
+    @router.post(
+        "/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest)
+    )
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        try:
+            prompt = checks.completion_prompt(body)
+        except OpenAIError:
+            state.metrics.rejections.labels("invalid").inc()
+            raise
+        return await _serve(state, request, body, prompt)
+
+    @router.post(
+        "/v1/chat/completions",
+        response_model=None,
+        openapi_extra=body_schema(ChatCompletionRequest),
+    )
+    async def chat(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        return await _serve(state, request, body, checks.chat_messages(body))
+
+    return router
+
+
+def _refused(state: GatewayState, exc: AuthError) -> OpenAIError:
+    state.metrics.rejections.labels(exc.reason).inc()
+    return OpenAIError(exc.status, exc.message, code=exc.code, headers=exc.headers)
+
+
+def _authenticate(state: GatewayState, request: Request) -> Tenant:
+    try:
+        return state.keys.authenticate(request.headers.get("authorization"))
+    except AuthError as exc:
+        raise _refused(state, exc) from None
+
+
+def _checked_limit(
+    state: GatewayState, body: CompletionRequest | ChatCompletionRequest
+) -> checks.TokenLimit:
+    """The shared checks, then this model's ``max_tokens`` ceiling (400 ``invalid``)."""
+    try:
+        checks.check_n(body)
+        limit = checks.token_limit(body)
+        ceiling = state.config.model_settings(body.model).max_tokens_ceiling
+        if limit.value is not None and ceiling is not None and limit.value > ceiling:
+            raise OpenAIError(
+                400,
+                f"{limit.param}={limit.value} is over this model's limit of {ceiling}",
+                param=limit.param,
+            )
+    except OpenAIError:
+        state.metrics.rejections.labels("invalid").inc()
+        raise
+    return limit
+
+
+async def _serve(
+    state: GatewayState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompt: Prompt,
+) -> Response:
+    s = time.monotonic()
+    rid: str = request.state.request_id
+    chat = isinstance(body, ChatCompletionRequest)
+    tenant = _authenticate(state, request)
+    if not state.serves(body.model):
+        raise OpenAIError(
+            404,
+            f"model {body.model!r} is not served here (available: "
+            f"{', '.join(state.model_names())})",
+            param="model",
+            code="model_not_found",
+        )
+    try:
+        state.keys.authorize(tenant, body.model)
+    except AuthError as exc:
+        raise _refused(state, exc) from None
+    limit = _checked_limit(state, body)
+    try:
+        params = body.sampling_params(limit.value or 1, checks.logprobs_count(body))
+    except InvalidRequestError as exc:
+        state.metrics.rejections.labels("invalid").inc()
+        raise OpenAIError(400, str(exc), param=exc.param) from None
+    cache_salt = state.salts.salt(tenant, body.cache_salt)
+    upstream = encode_request(
+        prompt,
+        params,
+        request_id=rid,
+        max_tokens_set=limit.value is not None,
+        cache_salt=cache_salt,
+    )
+
+    # Token reservation: prompt estimate + the most it may generate (settled at the end).
+    ceiling = state.config.model_settings(body.model).max_tokens_ceiling
+    prompt_estimate = _prompt_estimate(prompt)
+    reserve = prompt_estimate + (limit.value or ceiling or checks.DEFAULT_COMPLETION_MAX_TOKENS)
+    try:
+        admission = state.limiter.admit(tenant, reserve)
+    except RateLimited as exc:
+        state.metrics.rejections.labels(exc.reason).inc()
+        raise OpenAIError(429, exc.message, code=exc.code, headers=exc.headers) from None
+    except LimitExceeded as exc:  # could never fit the tenant's budget: a client error
+        state.metrics.rejections.labels(exc.reason).inc()
+        raise OpenAIError(400, exc.message, code=exc.code, headers=exc.headers) from None
+
+    operation = "chat" if chat else "text_completion"
+    span = state.tracer.start_span(
+        f"gateway {operation} {body.model}",
+        context=propagate.extract(request.headers),
+        kind=SpanKind.SERVER,
+        attributes={
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": body.model,
+            "kvserve.request_id": rid,
+            "kvserve.tenant": tenant.name,
+        },
+    )
+    metadata: dict[str, str] = {"x-request-id": rid}
+    propagate.inject(metadata, context=trace.set_span_in_context(span))
+    call = UpstreamCall(state, body.model, tenant, admission, span, s, prompt_estimate)
+    try:
+        # Routing groups by the tenant's salt as well: its blocks serve no other namespace.
+        routed = {"messages": prompt} if chat else {"prompt": prompt}
+        key = prefix_key({**routed, "cache_salt": cache_salt}, state.config.routing.prefix_chars)
+        first = await until_disconnected(request, call.start(key, upstream, metadata))
+    except BaseException as exc:
+        call.close(exc)
+        raise
+    if first is None:  # the client left while queued or before the first token
+        call.close(None, disconnected=True)
+        raise OpenAIError(499, "client disconnected")
+    ids = fmt.response_ids(rid, body.model, chat, int(time.time()))
+    if body.stream:
+        return EventStreamResponse(
+            relay.sse(call, first, ids, chat, body.include_usage),
+            headers=admission.headers,
+            on_close=lambda: call.close(None, disconnected=not call.done and call.status == 200),
+        )
+    try:
+        result = await until_disconnected(request, relay.collect(call, first, ids, chat))
+    finally:
+        call.close(None, disconnected=not call.done)
+    if result is None:
+        raise OpenAIError(499, "client disconnected")
+    return JSONResponse(result, headers=admission.headers)
+
+
+def _prompt_estimate(prompt: Prompt) -> int:
+    if isinstance(prompt, str):
+        return math.ceil(len(prompt) / CHARS_PER_TOKEN)
+    if prompt and isinstance(prompt[0], dict):
+        chars = sum(len(m["content"]) + 8 for m in prompt)  # type: ignore[index]
+        return math.ceil(chars / CHARS_PER_TOKEN)
+    return len(prompt)

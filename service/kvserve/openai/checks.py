@@ -1,0 +1,70 @@
+"""The request checks both front ends (engine server and gateway) apply, written once.
+
+Each takes a parsed body and returns what the engine needs, or raises ``OpenAIError``
+400 naming the parameter. What only one side can check stays there: the engine server
+knows the tokenizer and the context length, the gateway knows keys, quotas and ceilings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.openai.errors import OpenAIError
+from kvserve.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+
+# OpenAI's default for /v1/completions; a chat without a limit gets what the context leaves.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class TokenLimit:
+    """The client's output-token limit and the parameter that set it (for errors).
+
+    ``value`` is None when a chat set none: the engine then allows what the context
+    leaves after the prompt.
+    """
+
+    value: int | None
+    param: str
+
+
+def check_n(body: CommonRequest) -> None:
+    if body.n != 1:
+        raise OpenAIError(400, f"n={body.n} is not supported (only n=1)", param="n")
+
+
+def completion_prompt(body: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion: text or token ids (a list of one text is text)."""
+    if isinstance(body.prompt, list) and any(isinstance(p, str) for p in body.prompt):
+        if len(body.prompt) != 1 or not isinstance(body.prompt[0], str):
+            raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
+        return body.prompt[0]
+    return body.prompt  # type: ignore[return-value]
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The conversation as the chat template takes it."""
+    return [m.model_dump(exclude_none=True) for m in body.messages]
+
+
+def token_limit(body: CompletionRequest | ChatCompletionRequest) -> TokenLimit:
+    """The output-token limit: ``max_completion_tokens`` over ``max_tokens`` for a chat,
+    ``max_tokens`` (default 16) for a completion; a limit below 1 is a 400."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.max_completion_tokens is not None:
+            limit = TokenLimit(body.max_completion_tokens, "max_completion_tokens")
+        else:
+            limit = TokenLimit(body.max_tokens, "max_tokens")
+    else:
+        value = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        limit = TokenLimit(value, "max_tokens")
+    if limit.value is not None and limit.value < 1:
+        raise OpenAIError(400, f"{limit.param} must be ≥ 1, got {limit.value}", param=limit.param)
+    return limit
+
+
+def logprobs_count(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many top alternatives to return per token, or None for no logprobs."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs

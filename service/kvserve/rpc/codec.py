@@ -1,0 +1,270 @@
+"""The one mapping between the engine's objects and ``engine.proto``, both directions.
+
+The gateway encodes requests and decodes outputs; the engine server decodes requests and
+encodes outputs. Each field is converted in one place here, so a parameter added to the
+API is added to this module and nowhere else on the wire path.
+
+Errors are structured: an ``Error`` message names the parameter it is about (``param``),
+and a failed call carries that message, serialized, in its trailing metadata under
+``ERROR_METADATA_KEY``. No message string is ever parsed for it.
+
+This module loads neither torch nor the engine: the gateway imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvserve.errors import InvalidRequestError
+from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvserve.rpc import engine_pb2 as pb
+from kvserve.sampling_params import SamplingParams
+from kvserve.telemetry import definitions as d
+
+# Where a failed call's ``Error`` travels (a "-bin" key: gRPC carries its value as bytes).
+ERROR_METADATA_KEY = "kvserve-error-bin"
+
+# A prompt as the API carries it: text, token ids, or a conversation.
+Prompt = str | list[int] | list[dict[str, str]]
+
+# Optional request fields: set on the wire only when the client set them, so an unset one
+# keeps the engine's default (``SamplingParams``).
+_OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+    "skip_special_tokens",
+)
+
+
+# ---- requests ------------------------------------------------------------------------
+def encode_request(
+    prompt: Prompt,
+    params: SamplingParams,
+    *,
+    request_id: str = "",
+    max_tokens_set: bool = True,
+    cache_salt: str | None = None,
+) -> pb.GenerateRequest:
+    """``GenerateRequest`` for ``prompt`` (text, token ids, or chat messages).
+
+    ``request_id`` is the client's id (not a key; the engine mints its own).
+    ``max_tokens_set=False`` leaves ``max_tokens`` unset, so the engine gives a chat as many
+    tokens as its context leaves (the OpenAI default when the client sets no limit).
+    """
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
+    )
+    if max_tokens_set:
+        req.max_tokens = params.max_tokens
+    if params.seed is not None:
+        req.seed = params.seed
+    if params.logprobs is not None:
+        req.logprobs = params.logprobs
+    if cache_salt is not None:
+        req.cache_salt = cache_salt
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        messages = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]  # type: ignore[index]
+        req.chat.CopyFrom(pb.ChatMessages(messages=messages))
+    else:
+        req.prompt_token_ids.CopyFrom(pb.TokenIds(ids=prompt))  # type: ignore[arg-type]
+    return req
+
+
+def decode_prompt(request: pb.GenerateRequest) -> Prompt:
+    """The prompt: text, token ids, or the chat's messages (the engine renders those).
+
+    Raises InvalidRequestError (naming the field) when there is none.
+    """
+    kind = request.WhichOneof("prompt")
+    if kind == "prompt_text":
+        return request.prompt_text
+    if kind == "prompt_token_ids":
+        return list(request.prompt_token_ids.ids)
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise InvalidRequestError("chat.messages must not be empty", "chat")
+        return messages
+    raise InvalidRequestError("set prompt_text, prompt_token_ids or chat", "prompt")
+
+
+def decode_sampling_params(
+    request: pb.GenerateRequest, *, default_max_tokens: int | None = None
+) -> SamplingParams:
+    """SamplingParams from a request; unset optional fields keep the engine's defaults
+    (``default_max_tokens``, when given, stands in for an unset ``max_tokens``).
+
+    Raises InvalidRequestError (naming the field) for values the engine rejects.
+    """
+    kwargs: dict[str, Any] = {
+        name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)
+    }
+    if default_max_tokens is not None:
+        kwargs.setdefault("max_tokens", default_max_tokens)
+    return SamplingParams(
+        stop=list(request.stop),
+        stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        **kwargs,
+    )
+
+
+def decode_cache_salt(request: pb.GenerateRequest) -> str | None:
+    return request.cache_salt if request.HasField("cache_salt") else None
+
+
+# ---- outputs -------------------------------------------------------------------------
+TokenText = Callable[[int], str]
+
+
+def _logprobs_to_proto(entries: list[TokenLogprob], token_text: TokenText) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            top=e.top,
+            token=token_text(e.token_id),
+            top_tokens={t: token_text(t) for t in e.top},
+        )
+        for e in entries
+    ]
+
+
+def tokenizer_text(tokenizer: Any) -> TokenText:
+    """A token's text as the wire carries it (the gateway has no tokenizer)."""
+    if tokenizer is None:
+        return str
+    return lambda token_id: str(tokenizer.decode([token_id]))
+
+
+def encode_delta(
+    completion: CompletionOutput, num_sent: int, token_text: TokenText = str
+) -> pb.Delta | None:
+    """What this step added, or None if it added nothing.
+
+    ``num_sent``: tokens already streamed (to pick this step's logprob entries).
+    """
+    if not completion.delta_token_ids and not completion.delta_text:
+        return None
+    delta = pb.Delta(token_ids=completion.delta_token_ids, text=completion.delta_text)
+    if completion.logprobs is not None:
+        end = num_sent + len(completion.delta_token_ids)
+        delta.logprobs.extend(_logprobs_to_proto(completion.logprobs[num_sent:end], token_text))
+    return delta
+
+
+def encode_final(out: RequestOutput) -> pb.Final:
+    """The closing message: finish reason, usage, server-side timings.
+
+    ``s`` is the request's arrival at the engine; every figure comes from
+    ``kvserve.telemetry.definitions``; an undefined figure is 0.
+    """
+    completion = out.outputs[0]
+    m = out.metrics
+    s = m.arrival_time
+    final = pb.Final(
+        finish_reason=completion.finish_reason or "abort",
+        usage=pb.Usage(
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=len(completion.token_ids),
+            cached_tokens=out.num_cached_tokens,
+        ),
+        num_preemptions=m.num_preemptions,
+    )
+    if isinstance(completion.stop_reason, str):
+        final.stop_reason = completion.stop_reason
+    elif isinstance(completion.stop_reason, int):
+        final.stop_token_id = completion.stop_reason
+    if m.first_scheduled_time is not None:
+        final.queue_time = d.queue_time(s, m.first_scheduled_time)
+    if m.first_token_time is not None and m.token_times:
+        f, e = m.first_token_time, m.token_times[-1]
+        final.ttft = d.ttft(s, f)
+        final.e2e = d.e2e(s, e)
+        final.tpot = d.tpot(f, e, len(m.token_times)) or 0.0
+    return final
+
+
+@dataclass
+class DeltaLogprobs:
+    """A delta's logprob entries and the texts of their tokens (the gateway has no tokenizer)."""
+
+    entries: list[TokenLogprob]
+    texts: dict[int, str]
+
+    def token_text(self, token_id: int) -> str:
+        return self.texts.get(token_id, str(token_id))
+
+
+def decode_delta_logprobs(delta: pb.Delta) -> DeltaLogprobs | None:
+    """The logprobs carried by a ``Delta`` (None when the request asked for none)."""
+    if not delta.logprobs:
+        return None
+    entries: list[TokenLogprob] = []
+    texts: dict[int, str] = {}
+    for lp in delta.logprobs:
+        # A protobuf map has no order: most likely first, as the engine lists them.
+        top = dict(sorted(lp.top.items(), key=lambda item: -item[1]))
+        entries.append(TokenLogprob(lp.token_id, lp.logprob, top))
+        texts[lp.token_id] = lp.token
+        texts.update(lp.top_tokens)
+    return DeltaLogprobs(entries, texts)
+
+
+# ---- errors --------------------------------------------------------------------------
+def encode_error(code: grpc.StatusCode, message: str, param: str | None = None) -> pb.Error:
+    error = pb.Error(code=code.value[0], message=message)
+    if param is not None:
+        error.param = param
+    return error
+
+
+def error_metadata(error: pb.Error) -> tuple[tuple[str, bytes], ...]:
+    """Trailing metadata that carries ``error`` with a failed call's status."""
+    return ((ERROR_METADATA_KEY, error.SerializeToString()),)
+
+
+def status_code(error: pb.Error) -> grpc.StatusCode:
+    return _STATUS_BY_VALUE.get(error.code, grpc.StatusCode.UNKNOWN)
+
+
+def error_param(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The parameter a failed call's ``Error`` names (None if it names none, or the
+    replica sent none: an older one, or a failure outside the engine)."""
+    for key, value in trailing_metadata or ():
+        if key == ERROR_METADATA_KEY and isinstance(value, bytes):
+            try:
+                error = pb.Error.FromString(value)
+            except DecodeError:
+                return None
+            return error.param if error.HasField("param") else None
+    return None
+
+
+_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}

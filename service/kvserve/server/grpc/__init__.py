@@ -1,1 +1,0 @@
-"""The engine's gRPC streaming API (``engine.proto``), spoken by the gateway."""

@@ -1,0 +1,39 @@
+"""``kvserve serve`` as a real process (the command users run)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.support.net import free_port
+from tests.support.processes import LoggedProcess, start_logged
+from tests.support.waiting import wait_until
+
+
+def start_cli_server(model: Path | None, *extra: str) -> tuple[LoggedProcess, str, int]:
+    """``kvserve serve`` on a free port, once it reports ready; its output is in ``.log``.
+
+    ``model=None`` runs it with no model arguments at all (the bundled demo model).
+    """
+    port = free_port()
+    args = ["--port", str(port), "--no-grpc"]
+    if model is not None:
+        args += ["--model", str(model), "--served-model-name", "m", "--dtype", "float32"]
+    proc = start_logged(
+        [sys.executable, "-m", "kvserve", "serve", *args, *extra, "--log-level", "warning"],
+        "kvserve-serve",
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvserve serve exited with {proc.poll()}\n{proc.tail()}")
+        try:
+            return httpx.get(f"{url}/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, timeout=120)
+    return proc, url, port
