@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvserve.model.config import ModelConfig, blocks_for
+from kvserve.config import DEFAULT_BLOCK_SIZE
+from kvserve.model.config import ModelConfig, total_blocks
 
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4,
@@ -66,7 +67,7 @@ def estimate(
     dtype: str = "bf16",
     kv_dtype: str | None = None,
     tokens: Sequence[int] = (),
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     bandwidth_gbps: float | None = None,
     memory_gib: float | None = None,
 ) -> CapacityReport:
@@ -96,7 +97,7 @@ def estimate(
     if kv_per_token <= 0:
         raise ValueError(f"config gives {kv_per_token} KV bytes per token; expected > 0")
     kv_bytes = kv_per_token * sum(token_list)
-    blocks = blocks_for(token_list, block_size)
+    blocks = total_blocks(token_list, block_size)
 
     decode_ms: float | None = None
     if bandwidth_gbps is not None:
@@ -175,7 +176,10 @@ def add_calc_arguments(parser: argparse.ArgumentParser) -> None:
         help="request lengths in tokens (prompt + output), one per request",
     )
     parser.add_argument(
-        "--block-size", type=int, default=16, help="tokens per KV block (default: 16)"
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE})",
     )
     parser.add_argument(
         "--bandwidth-gbps",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -30,9 +30,49 @@ def torch_dtype(name: str) -> torch.dtype:
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, capped at what max_num_seqs full requests need
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold ``num_tokens`` tokens: ceil(tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one ``EngineConfig`` field appears outside Python (``kvserve.engine_options``).
+
+    ``flag``: its ``kvserve serve`` flag (None: not a flag); a boolean's flag that starts
+    with ``--no-`` turns it off. ``crd``: its name in an ``InferenceModel``'s
+    ``spec.engine`` (None: not in the CRD). ``operator_owned``: the operator sets the flag
+    itself (from other spec fields), so ``spec.engine.extraArgs`` may not.
+    ``minimum``/``maximum`` bound a number in the CRD's schema; ``choices`` an enum.
+    """
+
+    help: str
+    flag: str | None = None
+    crd: str | None = None
+    operator_owned: bool = False
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    choices: tuple[str, ...] = ()
+    shown_default: str | None = None  # the docs' "default" column, when not the value
+
+
+def _option(default: Any, option: Option) -> Any:
+    """A dataclass field with its default (written here once) and its ``Option``."""
+    return field(default=default, metadata={"option": option})
+
+
+INT32_MAX = 2**31 - 1
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; EngineConfig's default, shared by the tools
+
+
 @dataclass
 class EngineConfig:
     """Everything that shapes an engine; the defaults suit a laptop CPU.
+
+    Each field's default is written here once; its flag, CRD name and help live in its
+    ``Option``, from which ``kvserve serve``'s flags, ``LLM(**kwargs)``, the operator's
+    mapping and the CRD's ``engine`` block are made (``kvserve.engine_options``).
 
     ``num_kv_blocks`` fixes the KV pool size directly; otherwise it is derived from
     ``kv_cache_memory`` bytes, or on CUDA from ``gpu_memory_utilization`` of the GPU's
@@ -40,24 +80,115 @@ class EngineConfig:
     ``max_num_seqs`` requests of ``max_model_len`` tokens need).
     """
 
-    model: str
-    tokenizer: str | None = None
-    # auto: on CUDA the checkpoint's dtype (or bf16); on CPU bf16 where the CPU computes
-    # bf16 natively (AVX512-BF16/AMX), else float32
-    dtype: str = "auto"
-    device: str = "auto"  # auto: cuda when available, else cpu
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
+    model: str = field(
+        metadata={
+            "option": Option(
+                "Hugging Face checkpoint directory (LLM() and kvserve serve default to the "
+                "bundled travel-assistant demo model, kvserve-travel-tiny)",
+                flag="--model",
+                operator_owned=True,
+                shown_default="the demo model",
+            )
+        }
+    )
+    tokenizer: str | None = _option(
+        None, Option("tokenizer directory (default: the checkpoint's)", flag="--tokenizer")
+    )
+    dtype: str = _option(
+        "auto",
+        Option(
+            "weights and KV cache dtype; auto: on CUDA the checkpoint's (or bfloat16), on "
+            "CPU bfloat16 where the CPU computes it natively, else float32",
+            flag="--dtype",
+            crd="dtype",
+            choices=("auto", *DTYPES),
+        ),
+    )
+    device: str = _option(
+        "auto",
+        Option(
+            "cpu, cuda or cuda:N; auto: cuda when available", flag="--device", operator_owned=True
+        ),
+    )
+    block_size: int = _option(
+        DEFAULT_BLOCK_SIZE,
+        Option(
+            "tokens per KV-cache block",
+            flag="--block-size",
+            crd="blockSize",
+            minimum=1,
+            maximum=256,
+        ),
+    )
+    max_num_seqs: int = _option(
+        64,
+        Option(
+            "most requests in one step's batch",
+            flag="--max-num-seqs",
+            crd="maxNumSeqs",
+            minimum=1,
+            maximum=4096,
+        ),
+    )
+    max_num_batched_tokens: int = _option(
+        2048,
+        Option(
+            "token budget of one step (decodes plus prefill chunks)",
+            flag="--max-num-batched-tokens",
+            crd="maxNumBatchedTokens",
+            minimum=1,
+            maximum=INT32_MAX,
+        ),
+    )
+    max_model_len: int | None = _option(
+        None,
+        Option(
+            "longest prompt + output in tokens (default: the model's max_position_embeddings)",
+            flag="--max-model-len",
+            crd="maxModelLen",
+            minimum=1,
+            maximum=INT32_MAX,
+        ),
+    )
+    num_kv_blocks: int | None = _option(
+        None,
+        Option(
+            "KV-cache blocks (default: from the memory settings)", flag="--num-kv-blocks", minimum=1
+        ),
+    )
+    kv_cache_memory: int | None = _option(
+        None,
+        Option(
+            "bytes for the KV cache (default: from gpu_memory_utilization on CUDA, 1 GiB on CPU)",
+            flag="--kv-cache-memory",
+            minimum=1,
+        ),
+    )
+    gpu_memory_utilization: float = _option(
+        0.9,
+        Option(
+            "share of the GPU's memory the engine may use (weights + KV cache)",
+            flag="--gpu-memory-utilization",
+            crd="kvCacheMemoryFraction",
+            minimum=0,
+            exclusive_minimum=True,
+            maximum=1,
+        ),
+    )
+    enable_prefix_caching: bool = _option(
+        True,
+        Option(
+            "reuse the KV blocks of shared prompt prefixes",
+            flag="--no-prefix-caching",
+            crd="enablePrefixCaching",
+        ),
+    )
+    seed: int = _option(0, Option("seed of the sampler's default generator", flag="--seed"))
     # Reference mode for tests: drop every request's KV after each step, so each token
     # is computed from scratch over the whole sequence (slow; prefix caching is off).
-    recompute_every_step: bool = False
+    recompute_every_step: bool = _option(
+        False, Option("reference mode for tests: recompute every token from scratch")
+    )
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:

@@ -6,10 +6,12 @@ import itertools
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine_kwargs import EngineKwargs
+from kvserve.engine_options import check_kwargs
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -27,45 +29,16 @@ class LLM:
     """
 
     def __init__(
-        self,
-        model: str | os.PathLike[str] | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        seed: int = 0,
-        recompute_every_step: bool = False,
+        self, model: str | os.PathLike[str] | None = None, **engine_args: Unpack[EngineKwargs]
     ) -> None:
+        """``engine_args`` are ``EngineConfig``'s fields (``docs/engine.md``, "Options");
+        a misspelt one is a ``TypeError`` that names it."""
+        check_kwargs(engine_args)
         if model is None:
             from kvserve.demo_model import default_model_dir
 
             model = default_model_dir()  # the bundled travel-assistant demo model
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=str(model),
-                tokenizer=tokenizer,
-                dtype=dtype,
-                device=device,
-                block_size=block_size,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_prefix_caching=enable_prefix_caching,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                seed=seed,
-                recompute_every_step=recompute_every_step,
-            )
-        )
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

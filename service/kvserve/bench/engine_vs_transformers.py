@@ -39,7 +39,7 @@ from kvserve.bench.timelines import (
     latency,
     random_workload,
 )
-from kvserve.config import torch_dtype
+from kvserve.config import blocks_for, torch_dtype
 
 NAME = "engine_vs_transformers"
 TITLE = "Engine vs Hugging Face transformers"
@@ -160,7 +160,7 @@ def hf_continuous_runner(
     cb = transformers.ContinuousBatchingConfig(
         max_requests_per_batch=concurrency,
         page_size=page,
-        num_blocks=concurrency * -(-work.max_len // page) + 1,
+        num_blocks=concurrency * blocks_for(work.max_len, page) + 1,
         max_batch_tokens=2048,
     )
 

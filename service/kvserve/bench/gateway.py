@@ -92,7 +92,7 @@ from kvserve.bench.serving import (
 )
 from kvserve.bench.sse_client import Connection
 from kvserve.bench.timelines import Workload
-from kvserve.config import DTYPES
+from kvserve.config import DEFAULT_BLOCK_SIZE, DTYPES
 from kvserve.telemetry import definitions
 
 if TYPE_CHECKING:
@@ -114,7 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size of the replicas")
+    p.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="KV block size of the replicas"
+    )
     p.add_argument(
         "--max-num-seqs",
         type=int,

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from kvserve.bench.cpu import machine_busy_seconds, usable_cpus
 from kvserve.bench.results import Column, Section, Table, Target, model_setup
 from kvserve.bench.suite import SuiteContext
-from kvserve.config import cpu_has_native_bf16, torch_dtype
+from kvserve.config import blocks_for, cpu_has_native_bf16, torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.telemetry.definitions import percentile
 
@@ -206,7 +206,7 @@ def measure_model(
         # One step admits a whole batch of prompts, or the whole prefill request.
         max_num_batched_tokens=max(s.prefill, max(BATCHES) * (s.prompt + 1)),
         enable_prefix_caching=False,
-        num_kv_blocks=(max(BATCHES) + 1) * -(-max_len // 16),
+        num_kv_blocks=(max(BATCHES) + 1) * blocks_for(max_len, 16),
         seed=ctx.seed,
     )
     engine, gen = llm.engine, torch.Generator().manual_seed(ctx.seed)

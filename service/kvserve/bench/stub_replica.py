@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from kvserve.bench.serving import run_on_uvloop
+from kvserve.config import DEFAULT_BLOCK_SIZE
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc
 from kvserve.rpc.listen import bind, server_options
@@ -55,7 +56,9 @@ class StubEngine(pb_grpc.EngineServiceServicer):
         self.step_seconds = step_seconds
 
     async def GetLoad(self, request: Any, context: Any) -> pb.GetLoadResponse:
-        return pb.GetLoadResponse(block_size=16, num_blocks=1 << 16, num_free_blocks=1 << 16)
+        return pb.GetLoadResponse(
+            block_size=DEFAULT_BLOCK_SIZE, num_blocks=1 << 16, num_free_blocks=1 << 16
+        )
 
     async def Health(self, request: Any, context: Any) -> pb.HealthResponse:
         return pb.HealthResponse(serving=True)

@@ -8,10 +8,10 @@ in it is identical and they belong to the same cache namespace.
 from __future__ import annotations
 
 import hashlib
-import math
 from array import array
 from collections.abc import Sequence
 
+from kvserve.config import blocks_for
 from kvserve.engine.block_pool import BlockPool, KVCacheBlock
 from kvserve.engine.request import Request
 
@@ -42,7 +42,7 @@ class KVCacheManager:
         return self.pool.usage
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

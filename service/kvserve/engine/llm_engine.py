@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvserve.capacity import num_kv_blocks
-from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, blocks_for
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.model_runner import ModelRunner
@@ -98,7 +98,7 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(c.gpu_memory_utilization * total) - (total - free)
         else:
-            full = c.max_num_seqs * -(-self.max_model_len // c.block_size)
+            full = c.max_num_seqs * blocks_for(self.max_model_len, c.block_size)
             budget = min(
                 DEFAULT_CPU_KV_CACHE_MEMORY,
                 full * c.block_size * self.model_config.kv_bytes_per_token(elem),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.config import blocks_for
 from kvserve.engine.request import Request
 from kvserve.model.attention import AttentionMetadata, DecodeGroup, allocate_kv_cache
 from kvserve.model.config import ModelConfig
@@ -156,7 +157,7 @@ class ModelRunner:
         return mask.masked_fill_(~visible, float("-inf"))
 
     def _block_table_tensor(self, tables: list[list[int]], max_tokens: int) -> torch.Tensor:
-        width = -(-max_tokens // self.block_size)
+        width = blocks_for(max_tokens, self.block_size)
         rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         return self._long(rows)
 
@@ -168,7 +169,7 @@ def _split_by_length(sorted_lens: list[int], block_size: int) -> list[tuple[int,
     """Split ascending context lengths into one or two groups, whichever gathers fewer
     padded blocks (a second attention call costs about as much as ~20% padding)."""
     n = len(sorted_lens)
-    blocks = [-(-t // block_size) for t in sorted_lens]
+    blocks = [blocks_for(t, block_size) for t in sorted_lens]
     one = n * blocks[-1]
     best, cut = one, n
     for i in range(1, n):

@@ -7,10 +7,11 @@ engine refuses is also refused by ``kvserve calc`` (never sized wrongly).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvserve.config import blocks_for
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -154,9 +155,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
-def blocks_for(token_counts: list[int], block_size: int) -> int:
+def total_blocks(token_counts: list[int], block_size: int) -> int:
     """KV blocks needed for requests of the given lengths: Σ ceil(Tᵢ / block_size)."""
-    return sum(math.ceil(t / block_size) for t in token_counts)
+    return sum(blocks_for(t, block_size) for t in token_counts)
 
 
 def _arch_from_model_type(model_type: Any) -> str | None:

@@ -8,15 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from kvserve.config import DTYPES
+from kvserve import engine_options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        help="Hugging Face checkpoint directory (default: the bundled travel-assistant demo "
-        "model, kvserve-travel-tiny)",
-    )
+    engine_options.add_arguments(p)  # the EngineConfig options (docs/engine.md, "Options")
     p.add_argument(
         "--served-model-name",
         help='the name clients send as "model" (default: the model directory\'s name)',
@@ -25,17 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (for the gateway)")
     p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API")
-    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV cache")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument(
         "--drain-timeout",
@@ -49,7 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvserve.config import EngineConfig
     from kvserve.engine.cpu_threads import call_in_short_lived_thread
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.heap import freeze_startup_heap
@@ -73,20 +57,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        engine_config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            seed=args.seed,
-        )
+        engine_config = engine_options.config_from_args(args)
         # In a thread that exits when loading is done; see kvserve.engine.cpu_threads.
         engine = call_in_short_lived_thread(LLMEngine, engine_config)
     except (ValueError, FileNotFoundError) as exc:
