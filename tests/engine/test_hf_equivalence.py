@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import CHECKPOINTS, make_prompts
+from tests.support.checkpoints import CHECKPOINTS, make_prompts
 
 MAX_TOKENS = 12
 
@@ -30,9 +30,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> lis
     return outs
 
 
-# Each engine setup stresses a different path through the scheduler and KV cache.
-ENGINE_SETUPS = {
-    "default": {},
+# Each setup stresses a different path through the scheduler and KV cache than the
+# default one, which every checkpoint runs.
+PRESSURE_SETUPS = {
     "no-prefix-cache": {"enable_prefix_caching": False},
     "preempt": {"block_size": 4, "num_kv_blocks": 40, "max_num_seqs": 16},
     "chunked-prefill": {"max_num_batched_tokens": 16, "block_size": 8},
@@ -63,13 +63,18 @@ def test_matches_transformers_default_setup(name, checkpoint_dir, hf_reference):
         prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     )
     assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.stats()
+    # The prompts share prefixes and repeat one prompt, so the default (prefix-caching)
+    # setup must have served some of them from the cache, and freed every block after.
+    assert stats.prefix_cache_hit_tokens > 0
+    assert stats.kv_cache_usage == 0.0
 
 
-@pytest.mark.parametrize("setup", [s for s in ENGINE_SETUPS if s != "default"])
+@pytest.mark.parametrize("setup", list(PRESSURE_SETUPS))
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_matches_transformers_under_pressure(name, setup, checkpoint_dir, hf_reference):  # type: ignore[no-untyped-def]
     prompts, expected = hf_reference(name)
-    llm = LLM(str(checkpoint_dir(name)), dtype="float32", device="cpu", **ENGINE_SETUPS[setup])
+    llm = LLM(str(checkpoint_dir(name)), dtype="float32", device="cpu", **PRESSURE_SETUPS[setup])
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     )
@@ -77,6 +82,4 @@ def test_matches_transformers_under_pressure(name, setup, checkpoint_dir, hf_ref
     stats = llm.engine.stats()
     if setup == "preempt":
         assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
-    if setup == "default":
-        assert stats.prefix_cache_hit_tokens > 0
     assert stats.kv_cache_usage == 0.0
