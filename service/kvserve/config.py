@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvserve.sampling_params import INT32_MAX
+
 if TYPE_CHECKING:
     import torch
 
@@ -62,7 +64,6 @@ def _option(default: Any, option: Option) -> Any:
     return field(default=default, metadata={"option": option})
 
 
-INT32_MAX = 2**31 - 1
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; EngineConfig's default, shared by the tools
 
 

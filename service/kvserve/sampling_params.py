@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 from kvserve.errors import InvalidRequestError
 
 GREEDY_TEMPERATURE = 1e-5
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# The integer ranges of the wire (engine.proto's int32 and int64 fields): a value outside
+# them could not reach a replica, so every front end refuses it the same way, with a 400.
+INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64
 
 
 @dataclass
@@ -44,6 +48,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"max_tokens must be an integer ≥ 1, got {self.max_tokens!r}", "max_tokens"
             )
+        if self.max_tokens > INT32_MAX:
+            raise InvalidRequestError(
+                f"max_tokens must be at most {INT32_MAX}, got {self.max_tokens}", "max_tokens"
+            )
         if self.temperature < 0:
             raise InvalidRequestError(
                 f"temperature must be ≥ 0, got {self.temperature}", "temperature"
@@ -52,6 +60,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not isinstance(self.top_k, int):
             raise InvalidRequestError(f"top_k must be an integer, got {self.top_k!r}", "top_k")
+        if not INT32_MIN <= self.top_k <= INT32_MAX:
+            raise InvalidRequestError(
+                f"top_k must be in [{INT32_MIN}, {INT32_MAX}], got {self.top_k}", "top_k"
+            )
         if not 0 <= self.min_p <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -68,9 +80,9 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
-        if any(t < 0 for t in self.stop_token_ids):
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise InvalidRequestError(
-                "stop_token_ids must be non-negative token ids", "stop_token_ids"
+                f"stop_token_ids must be token ids in [0, {INT32_MAX}]", "stop_token_ids"
             )
 
     @property

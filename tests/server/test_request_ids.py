@@ -14,7 +14,7 @@ from tests.support.engine_server import SERVED_MODEL as MODEL
 from tests.support.engine_server import RunningServer
 
 GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
-RETRIES = 40  # disconnect-then-reuse rounds (bounded; each takes ~0.1 s on the tiny model)
+RETRIES = 100  # disconnect-then-reuse rounds (bounded; each takes ~0.1 s on the tiny model)
 
 
 def complete(server: RunningServer, rid: str, prompt: str, max_tokens: int) -> httpx.Response:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvserve.openai.errors import OpenAIError
 from kvserve.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+from kvserve.sampling_params import INT32_MAX
 
 # OpenAI's default for /v1/completions; a chat without a limit gets what the context leaves.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -60,6 +61,10 @@ def token_limit(body: CompletionRequest | ChatCompletionRequest) -> TokenLimit:
         limit = TokenLimit(value, "max_tokens")
     if limit.value is not None and limit.value < 1:
         raise OpenAIError(400, f"{limit.param} must be ≥ 1, got {limit.value}", param=limit.param)
+    if limit.value is not None and limit.value > INT32_MAX:
+        raise OpenAIError(
+            400, f"{limit.param} must be at most {INT32_MAX}, got {limit.value}", param=limit.param
+        )
     return limit
 
 

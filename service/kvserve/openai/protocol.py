@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import INT32_MAX, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -70,6 +70,16 @@ class CompletionRequest(CommonRequest):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _token_ids_fit_the_wire(cls, prompt: str | list[int] | list[str]) -> object:
+        # Token ids travel as int32; the engine then checks them against its vocabulary.
+        if isinstance(prompt, list) and any(
+            isinstance(t, int) and not 0 <= t <= INT32_MAX for t in prompt
+        ):
+            raise ValueError(f"token ids must be in [0, {INT32_MAX}]")
+        return prompt
 
 
 class ChatMessage(BaseModel):
