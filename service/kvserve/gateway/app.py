@@ -99,7 +99,16 @@ def create_gateway_app(
             await asyncio.gather(*state.tasks, return_exceptions=True)
             await fleet.close()
 
-    app = FastAPI(title="kvserve gateway", lifespan=lifespan)
+    # The gateway is the public entry: its API description is served only when the
+    # config asks for it (docs/security.md).
+    docs = config.serve_api_docs
+    app = FastAPI(
+        title="kvserve gateway",
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url=None,
+    )
     app.state.gateway = state
     app.include_router(gateway_router(state))
     install_error_handlers(app)

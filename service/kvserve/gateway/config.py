@@ -155,6 +155,8 @@ class GatewayConfig(StrictModel):
     request_timeout_seconds: float = Field(default=600.0, gt=0)
     load_poll_seconds: float = Field(default=1.0, gt=0)
     reload_poll_seconds: float = Field(default=5.0, gt=0)
+    # /docs and /openapi.json describe the API to anyone who can reach the gateway.
+    serve_api_docs: bool = False
 
     @field_validator("models")
     @classmethod

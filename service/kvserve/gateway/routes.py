@@ -1,9 +1,10 @@
 """The gateway's HTTP routes: health, readiness, metrics, and the OpenAI API.
 
 A completion goes through, in order (each step's refusal has its status and metric
-reason): request id and body size (middleware; 400 / 413 ``payload_too_large``) → JSON
-schema (400 ``invalid``) → API key (401 ``unauthenticated``) → model known (404) → key
-allowed for it (403 ``forbidden``) → the shared request checks and the ``max_tokens``
+reason): request id and body size (middleware; 400 / 413 ``payload_too_large``) → API
+key (401 ``unauthenticated``; before the body is read, so an anonymous client gets
+nothing parsed and no detailed errors) → JSON schema (400 ``invalid``) → model known
+(404) → key allowed for it (403 ``forbidden``) → the shared request checks and the ``max_tokens``
 ceiling (400 ``invalid``) → per-tenant rate limits (429 ``rate_limited_*``/``concurrency``)
 → a replica slot, routed and possibly queued (503 ``queue_full``/``queue_timeout``) → the
 request on the replica's shared ``GenerateMany`` call, retried on another replica while
@@ -83,13 +84,14 @@ def gateway_router(state: GatewayState) -> APIRouter:
         "/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest)
     )
     async def completions(request: Request) -> Response:
+        tenant = _authenticate(state, request)
         body = await parse_body(request, CompletionRequest)
         try:
             prompt = checks.completion_prompt(body)
         except OpenAIError:
             state.metrics.rejections.labels("invalid").inc()
             raise
-        return await _serve(state, request, body, prompt)
+        return await _serve(state, request, tenant, body, prompt)
 
     @router.post(
         "/v1/chat/completions",
@@ -97,8 +99,9 @@ def gateway_router(state: GatewayState) -> APIRouter:
         openapi_extra=body_schema(ChatCompletionRequest),
     )
     async def chat(request: Request) -> Response:
+        tenant = _authenticate(state, request)
         body = await parse_body(request, ChatCompletionRequest)
-        return await _serve(state, request, body, checks.chat_messages(body))
+        return await _serve(state, request, tenant, body, checks.chat_messages(body))
 
     return router
 
@@ -138,13 +141,13 @@ def _checked_limit(
 async def _serve(
     state: GatewayState,
     request: Request,
+    tenant: Tenant,
     body: CompletionRequest | ChatCompletionRequest,
     prompt: Prompt,
 ) -> Response:
     s = time.monotonic()
     rid: str = request.state.request_id
     chat = isinstance(body, ChatCompletionRequest)
-    tenant = _authenticate(state, request)
     if not state.serves(body.model):
         raise OpenAIError(
             404,
