@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvserve import LLM, SamplingParams
 from kvserve.engine.request import Request
 from kvserve.outputs import RequestMetrics
-from kvserve.sample.sampler import Sampler
+from kvserve.sample.sampler import Sampler, SeededNoise
 
 VOCAB = 50
 
@@ -127,3 +127,31 @@ def test_engine_seeded_requests_reproducible_regardless_of_batch(checkpoint_dir)
         ["hello there"], SamplingParams(max_tokens=10, temperature=0.9, top_k=1, ignore_eos=True)
     )
     assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
+
+
+def noise_of(seed: int, n: int = 64) -> list[float]:
+    row = torch.empty(n)
+    SeededNoise(seed, torch.device("cpu")).exponential_(row)
+    return row.tolist()
+
+
+def test_every_bit_of_a_seed_changes_the_noise() -> None:
+    # torch's CPU generator keeps only the low 32 bits of a seed: these pairs used to
+    # sample alike.
+    seeds = [0, 1, -1, 2**63 - 1, -(2**63), 2**32, 2**32 + 1, 2**62]
+    noises = [noise_of(s) for s in seeds]
+    assert len({tuple(n) for n in noises}) == len(seeds)
+    assert noise_of(2**63 - 1) == noise_of(2**63 - 1)  # still reproducible
+    assert noise_of(-1) == noise_of(2**64 - 1)  # one seed, two spellings (two's complement)
+
+
+def test_small_seeds_sample_as_before() -> None:
+    plain = torch.empty(64).exponential_(generator=torch.Generator().manual_seed(42))
+    assert noise_of(42) == plain.tolist()
+
+
+def test_the_noise_of_a_large_seed_is_exponential() -> None:
+    values = torch.tensor(noise_of(2**40 + 7, n=200_000))
+    assert bool((values > 0).all()) and bool(torch.isfinite(values).all())
+    assert abs(values.mean().item() - 1.0) < 0.02  # Exp(1): mean 1, variance 1
+    assert abs(values.var().item() - 1.0) < 0.05

@@ -10,9 +10,8 @@ from kvserve.outputs import FinishReason, RequestMetrics, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from kvserve.detokenizer import IncrementalDetokenizer
+    from kvserve.sample.sampler import SeededNoise
 
 
 class RequestStatus(enum.Enum):
@@ -50,7 +49,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
     logprobs: list[TokenLogprob] | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None
+    generator: SeededNoise | None = None  # the noise of a seeded request
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -17,6 +17,35 @@ from kvserve.engine.request import Request
 from kvserve.outputs import TokenLogprob
 
 
+class SeededNoise:
+    """The sampling noise of a request with a seed: every one of the seed's 64 bits counts.
+
+    torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, so seeds equal
+    modulo 2^32 would sample alike. A seed whose high half is zero (the common small
+    seeds) keeps one generator, exactly as before; any other seed draws its uniforms from
+    two generators, one per half, and adds them modulo 1, which is again uniform and
+    depends on both halves.
+    """
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        bits = seed % 2**64  # two's complement: -1 and 2^64 - 1 are one seed
+        self._low = torch.Generator(device=device)
+        self._low.manual_seed(bits & 0xFFFFFFFF)
+        self._high: torch.Generator | None = None
+        if bits >> 32:
+            self._high = torch.Generator(device=device)
+            self._high.manual_seed(bits >> 32)
+
+    def exponential_(self, row: torch.Tensor) -> torch.Tensor:
+        """Fill ``row`` with Exp(1) samples, in place."""
+        if self._high is None:
+            return row.exponential_(generator=self._low)
+        u = torch.rand(row.shape, generator=self._low, device=row.device, dtype=row.dtype)
+        u.add_(torch.rand(row.shape, generator=self._high, device=row.device, dtype=row.dtype))
+        u.frac_()  # uniform on [0, 1)
+        return row.copy_(torch.log1p(-u).neg_())  # -log(1 - u) ~ Exp(1), finite
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -29,10 +58,8 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def request_generator(self, seed: int) -> torch.Generator:
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
-        return gen
+    def request_generator(self, seed: int) -> SeededNoise:
+        return SeededNoise(seed, self.device)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """``logits``: float32 [len(requests), vocab]."""
@@ -102,7 +129,7 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, req in enumerate(requests):
             if req.generator is not None and not params[i].greedy:
-                noise[i].exponential_(generator=req.generator)
+                req.generator.exponential_(noise[i])
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
