@@ -37,6 +37,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from kvserve.stop_strings import StopMatcher
+
 __all__ = ["IncrementalDetokenizer"]
 
 logger = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._prefix_text: str | None = None  # decode(self._ids[prefix:read]) cache
         self._decoded = ""  # all text decoded so far (visible text + held-back tail)
-        self._scanned = 0  # self._decoded[:_scanned] contains no complete stop string
+        self._stops = StopMatcher(self.stop)  # fed self._decoded; no stop string in it yet
         self._finished = False
         self._diverged = False  # emitted text is known to differ from a full decode
         self._corrections = 0  # finish-time corrections applied (should stay 0 in practice)
@@ -209,35 +211,15 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ stop strings
 
     def _find_stop(self) -> tuple[str, int, int] | None:
-        """Earliest-completing stop string occurrence that ends after ``self._scanned``."""
-        best: tuple[int, int, str] | None = None
-        decoded = self._decoded
-        for s in self.stop:
-            idx = decoded.find(s, max(0, self._scanned - len(s) + 1))
-            if idx < 0:
-                continue
-            cand = (idx + len(s), -len(s), s)  # first to complete; then the longest
-            if best is None or cand < best:
-                best = cand
-        self._scanned = len(decoded)
-        if best is None:
-            return None
-        end, neg_len, s = best
-        return s, end + neg_len, end
+        """The first stop string to complete in the text decoded since the last call."""
+        return self._stops.feed(self._decoded)
 
     def _held_back_len(self) -> int:
         """Length of the longest suffix of the decoded text that is a proper prefix of a stop."""
         if self.include_stop_str_in_output:
             # The stop string would be part of the output anyway; nothing needs hiding.
             return 0
-        decoded = self._decoded
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(decoded)), best, -1):
-                if decoded.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+        return self._stops.held_back()
 
     # ------------------------------------------------------------------ public API
 
@@ -286,14 +268,16 @@ class IncrementalDetokenizer:
         if full.startswith(self.text):
             logger.debug("detokenizer finish correction: %r -> %r", self._decoded, full)
             self._corrections += 1
-            # Re-scan for stop strings from the first possibly changed position.
+            # Re-scan for stop strings if already scanned text changed: from the start
+            # (once, at the finish), since no stop string completed before the change.
             common = len(self.text)
             while (
                 common < min(len(full), len(self._decoded))
                 and full[common] == self._decoded[common]
             ):
                 common += 1
-            self._scanned = min(self._scanned, common)
+            if common < self._stops.fed:
+                self._stops.reset()
             self._decoded = full
         else:
             _report_divergence(

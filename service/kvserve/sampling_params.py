@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequestError
@@ -89,3 +90,30 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Below this, dividing logits by the temperature overflows float32: treat as 0.
         return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class StopLimits:
+    """How many stop strings a request may send, and how long each may be.
+
+    OpenAI allows 4. Matching costs the engine thread time for every stop string of every
+    running request, so a server bounds them (``--max-stop-strings`` and
+    ``--max-stop-string-chars`` on ``kvserve serve``; the gateway's config).
+    """
+
+    max_count: int = 16
+    max_chars: int = 256
+
+    def check(self, stop: Sequence[str]) -> None:
+        """Raise InvalidRequestError (param ``stop``) for stop strings over the limits."""
+        if len(stop) > self.max_count:
+            raise InvalidRequestError(
+                f"at most {self.max_count} stop strings are allowed, got {len(stop)}", "stop"
+            )
+        for i, s in enumerate(stop):
+            if len(s) > self.max_chars:
+                raise InvalidRequestError(
+                    f"stop strings may have at most {self.max_chars} characters; "
+                    f"stop[{i}] has {len(s)}",
+                    "stop",
+                )

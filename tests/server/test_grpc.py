@@ -179,6 +179,16 @@ def test_invalid_argument_names_the_param(
     serve(llm_engine, body)
 
 
+def test_stop_strings_over_the_limits_are_refused(llm_engine: LLMEngine) -> None:
+    async def body(s: Served) -> None:
+        for stop in ([f"s{i}" for i in range(17)], ["x" * 257]):
+            call = s.stub.Generate(request("many-stops", 4, stop=stop))
+            error = await expect_error(call, grpc.StatusCode.INVALID_ARGUMENT)
+            assert codec.error_param(error.trailing_metadata()) == "stop"
+
+    serve(llm_engine, body)
+
+
 def test_missing_prompt(llm_engine: LLMEngine) -> None:
     async def body(s: Served) -> None:
         error = await expect_error(

@@ -40,6 +40,7 @@ from kvserve.gateway.files import (
     validation_problems,
 )
 from kvserve.gateway.keys import WILDCARD
+from kvserve.sampling_params import StopLimits
 
 RoutingPolicy = Literal["prefix", "least_load", "round_robin"]
 
@@ -157,6 +158,13 @@ class GatewayConfig(StrictModel):
     reload_poll_seconds: float = Field(default=5.0, gt=0)
     # /docs and /openapi.json describe the API to anyone who can reach the gateway.
     serve_api_docs: bool = False
+    # Stop strings cost every replica's engine thread time per token (docs/security.md).
+    max_stop_strings: int = Field(default=StopLimits.max_count, ge=0)
+    max_stop_string_chars: int = Field(default=StopLimits.max_chars, ge=1)
+
+    @property
+    def stop_limits(self) -> StopLimits:
+        return StopLimits(self.max_stop_strings, self.max_stop_string_chars)
 
     @field_validator("models")
     @classmethod

@@ -124,6 +124,7 @@ def _checked_limit(
     """The shared checks, then this model's ``max_tokens`` ceiling (400 ``invalid``)."""
     try:
         checks.check_n(body)
+        checks.check_stop(body, state.config.stop_limits)
         limit = checks.token_limit(body)
         ceiling = state.config.model_settings(body.model).max_tokens_ceiling
         if limit.value is not None and ceiling is not None and limit.value > ceiling:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.errors import InvalidRequestError
 from kvserve.openai.errors import OpenAIError
 from kvserve.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
-from kvserve.sampling_params import INT32_MAX
+from kvserve.sampling_params import INT32_MAX, StopLimits
 
 # OpenAI's default for /v1/completions; a chat without a limit gets what the context leaves.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -73,3 +74,12 @@ def logprobs_count(body: CompletionRequest | ChatCompletionRequest) -> int | Non
     if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
+
+
+def check_stop(body: CommonRequest, limits: StopLimits) -> None:
+    """The stop strings are within the server's limits (400 naming ``stop``)."""
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    try:
+        limits.check(stop)
+    except InvalidRequestError as exc:
+        raise OpenAIError(400, str(exc), param=exc.param) from None

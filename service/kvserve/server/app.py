@@ -15,6 +15,7 @@ from kvserve.engine.request import Request
 from kvserve.openai.errors import install_error_handlers
 from kvserve.openai.middleware import RequestContextMiddleware
 from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import StopLimits
 from kvserve.server.grpc_service import start_grpc_server
 from kvserve.server.routers import health, openai
 from kvserve.server.state import ServerState
@@ -30,6 +31,7 @@ def create_app(
     served_model_name: str,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    stop_limits: StopLimits | None = None,
     metrics: EngineMetrics | None = None,
     tracer_provider: TracerProvider | None = None,
     grpc_address: tuple[str, int] | None = None,
@@ -54,7 +56,14 @@ def create_app(
 
     hooks = EngineHooks(on_finished=finished, on_failed=failed, on_stats=metrics.observe_engine)
     async_engine = AsyncEngine(engine, hooks)
-    state = ServerState(async_engine, served_model_name, metrics=metrics, telemetry=telemetry)
+    stop_limits = stop_limits or StopLimits()
+    state = ServerState(
+        async_engine,
+        served_model_name,
+        metrics=metrics,
+        telemetry=telemetry,
+        stop_limits=stop_limits,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -62,7 +71,7 @@ def create_app(
         grpc_server = None
         if grpc_address is not None:
             grpc_server, app.state.grpc_port = await start_grpc_server(
-                async_engine, *grpc_address, telemetry=telemetry
+                async_engine, *grpc_address, telemetry=telemetry, stop_limits=stop_limits
             )
             log.info("gRPC API on %s:%d", grpc_address[0], app.state.grpc_port)
         try:

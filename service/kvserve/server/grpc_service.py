@@ -37,6 +37,7 @@ from kvserve.rpc import codec
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc
 from kvserve.rpc.listen import MIN_PING_INTERVAL_MS, bind, server_options
+from kvserve.sampling_params import StopLimits
 from kvserve.telemetry.tracing import RequestTelemetry
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,15 @@ def _refusal(exc: BaseException) -> _Refused:
 class EngineServicer(pb_grpc.EngineServiceServicer):
     """``kvserve.engine.v1.EngineService`` over one ``AsyncEngine`` (same event loop)."""
 
-    def __init__(self, engine: AsyncEngine, telemetry: RequestTelemetry | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        telemetry: RequestTelemetry | None = None,
+        stop_limits: StopLimits | None = None,
+    ) -> None:
         self.engine = engine
         self.telemetry = telemetry
+        self.stop_limits = stop_limits or StopLimits()
 
     def build_request(
         self, request: pb.GenerateRequest, metadata: Callable[[], Mapping[str, str]]
@@ -101,6 +108,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 # A chat without max_tokens gets as much as the context allows.
                 default_max_tokens = max(engine.max_model_len - len(prompt), 1)
             params = codec.decode_sampling_params(request, default_max_tokens=default_max_tokens)
+            self.stop_limits.check(params.stop)
             req = self.engine.make_request(
                 prompt,  # type: ignore[arg-type]
                 params,
@@ -322,10 +330,14 @@ async def _closing(
 
 
 def add_engine_service(
-    server: grpc.aio.Server, engine: AsyncEngine, telemetry: RequestTelemetry | None = None
+    server: grpc.aio.Server,
+    engine: AsyncEngine,
+    telemetry: RequestTelemetry | None = None,
+    stop_limits: StopLimits | None = None,
 ) -> None:
     """Register the engine service on a grpc.aio server (running on the engine's loop)."""
-    pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine, telemetry), server)
+    servicer = EngineServicer(engine, telemetry, stop_limits)
+    pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
 
 
 async def start_grpc_server(
@@ -335,13 +347,14 @@ async def start_grpc_server(
     telemetry: RequestTelemetry | None = None,
     *,
     min_ping_interval_ms: int = MIN_PING_INTERVAL_MS,
+    stop_limits: StopLimits | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the engine service; ``port=0`` picks a free port.
 
     Returns the server and the bound port. Stop it with ``await server.stop(grace)``.
     """
     server = grpc.aio.server(options=server_options(min_ping_interval_ms))
-    add_engine_service(server, engine, telemetry)
+    add_engine_service(server, engine, telemetry, stop_limits)
     bound = bind(server, host, port)
     await server.start()
     log.info("gRPC engine service listening on %s:%d", host, bound)

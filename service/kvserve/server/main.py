@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from kvserve import engine_options
+from kvserve.sampling_params import StopLimits
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +23,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (for the gateway)")
     p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=StopLimits.max_count,
+        help=f"most stop strings per request (default: {StopLimits.max_count})",
+    )
+    p.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=StopLimits.max_chars,
+        help=f"longest stop string in characters (default: {StopLimits.max_chars})",
+    )
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -77,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         engine,
         name,
         max_body_bytes=args.max_body_bytes,
+        stop_limits=StopLimits(args.max_stop_strings, args.max_stop_string_chars),
         metrics=EngineMetrics(name),
         grpc_address=grpc_address,
     )

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.sampling_params import StopLimits
 from kvserve.telemetry.prometheus import EngineMetrics
 from kvserve.telemetry.tracing import RequestTelemetry
 
@@ -18,6 +19,7 @@ class ServerState:
     served_model_name: str
     metrics: EngineMetrics
     telemetry: RequestTelemetry
+    stop_limits: StopLimits = field(default_factory=StopLimits)
     admitting: bool = True  # false while draining: readiness fails, new requests get 503
 
     @property

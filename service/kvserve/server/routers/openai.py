@@ -146,6 +146,7 @@ def _check_common(body: CommonRequest, state: ServerState) -> None:
             code="model_not_found",
         )
     checks.check_n(body)
+    checks.check_stop(body, state.stop_limits)
 
 
 def _make_request(
