@@ -167,12 +167,18 @@ def test_token_reservation_and_settle(limiter: RateLimiter, clock: FakeClock) ->
     assert limiter.usage("t").tokens_available == pytest.approx(50)  # type: ignore[union-attr]
 
 
-def test_settle_never_below_zero_nor_above_capacity(limiter: RateLimiter, clock: FakeClock) -> None:
+def test_an_overrun_is_debt_and_a_refund_never_overfills(
+    limiter: RateLimiter, clock: FakeClock
+) -> None:
     who = tenant(tpm=600)
     everything = limiter.admit(who, 600)
-    everything.finish(10_000)
-    assert limiter.usage("t").tokens_available == 0  # type: ignore[union-attr]
-    clock.advance(60)
+    everything.finish(1_000)  # 400 more than reserved: owed, not forgiven
+    assert limiter.usage("t").tokens_available == -400  # type: ignore[union-attr]
+    clock.advance(40)  # refill 10/s pays the debt back to 0
+    with pytest.raises(RateLimited) as info:
+        limiter.admit(who, 100)
+    assert info.value.retry_after_seconds == pytest.approx(10)
+    clock.advance(10)
     early = limiter.admit(who, 100)
     clock.advance(60)  # refilled to full while it ran
     early.finish(0)
@@ -319,6 +325,8 @@ class LimiterMachine(RuleBasedStateMachine):
         # Bumped when a tenant's token limit is removed: an admission from before then
         # settles against a bucket that is no longer the tenant's (and is not checked).
         self.epoch = dict.fromkeys(NAMES, 0)
+        # Tokens finished requests used beyond their reservations: the most that is owed.
+        self.overrun = dict.fromkeys(NAMES, 0)
 
     @rule(name=st.sampled_from(NAMES), tokens=st.integers(0, 60))
     def admit(self, name: str, tokens: int) -> None:
@@ -378,7 +386,8 @@ class LimiterMachine(RuleBasedStateMachine):
             and epoch == self.epoch[name]
         ):
             expected = before.tokens_available + admission.reserved_tokens - actual
-            assert after.tokens_available == pytest.approx(min(capacity, max(0, expected)))
+            assert after.tokens_available == pytest.approx(min(capacity, expected))
+        self.overrun[name] += max(0, actual - admission.reserved_tokens)
 
     @rule(seconds=st.floats(0, 20, allow_nan=False))
     def advance(self, seconds: float) -> None:
@@ -399,12 +408,13 @@ class LimiterMachine(RuleBasedStateMachine):
                 continue
             assert usage.in_flight == sum(1 for n, _, _ in self.open if n == name)
             limits = self.tenants[name].limits
-            for level, capacity in (
-                (usage.requests_available, limits.requests_per_minute),
-                (usage.tokens_available, limits.tokens_per_minute),
+            for level, capacity, debt in (
+                (usage.requests_available, limits.requests_per_minute, 0),
+                (usage.tokens_available, limits.tokens_per_minute, self.overrun[name]),
             ):
                 if level is not None and capacity is not None:
-                    assert 0 <= level <= capacity
+                    # Overruns are owed (debt), never more than they added up to.
+                    assert -debt - 1e-6 <= level <= capacity
 
 
 def _room(level: float | None, amount: int) -> bool | None:

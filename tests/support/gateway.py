@@ -85,7 +85,7 @@ def start_gateway(
 ) -> Gateway:
     model = {
         "replicas": [r.grpc_url for r in replicas],
-        "max_tokens_ceiling": 256,
+        "max_tokens_ceiling": overrides.pop("max_tokens_ceiling", 256),
         "max_in_flight_per_replica": overrides.pop("max_in_flight", 8),
     }
     config = GatewayConfig.model_validate(

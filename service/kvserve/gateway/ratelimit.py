@@ -7,8 +7,10 @@ up to a minute's allowance at once, then continues at the sustained rate.
 - Requests: each admission takes 1 from the request bucket.
 - Tokens: each admission *reserves* its worst case (``prompt_tokens + max_tokens``) from
   the token bucket; ``Admission.finish(actual_tokens)`` settles to the real usage,
-  refunding the unused part or charging the excess (the level stays within
-  [0, capacity]: an overrun beyond what is left is forgiven, not carried as debt). A
+  refunding the unused part or charging the excess. An overrun beyond what is left is
+  carried as debt (the level goes below 0), which delays the tenant's next requests
+  until the refill has paid it, so over any window a tenant uses at most its limit plus
+  what its requests in flight overran. A
   reservation larger than the whole bucket could never be admitted, so it raises
   ``RequestTooLarge`` (not ``RateLimited``): retrying cannot help. The gateway may answer
   it 400 (rejection reason ``invalid``) or, like OpenAI, 429 without ``Retry-After``
@@ -102,19 +104,24 @@ class TokenBucket:
     def take(self, amount: float) -> None:
         self.level = max(0.0, self.level - amount)
 
+    def charge(self, amount: float) -> None:
+        """Take ``amount`` even if it is not there: the shortfall becomes debt."""
+        self.level -= amount
+
     def give(self, amount: float) -> None:
         self.level = min(float(self.capacity), self.level + amount)
 
     def resize(self, capacity: int) -> None:
-        """New limit, same usage: what was used stays used (clamped to the new range)."""
+        """New limit, same usage: what was used stays used (clamped to the new range); a
+        debt stays owed, and a smaller limit creates none."""
         used = self.capacity - self.level
         self.capacity = capacity
-        self.level = min(float(capacity), max(0.0, capacity - used))
+        self.level = min(float(capacity), max(min(0.0, self.level), capacity - used))
 
     def headers(self, kind: str) -> dict[str, str]:
         return {
             f"x-ratelimit-limit-{kind}": str(self.capacity),
-            f"x-ratelimit-remaining-{kind}": str(math.floor(self.level + EPSILON)),
+            f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(self.level + EPSILON))),
             f"x-ratelimit-reset-{kind}": format_duration(self.until_full()),
         }
 
@@ -240,7 +247,7 @@ class Admission:
             if difference > 0:
                 self._tokens.give(difference)
             else:
-                self._tokens.take(-difference)
+                self._tokens.charge(-difference)
         return True
 
     def __repr__(self) -> str:

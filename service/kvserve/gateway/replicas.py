@@ -32,6 +32,7 @@ class Replica:
     waiting: int = 0  # from the last GetLoad
     running: int = 0
     kv_cache_usage: float = 0.0
+    max_model_len: int = 0  # from GetLoad; 0 until the first poll answers
     failures: int = 0  # consecutive failed polls / calls
 
 
@@ -91,6 +92,11 @@ class Fleet:
     def get(self, model: str, address: str) -> Replica | None:
         return self.replicas.get(model, {}).get(address)
 
+    def max_model_len(self, model: str) -> int | None:
+        """The longest context among the model's replicas (None before any poll answered)."""
+        lengths = [rep.max_model_len for rep in self.replicas.get(model, {}).values()]
+        return max(lengths, default=0) or None
+
     # ---- health ------------------------------------------------------------------------
     def mark_failed(self, rep: Replica, why: str) -> None:
         rep.failures += 1
@@ -118,6 +124,7 @@ class Fleet:
                 continue
             rep.waiting, rep.running = int(res.num_waiting), int(res.num_running)
             rep.kv_cache_usage = float(res.kv_cache_usage)
+            rep.max_model_len = int(res.max_model_len)
             self.mark_ok(rep)
         await self.reap()
         self._changed()

@@ -167,19 +167,21 @@ async def _serve(
     except InvalidRequestError as exc:
         state.metrics.rejections.labels("invalid").inc()
         raise OpenAIError(400, str(exc), param=exc.param) from None
+    ceiling = state.config.model_settings(body.model).max_tokens_ceiling
     cache_salt = state.salts.salt(tenant, body.cache_salt)
     upstream = encode_request(
         prompt,
         params,
         request_id=rid,
         max_tokens_set=limit.value is not None,
+        max_tokens_cap=ceiling,  # a chat without max_tokens gets no more than the ceiling
         cache_salt=cache_salt,
     )
 
-    # Token reservation: prompt estimate + the most it may generate (settled at the end).
-    ceiling = state.config.model_settings(body.model).max_tokens_ceiling
+    # Token reservation: the prompt estimate + the most the request may generate; settled
+    # to the real usage at the end, an overrun charged as debt (kvserve.gateway.ratelimit).
     prompt_estimate = _prompt_estimate(prompt)
-    reserve = prompt_estimate + (limit.value or ceiling or checks.DEFAULT_COMPLETION_MAX_TOKENS)
+    reserve = prompt_estimate + _most_output_tokens(state, body.model, limit, prompt_estimate)
     try:
         admission = state.limiter.admit(tenant, reserve)
     except RateLimited as exc:
@@ -229,6 +231,21 @@ async def _serve(
     if result is None:
         raise OpenAIError(499, "client disconnected")
     return JSONResponse(result, headers=admission.headers)
+
+
+def _most_output_tokens(
+    state: GatewayState, model: str, limit: checks.TokenLimit, prompt_estimate: int
+) -> int:
+    """The most output tokens a request may get: its limit, or for a chat without one,
+    what the replicas' context leaves after the prompt, capped by the model's ceiling."""
+    if limit.value is not None:
+        return limit.value
+    ceiling = state.config.model_settings(model).max_tokens_ceiling
+    context = state.fleet.max_model_len(model)
+    bounds = [b for b in (ceiling, context and max(context - prompt_estimate, 1)) if b]
+    # Before any replica reported its context (the first load poll), the completion
+    # default; the overrun is then charged as debt.
+    return min(bounds) if bounds else checks.DEFAULT_COMPLETION_MAX_TOKENS
 
 
 def _prompt_estimate(prompt: Prompt) -> int:

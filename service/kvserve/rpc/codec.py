@@ -55,13 +55,15 @@ def encode_request(
     *,
     request_id: str = "",
     max_tokens_set: bool = True,
+    max_tokens_cap: int | None = None,
     cache_salt: str | None = None,
 ) -> pb.GenerateRequest:
     """``GenerateRequest`` for ``prompt`` (text, token ids, or chat messages).
 
     ``request_id`` is the client's id (not a key; the engine mints its own).
     ``max_tokens_set=False`` leaves ``max_tokens`` unset, so the engine gives a chat as many
-    tokens as its context leaves (the OpenAI default when the client sets no limit).
+    tokens as its context leaves (the OpenAI default when the client sets no limit), or
+    ``max_tokens_cap`` if that is fewer.
     """
     req = pb.GenerateRequest(
         request_id=request_id,
@@ -85,6 +87,8 @@ def encode_request(
         req.logprobs = params.logprobs
     if cache_salt is not None:
         req.cache_salt = cache_salt
+    if max_tokens_cap is not None and not max_tokens_set:
+        req.max_tokens_cap = max_tokens_cap
     if isinstance(prompt, str):
         req.prompt_text = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -137,6 +141,10 @@ def decode_sampling_params(
 
 def decode_cache_salt(request: pb.GenerateRequest) -> str | None:
     return request.cache_salt if request.HasField("cache_salt") else None
+
+
+def decode_max_tokens_cap(request: pb.GenerateRequest) -> int | None:
+    return request.max_tokens_cap if request.HasField("max_tokens_cap") else None
 
 
 # ---- outputs -------------------------------------------------------------------------

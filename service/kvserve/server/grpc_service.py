@@ -105,8 +105,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             default_max_tokens = None
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 prompt = engine.chat_prompt(prompt)  # type: ignore[arg-type]
-                # A chat without max_tokens gets as much as the context allows.
+                # A chat without max_tokens gets as much as the context allows, or the
+                # gateway's cap if that is less.
                 default_max_tokens = max(engine.max_model_len - len(prompt), 1)
+                cap = codec.decode_max_tokens_cap(request)
+                if cap is not None and cap >= 1:
+                    default_max_tokens = min(default_max_tokens, cap)
             params = codec.decode_sampling_params(request, default_max_tokens=default_max_tokens)
             self.stop_limits.check(params.stop)
             req = self.engine.make_request(
@@ -192,6 +196,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             block_size=self.engine.engine.config.block_size,
             num_blocks=num_blocks,
             num_free_blocks=round((1.0 - stats.kv_cache_usage) * num_blocks),
+            max_model_len=self.engine.engine.max_model_len,
         )
 
 
