@@ -5,14 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from kvserve_operator.config import OperatorConfig, config_from_env
+from kvserve_operator.constants import API_VERSION, KIND
+from kvserve_operator.spec import PULL_POLICIES
+
+DEFAULTS = OperatorConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvserve-operator",
-        description="Reconcile InferenceModel resources (kvserve.dev/v1alpha1) into engine "
-        "Deployments, Services and PodDisruptionBudgets, report their status, and autoscale.",
+        description=f"Reconcile {KIND} resources ({API_VERSION}) into engine Deployments, "
+        "Services and PodDisruptionBudgets, report their status, and autoscale.",
     )
     scope = p.add_mutually_exclusive_group()
     scope.add_argument(
@@ -22,43 +28,55 @@ def build_parser() -> argparse.ArgumentParser:
         help="watch only this namespace (repeatable; default: all namespaces)",
     )
     scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
+    # Each option left out falls back to its environment variable, then to the default.
     p.add_argument("--engine-image", help="default engine image (env KVSERVE_ENGINE_IMAGE)")
-    p.add_argument("--image-pull-policy", choices=["Always", "IfNotPresent", "Never"])
-    p.add_argument("--cluster-domain", help="DNS suffix of Services (default cluster.local)")
+    p.add_argument("--image-pull-policy", choices=PULL_POLICIES)
     p.add_argument(
-        "--reconcile-interval", type=float, help="seconds between drift checks (default 60)"
+        "--cluster-domain",
+        help=f"DNS suffix of Services (default {DEFAULTS.render.cluster_domain})",
     )
     p.add_argument(
-        "--autoscale-interval", type=float, help="seconds between autoscaler ticks (default 15)"
+        "--reconcile-interval",
+        type=float,
+        help=f"seconds between drift checks (default {DEFAULTS.reconcile_interval_s:g})",
+    )
+    p.add_argument(
+        "--autoscale-interval",
+        type=float,
+        help=f"seconds between autoscaler ticks (default {DEFAULTS.autoscale_interval_s:g})",
     )
     p.add_argument(
         "--metrics-url-template",
         help="where a replica's metrics are read: {pod_ip}, {pod_name}, {namespace} "
-        "(default http://{pod_ip}:8000/metrics)",
+        f"(default {DEFAULTS.metrics_url_template})",
     )
     p.add_argument("--metrics-port", type=int, default=8081, help="the operator's /metrics")
     p.add_argument("--health-port", type=int, default=8080, help="liveness probe /healthz")
-    p.add_argument("--bind", default="0.0.0.0", help="address for /metrics and /healthz")
+    p.add_argument(
+        "--bind", default=DEFAULTS.metrics_host, help="address for /metrics and /healthz"
+    )
     p.add_argument("--log-format", choices=["full", "json", "plain"], default="full")
     p.add_argument("--verbose", action="store_true")
     return p
 
 
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> OperatorConfig:
+    """The flags given, else the environment's variables, else the defaults."""
+    return config_from_env(env).with_values(
+        engine_image=args.engine_image,
+        image_pull_policy=args.image_pull_policy,
+        cluster_domain=args.cluster_domain,
+        reconcile_interval_s=args.reconcile_interval,
+        autoscale_interval_s=args.autoscale_interval,
+        metrics_url_template=args.metrics_url_template,
+        metrics_port=args.metrics_port,
+        metrics_host=args.bind,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for flag, env in (
-        ("engine_image", "KVSERVE_ENGINE_IMAGE"),
-        ("image_pull_policy", "KVSERVE_IMAGE_PULL_POLICY"),
-        ("cluster_domain", "KVSERVE_CLUSTER_DOMAIN"),
-        ("reconcile_interval", "KVSERVE_RECONCILE_INTERVAL"),
-        ("autoscale_interval", "KVSERVE_AUTOSCALE_INTERVAL"),
-        ("metrics_url_template", "KVSERVE_METRICS_URL_TEMPLATE"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            os.environ[env] = str(value)
-    os.environ["KVSERVE_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
-    os.environ["KVSERVE_OPERATOR_METRICS_HOST"] = args.bind
+    config = config_from_args(args, os.environ)
 
     import kopf
 
@@ -75,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         kopf.run(
+            memo=kopf.Memo(config=config),
             standalone=True,
             clusterwide=not args.namespace,
             namespaces=args.namespace,

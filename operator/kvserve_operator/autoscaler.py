@@ -24,29 +24,40 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve_operator.spec import AutoscalingSpec, Metric
+
+# The engine's gauges (kvserve.telemetry.prometheus) that each spec.autoscaling.metric sums.
 WAITING = "kvserve_num_requests_waiting"
 RUNNING = "kvserve_num_requests_running"
-METRICS = {"queueDepth": (WAITING,), "inFlight": (WAITING, RUNNING)}
+METRICS: Mapping[Metric, tuple[str, ...]] = {
+    "queueDepth": (WAITING,),
+    "inFlight": (WAITING, RUNNING),
+}
 
 
 @dataclass(frozen=True)
 class Bounds:
+    """What the rule needs of an enabled ``spec.autoscaling`` (parsed, defaults filled)."""
+
     min_replicas: int
     max_replicas: int
-    metric: str
+    metric: Metric
     target: float
     up_window_s: float
     down_window_s: float
 
     @classmethod
-    def from_spec(cls, autoscaling: Mapping[str, Any]) -> Bounds:
+    def from_spec(cls, autoscaling: AutoscalingSpec) -> Bounds:
+        if autoscaling.max_replicas is None:
+            # parse_spec refuses an enabled spec without it; a disabled one has no bounds.
+            raise ValueError("autoscaling.maxReplicas is required when autoscaling is enabled")
         return cls(
-            min_replicas=int(autoscaling.get("minReplicas", 1)),
-            max_replicas=int(autoscaling.get("maxReplicas", autoscaling.get("minReplicas", 1))),
-            metric=str(autoscaling.get("metric", "queueDepth")),
-            target=float(autoscaling.get("target", 4)),
-            up_window_s=float(autoscaling.get("scaleUpStabilizationSeconds", 30)),
-            down_window_s=float(autoscaling.get("scaleDownDelaySeconds", 300)),
+            min_replicas=autoscaling.min_replicas,
+            max_replicas=autoscaling.max_replicas,
+            metric=autoscaling.metric,
+            target=autoscaling.target,
+            up_window_s=autoscaling.scale_up_stabilization_seconds,
+            down_window_s=autoscaling.scale_down_delay_seconds,
         )
 
     def clamp(self, replicas: int) -> int:

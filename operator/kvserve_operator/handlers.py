@@ -1,8 +1,9 @@
 """Kopf wiring: which events call the reconciler. The logic lives in ``reconcile.py``.
 
-Loaded by ``kvserve-operator`` (which sets the configuration first) or directly by
-``kopf run -m kvserve_operator.handlers`` (configuration from environment variables,
-see ``config_from_env``).
+Loaded by ``kvserve-operator``, which passes its configuration in the operator's memo
+(``kopf.run(memo=kopf.Memo(config=...))``), or directly by ``kopf run -m
+kvserve_operator.handlers``, where the startup handler reads it from environment
+variables (``config_from_env``). Every handler then reads ``memo.config``.
 """
 
 from __future__ import annotations
@@ -15,34 +16,12 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from kvserve_operator import metrics
-from kvserve_operator.kube import GROUP, PLURAL, VERSION, Kube, load_config
-from kvserve_operator.reconcile import OperatorConfig, Reconciler, SpecInvalid
-from kvserve_operator.render import OperatorSettings
+from kvserve_operator.config import OperatorConfig, config_from_env
+from kvserve_operator.constants import GROUP, KIND, MANAGED_BY_LABEL, OPERATOR_NAME, PLURAL, VERSION
+from kvserve_operator.kube import Kube, load_config
+from kvserve_operator.reconcile import Reconciler, SpecInvalid
 
 Log: TypeAlias = logging.Logger | logging.LoggerAdapter[Any]
-MANAGED_BY = {"app.kubernetes.io/managed-by": "kvserve-operator"}
-
-
-def config_from_env() -> OperatorConfig:
-    env = os.environ
-    defaults = OperatorConfig()
-    render_defaults = OperatorSettings()
-    return OperatorConfig(
-        render=OperatorSettings(
-            engine_image=env.get("KVSERVE_ENGINE_IMAGE", render_defaults.engine_image),
-            image_pull_policy=env.get(
-                "KVSERVE_IMAGE_PULL_POLICY", render_defaults.image_pull_policy
-            ),
-            cluster_domain=env.get("KVSERVE_CLUSTER_DOMAIN", render_defaults.cluster_domain),
-        ),
-        reconcile_interval_s=float(
-            env.get("KVSERVE_RECONCILE_INTERVAL", defaults.reconcile_interval_s)
-        ),
-        autoscale_interval_s=float(
-            env.get("KVSERVE_AUTOSCALE_INTERVAL", defaults.autoscale_interval_s)
-        ),
-        metrics_url_template=env.get("KVSERVE_METRICS_URL_TEMPLATE", defaults.metrics_url_template),
-    )
 
 
 class _QuietTimers(logging.Filter):
@@ -60,11 +39,12 @@ class _QuietTimers(logging.Filter):
 
 logging.getLogger("kopf.objects").addFilter(_QuietTimers())
 
-CONFIG = config_from_env()  # timer intervals are fixed when the handlers are registered
-
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, memo: Any, logger: Log, **_: Any) -> None:
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Log, **_: Any) -> None:
+    if "config" not in memo:  # `kopf run`: no kvserve-operator command line filled it
+        memo.config = config_from_env(os.environ)
+    config: OperatorConfig = memo.config
     # The status schema is strict, so kopf keeps its bookkeeping in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -74,15 +54,16 @@ def startup(settings: kopf.OperatorSettings, memo: Any, logger: Log, **_: Any) -
     # flood them); scaling decisions are posted explicitly.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
-    memo.reconciler = Reconciler(Kube(load_config(), CONFIG.field_manager), CONFIG)
-    port = os.environ.get("KVSERVE_OPERATOR_METRICS_PORT")
-    if port:
-        metrics.serve(int(port), os.environ.get("KVSERVE_OPERATOR_METRICS_HOST", "0.0.0.0"))
+    memo.reconciler = Reconciler(Kube(load_config(), config.field_manager), config)
+    if config.metrics_port is not None:
+        metrics.serve(config.metrics_port, config.metrics_host)
+    # Last, so that a failed (and retried) startup has registered nothing yet.
+    register_timers(kopf.get_default_registry(), config)
     logger.info(
         "kvserve operator started: engine image %s, reconcile every %gs, autoscale every %gs",
-        CONFIG.render.engine_image,
-        CONFIG.reconcile_interval_s,
-        CONFIG.autoscale_interval_s,
+        config.render.engine_image,
+        config.reconcile_interval_s,
+        config.autoscale_interval_s,
     )
 
 
@@ -106,25 +87,11 @@ def on_change(
     _reconcile(memo, namespace, name, str(reason), logger)
 
 
-@kopf.timer(
-    GROUP,
-    VERSION,
-    PLURAL,
-    interval=CONFIG.reconcile_interval_s,
-    initial_delay=CONFIG.reconcile_interval_s,
-)
 def restore_drift(memo: Any, namespace: str | None, name: str, logger: Log, **_: Any) -> None:
     """Periodic reconcile: catches drift that produced no event we watch."""
     _reconcile(memo, namespace, name, "timer", logger)
 
 
-@kopf.timer(
-    GROUP,
-    VERSION,
-    PLURAL,
-    interval=CONFIG.autoscale_interval_s,
-    when=lambda spec, **_: bool((spec.get("autoscaling") or {}).get("enabled")),
-)
 def autoscale(
     memo: Any, body: kopf.Body, namespace: str | None, name: str, logger: Log, **_: Any
 ) -> None:
@@ -140,7 +107,33 @@ def autoscale(
         )
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY)
+def register_timers(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Register the drift and autoscaler timers with the configured intervals.
+
+    A Kopf timer's interval is fixed when it is registered, and the configuration is
+    known only at startup (it arrives in the memo), so the timers are registered then,
+    unlike the handlers above. Kopf starts watching resources only after every startup
+    handler has finished, so no object is seen before its timers exist.
+    """
+    kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        registry=registry,
+        interval=config.reconcile_interval_s,
+        initial_delay=config.reconcile_interval_s,
+    )(restore_drift)
+    kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        registry=registry,
+        interval=config.autoscale_interval_s,
+        when=lambda spec, **_: bool((spec.get("autoscaling") or {}).get("enabled")),
+    )(autoscale)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: OPERATOR_NAME})
 def deployment_event(
     memo: Any, event: kopf.RawEvent, body: kopf.Body, logger: Log, **_: Any
 ) -> None:
@@ -149,7 +142,7 @@ def deployment_event(
         (
             ref
             for ref in body.metadata.get("ownerReferences") or []
-            if ref.get("kind") == "InferenceModel" and ref.get("apiVersion", "").startswith(GROUP)
+            if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP)
         ),
         None,
     )

@@ -15,16 +15,13 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-GROUP = "kvserve.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-PLURAL = "inferencemodels"
+from kvserve_operator.constants import API_VERSION, KIND, PLURAL
 
 PLURALS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
     ("v1", "Service"): "services",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    (API_VERSION, "InferenceModel"): PLURAL,
+    (API_VERSION, KIND): PLURAL,
     ("v1", "Pod"): "pods",
     ("v1", "ConfigMap"): "configmaps",
 }
@@ -113,7 +110,7 @@ class Kube:
         return items
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
-        path = f"{collection_path(API_VERSION, 'InferenceModel', namespace)}/{name}/status"
+        path = f"{collection_path(API_VERSION, KIND, namespace)}/{name}/status"
         return self._call(
             "PATCH",
             path,

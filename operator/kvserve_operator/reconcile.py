@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,27 +31,23 @@ from kvserve_operator.autoscaler import (
     scrape,
 )
 from kvserve_operator.capacity import capacity_status
-from kvserve_operator.kube import API_VERSION, Kube
+from kvserve_operator.config import OperatorConfig
+from kvserve_operator.constants import API_VERSION, KIND
+from kvserve_operator.kube import Kube
 from kvserve_operator.render import (
-    OperatorSettings,
     desired_replicas,
     endpoint_status,
     render_children,
     selector_string,
 )
-from kvserve_operator.spec import InferenceModelSpec, SpecError, parse_spec
+from kvserve_operator.spec import (
+    AutoscalingSpec,
+    InferenceModelSpec,
+    Metric,
+    SpecError,
+    parse_spec,
+)
 from kvserve_operator.status import compute_status, rfc3339
-
-
-@dataclass(frozen=True)
-class OperatorConfig:
-    render: OperatorSettings = field(default_factory=OperatorSettings)
-    field_manager: str = "kvserve-operator"
-    reconcile_interval_s: float = 60.0
-    autoscale_interval_s: float = 15.0
-    # Where the autoscaler reads a replica's metrics; tests point it at a local feed.
-    metrics_url_template: str = "http://{pod_ip}:8000/metrics"
-
 
 Log = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -112,7 +108,7 @@ class Reconciler:
         return outcome
 
     def _reconcile(self, namespace: str, name: str, logger: Log) -> Outcome | None:
-        im = self.kube.get(API_VERSION, "InferenceModel", namespace, name)
+        im = self.kube.get(API_VERSION, KIND, namespace, name)
         if im is None or im["metadata"].get("deletionTimestamp"):
             # Deleted: garbage collection removes the children (ownerReferences).
             self._autoscalers.pop((namespace, name), None)
@@ -230,11 +226,10 @@ class Reconciler:
 
     def autoscale(self, namespace: str, name: str, logger: Log) -> Decision | None:
         """One autoscaler tick: read the metric, decide, record, and apply a change."""
-        im = self.kube.get(API_VERSION, "InferenceModel", namespace, name)
+        im = self.kube.get(API_VERSION, KIND, namespace, name)
         key = (namespace, name)
-        spec_dict = (im or {}).get("spec") or {}
-        autoscaling = spec_dict.get("autoscaling") or {}
-        if im is None or not autoscaling.get("enabled"):
+        autoscaling = _enabled_autoscaling(im)
+        if im is None or autoscaling is None:
             self._autoscalers.pop(key, None)
             return None
         bounds = Bounds.from_spec(autoscaling)
@@ -275,7 +270,7 @@ class Reconciler:
         self,
         namespace: str,
         name: str,
-        metric: str,
+        metric: Metric,
         logger: Log,
     ) -> float | None:
         pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
@@ -289,6 +284,19 @@ class Reconciler:
             except (OSError, ValueError) as exc:
                 logger.warning("no metrics from %s: %s", url, exc)
         return sum(values) if values else None
+
+
+def _enabled_autoscaling(im: Mapping[str, Any] | None) -> AutoscalingSpec | None:
+    """The parsed autoscaling spec of an InferenceModel that asks to be autoscaled."""
+    if im is None:
+        return None
+    try:
+        spec = parse_spec(im.get("spec") or {})
+    except SpecError:
+        # The reconcile reports an invalid spec in status and renders nothing until it is
+        # fixed, so a scaling decision could not take effect either.
+        return None
+    return spec.autoscaling if spec.autoscaling.enabled else None
 
 
 def _api_reason(exc: ApiException) -> str:

@@ -21,11 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.model.pull import DEFAULT_PVC_ROOT, PVC_ROOT_ENV, ModelSource
+from kvserve_operator.constants import API_VERSION, GROUP, KIND, MANAGED_BY_LABEL, OPERATOR_NAME
 from kvserve_operator.spec import InferenceModelSpec, SpecError
-
-API_GROUP = "kvserve.dev"
-API_VERSION = f"{API_GROUP}/v1alpha1"
-KIND = "InferenceModel"
 
 HTTP_PORT = 8000
 GRPC_PORT = 50051
@@ -39,10 +36,9 @@ PVC_ROOT = DEFAULT_PVC_ROOT  # /mnt/pvc: claim CLAIM is mounted at /mnt/pvc/CLAI
 TMP_DIR = "/tmp"
 RUN_AS = 1000
 
-SERVED_NAME_ANNOTATION = f"{API_GROUP}/served-name"
-MODEL_LABEL = f"{API_GROUP}/inference-model"
+SERVED_NAME_ANNOTATION = f"{GROUP}/served-name"
+MODEL_LABEL = f"{GROUP}/inference-model"
 ENGINE_APP_NAME = "kvserve-engine"
-MANAGED_BY = "kvserve-operator"
 
 # preStop sleep: endpoints controllers and the gateway drop the pod before SIGTERM starts
 # the engine's drain. The grace period is drain + 15 s: this sleep plus a 10 s margin for
@@ -92,7 +88,7 @@ def child_labels(name: str, spec: InferenceModelSpec | None = None) -> dict[str,
     return {
         **selector_labels(name),
         "app.kubernetes.io/component": "engine",
-        "app.kubernetes.io/managed-by": MANAGED_BY,
+        MANAGED_BY_LABEL: OPERATOR_NAME,
         MODEL_LABEL: name,
     }
 

@@ -30,8 +30,8 @@ import yaml
 
 from tests.chart import documents, find, helm, prepared_chart
 from tests.cluster.controlplane import Cluster
-from tests.operator.conftest import OperatorProcess
 from tests.support.net import free_port
+from tests.support.operator_process import OperatorProcess
 from tests.support.waiting import poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

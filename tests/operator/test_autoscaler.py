@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvserve_operator import spec as spec_module
 from kvserve_operator.autoscaler import (
     METRICS,
     Autoscaler,
@@ -9,6 +12,7 @@ from kvserve_operator.autoscaler import (
     metric_from_text,
     pod_metrics_url,
 )
+from kvserve_operator.spec import AutoscalingSpec, parse_spec
 
 BOUNDS = Bounds(
     min_replicas=1, max_replicas=4, metric="queueDepth", target=2, up_window_s=10, down_window_s=60
@@ -68,13 +72,35 @@ def test_out_of_bounds_is_corrected_at_once() -> None:
     assert Autoscaler().decide(0, 0, None, BOUNDS).replicas == 1
 
 
+def test_bounds_are_the_parsed_spec_with_its_defaults() -> None:
+    spec = parse_spec(
+        {"model": {"source": "hf://a/b"}, "autoscaling": {"enabled": True, "maxReplicas": 4}}
+    )
+    defaults = AutoscalingSpec()
+    assert Bounds.from_spec(spec.autoscaling) == Bounds(
+        min_replicas=defaults.min_replicas,
+        max_replicas=4,
+        metric=defaults.metric,
+        target=defaults.target,
+        up_window_s=defaults.scale_up_stabilization_seconds,
+        down_window_s=defaults.scale_down_delay_seconds,
+    )
+    with pytest.raises(ValueError, match="maxReplicas"):
+        Bounds.from_spec(AutoscalingSpec(enabled=True))
+
+
+def test_every_spec_metric_has_engine_gauges() -> None:
+    assert tuple(METRICS) == spec_module.METRICS
+
+
 def test_metric_from_engine_text() -> None:
+    # As the engine exports them (kvserve.telemetry.prometheus): labelled by ``model``.
     text = (
         "# HELP kvserve_num_requests_waiting Requests waiting.\n"
         "# TYPE kvserve_num_requests_waiting gauge\n"
-        'kvserve_num_requests_waiting{model_name="a"} 3.0\n'
+        'kvserve_num_requests_waiting{model="a"} 3.0\n'
         "# TYPE kvserve_num_requests_running gauge\n"
-        'kvserve_num_requests_running{model_name="a"} 5.0\n'
+        'kvserve_num_requests_running{model="a"} 5.0\n'
     )
     assert metric_from_text(text, METRICS["queueDepth"]) == 3.0
     assert metric_from_text(text, METRICS["inFlight"]) == 8.0

@@ -21,6 +21,7 @@ import yaml
 
 from kvserve.model.pull import ModelPullError, parse_source
 from kvserve_operator import spec as spec_module
+from kvserve_operator.constants import CRD_NAME, GROUP, KIND, PLURAL, VERSION
 from kvserve_operator.spec import (
     AutoscalingSpec,
     EngineSpec,
@@ -83,20 +84,20 @@ def _at(node: dict[str, Any], dotted: str) -> dict[str, Any]:
 def test_names_scope_and_version(crd: dict[str, Any]) -> None:
     assert crd["apiVersion"] == "apiextensions.k8s.io/v1"
     assert crd["kind"] == "CustomResourceDefinition"
-    assert crd["metadata"]["name"] == "inferencemodels.kvserve.dev"
+    assert crd["metadata"]["name"] == CRD_NAME == "inferencemodels.kvserve.dev"
     spec = crd["spec"]
-    assert spec["group"] == "kvserve.dev"
+    assert spec["group"] == GROUP
     assert spec["scope"] == "Namespaced"
     assert spec["names"] == {
-        "kind": "InferenceModel",
-        "listKind": "InferenceModelList",
-        "plural": "inferencemodels",
-        "singular": "inferencemodel",
+        "kind": KIND,
+        "listKind": f"{KIND}List",
+        "plural": PLURAL,
+        "singular": KIND.lower(),
         "shortNames": ["im"],
         "categories": ["kvserve"],
     }
     (version,) = spec["versions"]
-    assert version["name"] == "v1alpha1"
+    assert version["name"] == VERSION
     assert version["served"] is True
     assert version["storage"] is True
 

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster.conftest import poll
 from tests.cluster.controlplane import Cluster
-from tests.operator.conftest import OPERATOR_NS, OPERATOR_SA, OperatorProcess
+from tests.support.operator_process import OPERATOR_NS, OPERATOR_SA, OperatorProcess
+from tests.support.waiting import poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -411,7 +411,7 @@ def test_engine_args_are_accepted_by_kvserve_serve() -> None:
     s = spec(engine={"maxModelLen": 4096, "enablePrefixCaching": False, "dtype": "float16"})
     args = parser.parse_args(engine(s)["args"])
     assert args.port == HTTP_PORT and args.grpc_port == GRPC_PORT
-    assert args.max_model_len == 4096 and args.no_prefix_caching is True
+    assert args.max_model_len == 4096 and args.enable_prefix_caching is False
     assert args.gpu_memory_utilization == 0.9 and args.drain_timeout == 30
     assert args.served_model_name == NAME
 
