@@ -77,9 +77,12 @@ def test_the_crd_properties_are_the_options_with_a_crd_name() -> None:
     ]
     assert props["blockSize"] == {
         "type": "integer",
-        "description": "Tokens per KV-cache block. Default: 16.",
+        "format": "int32",
         "minimum": 1,
         "maximum": 256,
+        "default": 16,
+        "description": "Tokens per KV-cache block (--block-size).",
     }
+    assert props["dtype"]["enum"] == ["auto", "float32", "bfloat16", "float16"]  # no aliases
     assert props["kvCacheMemoryFraction"]["exclusiveMinimum"] is True
     assert "--model" in engine_options.operator_owned_flags()

@@ -12,19 +12,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvserve.capacity import estimate
+from kvserve.config import DTYPES
 from kvserve.model.config import ModelConfig
 from kvserve_operator.spec import InferenceModelSpec
-
-# The dtypes `kvserve serve --dtype auto` takes from a checkpoint's torch_dtype on GPU;
-# anything else falls back to bfloat16 (kvserve.config.EngineConfig.torch_dtype).
-_ENGINE_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
 def serving_dtype(config: ModelConfig, spec: InferenceModelSpec) -> str:
     """The dtype the engine will load the weights in on a GPU."""
     if spec.engine.dtype != "auto":
         return spec.engine.dtype
-    if config.torch_dtype in _ENGINE_DTYPES:
+    # `kvserve serve --dtype auto` takes a checkpoint's torch_dtype on GPU when it is one
+    # the engine knows; anything else falls back to bfloat16 (EngineConfig.torch_dtype).
+    if config.torch_dtype in DTYPES:
         return config.torch_dtype
     return "bfloat16"
 

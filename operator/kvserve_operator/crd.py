@@ -2,10 +2,13 @@
 
 The source is ``manifests/crd.yaml``, written by hand (its comments explain the schema)
 and shipped in this package, so ``kubectl apply -f`` from a checkout and the tests use
-it directly. Helm installs a CRD only from the chart's own ``crds/`` directory, and a
-chart cannot reach files outside itself, so the chart carries a generated copy. Both
-are committed; ``--check`` (run by tests/operator/test_crd_generated.py) fails when the
-copy is stale and says how to regenerate it::
+it directly, except for one generated block: the ``spec.engine`` properties that mirror
+engine options, made from the engine's one schema (``kvserve.engine_options``), between
+the ``ENGINE_BEGIN`` and ``ENGINE_END`` comment lines. Helm installs a CRD only from the
+chart's own ``crds/`` directory, and a chart cannot reach files outside itself, so the
+chart carries a generated copy. Both are committed; ``--check`` (run by
+tests/operator/test_crd_generated.py) fails when either is stale and says how to
+regenerate them::
 
     python -m kvserve_operator.crd            # write the chart's copy
     python -m kvserve_operator.crd --check    # write nothing; fail if it is stale
@@ -19,6 +22,9 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
+import yaml
+
+from kvserve.engine_options import crd_properties
 from kvserve.observability.generated import sync_files
 from kvserve_operator.constants import CRD_NAME
 
@@ -41,9 +47,26 @@ def source_text() -> str:
     return resources.files("kvserve_operator").joinpath("manifests", "crd.yaml").read_text("utf-8")
 
 
+ENGINE_BEGIN = "# engine options: generated from kvserve.config.EngineConfig"
+ENGINE_END = "# engine options: end"
+
+
+def with_engine_options(source: str) -> str:
+    """``source`` with its engine-options block made anew from the engine's schema."""
+    lines = source.splitlines(keepends=True)
+    begin = next(i for i, line in enumerate(lines) if line.strip() == ENGINE_BEGIN)
+    end = next(i for i, line in enumerate(lines) if line.strip() == ENGINE_END)
+    indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
+    # One line per description: folding would depend on the block's indentation.
+    block = yaml.safe_dump(crd_properties(), sort_keys=False, width=10_000, allow_unicode=True)
+    body = "".join(f"{indent}{line}\n" if line else "\n" for line in block.splitlines())
+    return "".join(lines[: begin + 1]) + body + "".join(lines[end:])
+
+
 def expected_files(root: Path) -> dict[Path, str]:
     """Every generated file under ``root`` and its content."""
-    return {root / CHART_COPY: HEADER + source_text()}
+    source = with_engine_options(source_text())
+    return {root / SOURCE: source, root / CHART_COPY: HEADER + source}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.engine_options import flags_from_spec
 from kvserve.model.pull import DEFAULT_PVC_ROOT, PVC_ROOT_ENV, ModelSource
 from kvserve_operator.constants import API_VERSION, GROUP, KIND, MANAGED_BY_LABEL, OPERATOR_NAME
 from kvserve_operator.spec import InferenceModelSpec, SpecError
@@ -183,21 +184,11 @@ def engine_args(spec: InferenceModelSpec, model_dir: str, served_name: str) -> l
         # and a GPU pod on a broken node fails fast instead of loading on the CPU.
         "--device",
         "cuda" if spec.resources.gpus > 0 else "cpu",
-        "--dtype",
-        e.dtype,
-        "--block-size",
-        str(e.block_size),
-        "--max-num-seqs",
-        str(e.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(e.max_num_batched_tokens),
+        # The engine options, by the engine's own schema (kvserve.engine_options).
+        *flags_from_spec(e.engine_options()),
+        "--drain-timeout",
+        str(e.drain_timeout_seconds),
     ]
-    if e.max_model_len is not None:
-        args += ["--max-model-len", str(e.max_model_len)]
-    args += ["--gpu-memory-utilization", repr(float(e.kv_cache_memory_fraction))]
-    if not e.enable_prefix_caching:
-        args.append("--no-prefix-caching")
-    args += ["--drain-timeout", str(e.drain_timeout_seconds)]
     return args + list(e.extra_args)
 
 

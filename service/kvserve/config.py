@@ -56,6 +56,7 @@ class Option:
     maximum: float | None = None
     exclusive_minimum: bool = False
     choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # choices the flag also takes, left out of the CRD
     shown_default: str | None = None  # the docs' "default" column, when not the value
 
 
@@ -103,12 +104,14 @@ class EngineConfig:
             flag="--dtype",
             crd="dtype",
             choices=("auto", *DTYPES),
+            aliases=tuple(_SHORT_NAMES),
         ),
     )
     device: str = _option(
         "auto",
         Option(
-            "cpu, cuda or cuda:N; auto: cuda when available", flag="--device", operator_owned=True
+            "cpu, cuda or cuda:N; auto: cuda when available",
+            flag="--device",
         ),
     )
     block_size: int = _option(

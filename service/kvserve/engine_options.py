@@ -137,6 +137,14 @@ def kwargs_module() -> str:
 
 
 # ---- the operator ------------------------------------------------------------------------
+def default_of(name: str) -> Any:
+    """``EngineConfig``'s default for the field ``name`` (the one place it is written)."""
+    (found,) = (o for o in engine_options() if o.name == name)
+    if found.required:
+        raise KeyError(f"EngineConfig.{name} has no default")
+    return found.default
+
+
 def crd_options() -> tuple[EngineOption, ...]:
     return tuple(o for o in engine_options() if o.option.crd is not None)
 
@@ -154,19 +162,23 @@ def crd_properties() -> dict[str, Any]:
     for o in crd_options():
         assert o.option.crd is not None
         schema: dict[str, Any] = {"type": _OPENAPI_TYPES[o.kind]}
-        default = None if o.required else o.default
-        description = o.option.help[:1].upper() + o.option.help[1:] + "."
-        if default is not None:
-            description += f" Default: {_yaml_scalar(default)}."
-        schema["description"] = description
+        if o.kind is int:
+            schema["format"] = "int32"
         if o.option.choices:
-            schema["enum"] = list(o.option.choices)
+            schema["enum"] = [c for c in o.option.choices if c not in o.option.aliases]
         if o.option.minimum is not None:
-            schema["minimum"] = _number(o.kind, o.option.minimum)
             if o.option.exclusive_minimum:
                 schema["exclusiveMinimum"] = True
+            schema["minimum"] = _number(o.kind, o.option.minimum)
         if o.option.maximum is not None:
             schema["maximum"] = _number(o.kind, o.option.maximum)
+        default = None if o.required else o.default
+        if default is not None:
+            schema["default"] = default
+        help_ = o.option.help[:1].upper() + o.option.help[1:]
+        flag = o.option.flag or ""
+        off = o.kind is bool and flag.startswith("--no-")
+        schema["description"] = f"{help_} ({'false passes ' if off else ''}{flag})."
         props[o.option.crd] = schema
     return props
 
@@ -200,8 +212,6 @@ def _number(kind: type, value: float) -> int | float:
     return int(value) if kind is int else float(value)
 
 
-def _yaml_scalar(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # ---- docs --------------------------------------------------------------------------------
