@@ -36,6 +36,7 @@ def start_server(
     model_dir: Path,
     tracer_provider: TracerProvider | None = None,
     grpc: bool = False,
+    max_body_bytes: int = 64 * 1024,
     **engine_kw: object,
 ) -> RunningServer:
     cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **engine_kw)  # type: ignore[arg-type]
@@ -43,7 +44,7 @@ def start_server(
     app = create_app(
         engine,
         SERVED_MODEL,
-        max_body_bytes=64 * 1024,
+        max_body_bytes=max_body_bytes,
         metrics=EngineMetrics(SERVED_MODEL),
         tracer_provider=tracer_provider,
         grpc_address=("127.0.0.1", 0) if grpc else None,

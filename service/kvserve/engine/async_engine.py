@@ -20,7 +20,9 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvserve.engine.llm_engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request
@@ -28,6 +30,12 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# Tokenizing a prompt of more characters than this leaves the event loop: ~1 ms of work on
+# the loop is the most a request may cost the other streams and the health probes.
+OFFLOAD_CHARS = 16_384
+TOKENIZER_THREADS = 2
+_T = TypeVar("_T")
 
 
 class EngineDeadError(RuntimeError):
@@ -69,6 +77,7 @@ class AsyncEngine:
         self._streams: dict[str, OutputSink] = {}  # engine id → consumer
         self._external_ids: dict[str, str | None] = {}  # engine id → client id, in flight
         self._next_id = itertools.count()
+        self._tokenizers: ThreadPoolExecutor | None = None  # for long prompts, made on first use
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -86,6 +95,8 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        if self._tokenizers is not None:
+            self._tokenizers.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_in_flight(self) -> int:
@@ -116,6 +127,26 @@ class AsyncEngine:
             cache_salt=cache_salt,
             external_id=external_id,
         )
+
+    async def tokenize(self, prompt: str) -> list[int]:
+        """``LLMEngine.tokenize``, off the event loop for a long prompt (so other streams
+        and health probes are not stalled while it is tokenized)."""
+        if len(prompt) <= OFFLOAD_CHARS:
+            return self.engine.tokenize(prompt)
+        return await self._off_loop(self.engine.tokenize, prompt)
+
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """``LLMEngine.chat_prompt``, off the event loop for a long conversation."""
+        if sum(len(str(m.get("content", ""))) for m in messages) <= OFFLOAD_CHARS:
+            return self.engine.chat_prompt(messages)
+        return await self._off_loop(self.engine.chat_prompt, messages)
+
+    async def _off_loop(self, fn: Callable[[_T], list[int]], arg: _T) -> list[int]:
+        if self._tokenizers is None:
+            self._tokenizers = ThreadPoolExecutor(
+                TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenize"
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, arg)
 
     async def generate(
         self,

@@ -62,6 +62,13 @@ class LLMEngine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
         self.eos_token_ids = _eos_token_ids(model_dir, self.model_config, self.tokenizer)
+        # No token stands for more characters than the longest token's text, so a prompt
+        # of more than max_model_len times that (twice, for normalizers that drop
+        # characters) cannot fit: it is refused before it is tokenized, which can take
+        # seconds for megabytes of text.
+        self.max_prompt_chars: int | None = None
+        if self.tokenizer is not None:
+            self.max_prompt_chars = 2 * self.max_model_len * _longest_token_chars(self.tokenizer)
 
         self.runner = ModelRunner(
             model_dir,
@@ -137,8 +144,27 @@ class LLMEngine:
                 "this model has no chat template; send a plain prompt (/v1/completions)",
                 "messages",
             )
+        self._check_prompt_chars(sum(len(str(m.get("content", ""))) for m in messages), "messages")
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tok.encode(text, add_special_tokens=False))
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """A text prompt's token ids; InvalidRequestError for what cannot be a prompt."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer: pass prompt token ids", "prompt"
+            )
+        _require_utf8(prompt, "prompt")
+        self._check_prompt_chars(len(prompt), "prompt")
+        return list(self.tokenizer.encode(prompt))
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"the prompt has {chars} characters: more than fit in max_model_len="
+                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters)",
+                param,
+            )
 
     def build_request(
         self,
@@ -157,12 +183,7 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer: pass prompt token ids", "prompt"
-                )
-            _require_utf8(prompt, "prompt")
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenize(prompt)
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
@@ -336,6 +357,11 @@ class LLMEngine:
             return self.runner.prompt_logprobs(token_ids, self.kv.block_ids(probe.request_id))
         finally:
             self.kv.free(probe)
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the longest token in the vocabulary (added tokens included)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
 def _require_utf8(text: str, param: str) -> None:

@@ -29,7 +29,12 @@ from typing import NoReturn
 
 import grpc
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kvserve.engine.async_engine import (
+    OFFLOAD_CHARS,
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+)
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestOutput
@@ -89,22 +94,24 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.telemetry = telemetry
         self.stop_limits = stop_limits or StopLimits()
 
-    def build_request(
+    async def build_request(
         self, request: pb.GenerateRequest, metadata: Callable[[], Mapping[str, str]]
     ) -> Request:
         """The engine request for ``request``; raises ``_Refused`` for bad input.
 
         ``request.request_id`` is the client's id (the engine mints its own key; empty
         means none). ``metadata`` gives the call's (or the command's) trace context, read
-        only when tracing is on.
+        only when tracing is on. A long prompt is tokenized off the event loop.
         """
         arrival = time.monotonic()
         engine = self.engine.engine
         try:
             prompt = codec.decode_prompt(request)
             default_max_tokens = None
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                prompt = engine.chat_prompt(prompt)  # type: ignore[arg-type]
+            if isinstance(prompt, str) and len(prompt) > OFFLOAD_CHARS:
+                prompt = await self.engine.tokenize(prompt)
+            elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt = await self.engine.chat_prompt(prompt)  # type: ignore[arg-type]
                 # A chat without max_tokens gets as much as the context allows, or the
                 # gateway's cap if that is less.
                 default_max_tokens = max(engine.max_model_len - len(prompt), 1)
@@ -136,7 +143,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # cancellation (client gone, deadline) then always lands inside this coroutine,
         # where ``_closing`` closes the engine stream at once, which aborts the request.
         try:
-            req = self.build_request(request, lambda: _call_metadata(context))
+            req = await self.build_request(request, lambda: _call_metadata(context))
         except _Refused as exc:
             await _abort(context, exc)
 
@@ -249,20 +256,20 @@ class _ManyCall:
             for command in message.commands:
                 kind = command.WhichOneof("kind")
                 if kind == "start":
-                    self._start(command)
+                    await self._start(command)
                 elif kind == "cancel":
                     started = self.started.get(command.tag)
                     if started is not None:  # ends with a Final (finish_reason "abort")
                         await self.engine.abort(started.request_id)
 
-    def _start(self, command: pb.TaggedCommand) -> None:
+    async def _start(self, command: pb.TaggedCommand) -> None:
         tag = command.tag
         try:
             if tag in self.started:
                 raise _Refused(
                     grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is in use by a running request"
                 )
-            req = self.servicer.build_request(command.start, lambda: dict(command.metadata))
+            req = await self.servicer.build_request(command.start, lambda: dict(command.metadata))
             started = _Started(req.request_id)
             self.engine.add_request(req, functools.partial(self._on_output, tag, started))
         except Exception as exc:  # fails this request only; the call serves the others

@@ -9,7 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kvserve.engine.async_engine import (
+    OFFLOAD_CHARS,
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+)
 from kvserve.engine.request import Request as EngineRequest
 from kvserve.errors import InvalidRequestError
 from kvserve.openai import checks
@@ -50,6 +55,8 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     prompt = checks.completion_prompt(body)
     limit = checks.token_limit(body).value
     assert limit is not None  # a completion's limit defaults to 16
+    if isinstance(prompt, str) and len(prompt) > OFFLOAD_CHARS:
+        prompt = await _tokenized(state, prompt)  # off the event loop
     req = _make_request(state, request, body, prompt, limit, arrival)
     ids = fmt.response_ids(
         request.state.request_id, state.served_model_name, False, int(time.time())
@@ -93,7 +100,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     _check_common(body, state)
     limit = checks.token_limit(body).value
     try:
-        prompt_ids = state.engine.engine.chat_prompt(checks.chat_messages(body))
+        prompt_ids = await state.engine.chat_prompt(checks.chat_messages(body))
     except InvalidRequestError as exc:
         raise OpenAIError(
             400, f"model {state.served_model_name!r}: {exc}", param=exc.param
@@ -147,6 +154,13 @@ def _check_common(body: CommonRequest, state: ServerState) -> None:
         )
     checks.check_n(body)
     checks.check_stop(body, state.stop_limits)
+
+
+async def _tokenized(state: ServerState, prompt: str) -> list[int]:
+    try:
+        return await state.engine.tokenize(prompt)
+    except InvalidRequestError as exc:
+        raise OpenAIError(400, str(exc), param=exc.param) from exc
 
 
 def _make_request(
