@@ -14,7 +14,6 @@ import concurrent.futures
 import contextlib
 import io
 import itertools
-import json
 import queue
 import sys
 import threading
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar
 
 import httpx
+
+from kvserve.sse_events import DONE, error_message, event_data, parse_event
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
@@ -137,10 +138,10 @@ class HTTPBackend:
                     resp.read()
                     raise ChatError(_error_message(resp))
                 for line in resp.iter_lines():
-                    if not line.startswith("data:"):
+                    data = event_data(line)
+                    if data is None:
                         continue  # SSE comments, blank separators
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
+                    if data == DONE:
                         return
                     yield from _deltas(data)
         except httpx.ConnectError as exc:  # the server went away between turns
@@ -165,19 +166,15 @@ class HTTPBackend:
 
 
 def _deltas(data: str) -> Iterator[str]:
-    """The content deltas of one SSE event; raises ChatError for an error event."""
+    """The content delta of one SSE event, if any; raises ChatError for an error event."""
     try:
-        event = json.loads(data)
+        event = parse_event(data)
     except ValueError as exc:
         raise ChatError(f"the server sent an event that is not JSON: {data[:80]!r}") from exc
-    if not isinstance(event, dict):
-        return
-    if "error" in event:
-        raise ChatError(_error_text(event))
-    for choice in event.get("choices") or []:
-        content = (choice.get("delta") or {}).get("content") if isinstance(choice, dict) else None
-        if isinstance(content, str) and content:
-            yield content
+    if event.error is not None:
+        raise ChatError(event.error)
+    if event.text:
+        yield event.text
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -187,16 +184,7 @@ def _error_message(resp: httpx.Response) -> str:
     except ValueError:
         text = resp.text.strip().splitlines()
         return f"HTTP {resp.status_code}" + (f": {text[0][:200]}" if text else "")
-    return f"HTTP {resp.status_code}: {_error_text(payload)}"
-
-
-def _error_text(payload: Any) -> str:
-    err = payload.get("error") if isinstance(payload, dict) else None
-    if isinstance(err, dict) and err.get("message"):
-        return str(err["message"])
-    if isinstance(err, str):
-        return err
-    return json.dumps(payload)[:200]
+    return f"HTTP {resp.status_code}: {error_message(payload)}"
 
 
 def _describe(exc: BaseException) -> str:

@@ -212,8 +212,6 @@ def _number(kind: type, value: float) -> int | float:
     return int(value) if kind is int else float(value)
 
 
-
-
 # ---- docs --------------------------------------------------------------------------------
 def options_table() -> str:
     """The Markdown table of every option: field, flag, CRD name, default, meaning."""

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvserve.bench.gateway_capacity import _load
+from kvserve.bench.gateway_capacity import offer_load
 from kvserve.bench.processes import Proc, free_ports, spawn, stop, wait_listening
 from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.upstream import ReplicaClient
@@ -114,18 +114,17 @@ def test_the_load_generator_counts_chunks_and_failures(stub: str) -> None:
     )
     gw = serve_gateway(config, keys_file())
     try:
-        port = int(gw.url.rsplit(":", 1)[1])
-        ok, failed, chunks, error = asyncio.run(_load(port, KEY_A, "m", 3, 7, 5))
+        ok, failed, chunks, error = asyncio.run(offer_load(gw.url, KEY_A, "m", 3, 7, 5))
         assert (ok, failed, chunks, error) == (7, 0, 7 * 5, None)
         # Refused requests: counted, with the first error's status and body, and the
         # connection replaced (the next request still gets its answer).
-        ok, failed, chunks, error = asyncio.run(_load(port, "sk-wrong", "m", 2, 4, 5))
+        ok, failed, chunks, error = asyncio.run(offer_load(gw.url, "sk-wrong", "m", 2, 4, 5))
         assert (ok, failed, chunks) == (0, 4, 0)
         assert error is not None and "401" in error and "invalid_api_key" in error
-        ok, failed, _, error = asyncio.run(_load(port, KEY_A, "no-such-model", 1, 2, 5))
+        ok, failed, _, error = asyncio.run(offer_load(gw.url, KEY_A, "no-such-model", 1, 2, 5))
         assert (ok, failed) == (0, 2) and error is not None and "404" in error
     finally:
         gw.stop()
     # Nothing listening: every request fails, none is left out.
-    ok, failed, _, error = asyncio.run(_load(port, KEY_A, "m", 2, 5, 5))
+    ok, failed, _, error = asyncio.run(offer_load(gw.url, KEY_A, "m", 2, 5, 5))
     assert (ok, failed) == (0, 5) and error is not None and "ConnectionRefused" in error

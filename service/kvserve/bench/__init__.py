@@ -1,1 +1,11 @@
-"""Benchmarks: commands that print figures measured side by side in one run."""
+"""Benchmarks: commands that print figures measured side by side in one run.
+
+A small harness: ``launcher`` (replica, stub-replica and gateway processes, configured by
+a ``LaunchSettings``), ``processes`` (child processes), ``cpu`` (CPU time and placement),
+``sse_client`` (the one streaming client), ``timelines`` (workloads and latency figures)
+and ``results`` (the suite's tables). The sections use it through public names only:
+``suite`` and its sections (``engine_vs_transformers``, ``batching``, ``prefix_caching``,
+``roofline``, ``kv_memory``, ``serving_path``), and the commands ``offline``, ``serving``
+and ``gateway`` (with its phases ``gateway_overhead``, ``gateway_capacity`` and
+``gateway_routing``, and ``stub_replica``).
+"""

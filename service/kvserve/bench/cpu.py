@@ -1,14 +1,20 @@
-"""CPU accounting for the benchmarks: how many CPUs this process may use, how busy the
-whole machine has been (so a report can say what else competed for the CPUs), and which
-CPUs the gateway benchmarks give to which process."""
+"""CPU accounting for the benchmarks: how many CPUs this process may use, the CPU time a
+window of work cost this process, its child processes and the whole machine (so a report
+can say what else competed for the CPUs), and which CPUs the gateway benchmarks give to
+which process."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.bench.processes import Proc
 
 
 def usable_cpus() -> int:
@@ -26,6 +32,55 @@ def machine_busy_seconds() -> float:
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
     user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[1:8])
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class CpuUse:
+    """CPU seconds spent over a window of wall time: by this process, by each watched
+    child process, and by every other process on the machine (None where there is no
+    /proc/stat)."""
+
+    wall: float = 0.0
+    own: float = 0.0
+    children: list[float] = field(default_factory=list)
+    others: float | None = None
+
+    @property
+    def ours(self) -> float:
+        """This process and its watched children."""
+        return self.own + sum(self.children)
+
+
+@contextlib.contextmanager
+def cpu_use(children: Sequence[Proc] = ()) -> Iterator[CpuUse]:
+    """Measure what the body of the ``with`` costs; the ``CpuUse`` it yields is filled
+    in when the body ends."""
+    use = CpuUse()
+    before = _Reading.now(children)
+    yield use
+    after = _Reading.now(children)
+    use.wall, use.own = after.wall - before.wall, after.own - before.own
+    use.children = [b - a for a, b in zip(before.children, after.children, strict=True)]
+    if before.machine is not None and after.machine is not None:
+        use.others = max(0.0, after.machine - before.machine - use.ours)
+
+
+@dataclass(frozen=True)
+class _Reading:
+    wall: float
+    own: float
+    children: list[float]
+    machine: float | None  # CPU seconds the whole machine was busy
+
+    @staticmethod
+    def now(children: Sequence[Proc]) -> _Reading:
+        own = time.process_time()
+        procs = [p.cpu_seconds() for p in children]
+        try:
+            machine: float | None = machine_busy_seconds()
+        except (OSError, ValueError):
+            machine = None
+        return _Reading(time.perf_counter(), own, procs, machine)
 
 
 @dataclass(frozen=True)

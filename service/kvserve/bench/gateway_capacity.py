@@ -22,16 +22,13 @@ the gateway's peak resident memory (VmHWM), which its pod's memory request must 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvserve.bench.cpu import Placement, running_on
-from kvserve.bench.processes import Proc
-from kvserve.bench.serving import MODEL_NAME, run_on_uvloop
-from kvserve.bench.sse_client import Connection
+from kvserve.bench.cpu import cpu_use, running_on, split_cpus
+from kvserve.bench.launcher import Launcher
+from kvserve.bench.sse_client import CHAT, MODEL_NAME, StreamPool, run_on_uvloop
 
 TARGET_CHUNKS_PER_SECOND = 10_000.0
 SATURATED = 0.9  # busy share of the gateway's CPU above which a round measures capacity
@@ -69,62 +66,52 @@ class CapacityResult:
     first_error: str | None = None
 
 
-async def _load(
-    port: int, key: str, model: str, streams: int, requests: int, max_tokens: int
+async def offer_load(
+    url: str, key: str, model: str, streams: int, requests: int, max_tokens: int
 ) -> tuple[int, int, int, str | None]:
     """``streams`` connections drain ``requests`` streaming chat requests: (ok, failed,
     text chunks of the ok ones, the first error)."""
-    todo = iter(range(requests))
-    ok = failed = chunks = 0
-    first_error: str | None = None
-
-    async def worker() -> None:
-        nonlocal ok, failed, chunks, first_error
-        conn = Connection(f"http://127.0.0.1:{port}", key)
-        try:
-            for i in todo:
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": f"capacity probe {i}"}],
-                    "max_tokens": max_tokens,
-                    "stream": True,
-                }
-                rec = await conn.stream("/v1/chat/completions", body)
-                if rec.ok:
-                    ok += 1
-                    chunks += len(rec.chunk_times)
-                else:
-                    failed += 1
-                    first_error = first_error or rec.error or "the stream ended without a finish"
-        finally:
-            conn.close()
-
-    await asyncio.gather(*(worker() for _ in range(min(streams, requests))))
-    return ok, failed, chunks, first_error
+    # Plain chat requests (no usage chunk): every chunk the client reads is a token's text.
+    bodies = [
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": f"capacity probe {i}"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+        for i in range(requests)
+    ]
+    async with StreamPool(url, key, min(streams, requests)) as pool:
+        _, records = await pool.drain(CHAT, bodies)
+    ok = [rec for rec in records if rec.ok]
+    errors = [rec.error or "the stream ended without a finish" for rec in records if not rec.ok]
+    return len(ok), len(errors), sum(len(rec.chunk_times) for rec in ok), next(iter(errors), None)
 
 
 def run_capacity(
-    args: argparse.Namespace,
-    gateway: Proc,
-    port: int,
-    key: str,
-    placement: Placement,
-    say: Callable[[str], None],
+    args: argparse.Namespace, launcher: Launcher, say: Callable[[str], None]
 ) -> CapacityResult:
-    """``--rounds`` timed rounds against a started gateway (after one untimed)."""
+    """A stub replica and a gateway, then ``--rounds`` timed rounds (after one untimed)."""
+    placement = split_cpus(args.placement == "separate")
+    say(f"capacity: starting a stub replica and the gateway; {placement.describe()}")
+    address = launcher.start_stub_replica(placement.others)
+    gateway = launcher.start_gateway([address], "prefix", cpus=placement.gateway)
     streams, requests, max_tokens = args.capacity_streams, args.capacity_requests, args.max_tokens
+
+    def load(n: int) -> tuple[int, int, int, str | None]:
+        return run_on_uvloop(
+            offer_load(gateway.url, gateway.key, MODEL_NAME, streams, n, max_tokens)
+        )
+
     rounds: list[CapacityRound] = []
     first_error: str | None = None
     with running_on(placement.others):
         say(f"  warm-up: {streams} requests (not measured) ...")
-        run_on_uvloop(_load(port, key, MODEL_NAME, streams, streams, max_tokens))
+        load(streams)
         for r in range(args.rounds):
-            cpu0, t0 = gateway.cpu_seconds(), time.perf_counter()
-            ok, failed, chunks, error = run_on_uvloop(
-                _load(port, key, MODEL_NAME, streams, requests, max_tokens)
-            )
-            seconds = time.perf_counter() - t0
-            cpu = gateway.cpu_seconds() - cpu0
+            with cpu_use([gateway.proc]) as use:
+                ok, failed, chunks, error = load(requests)
+            seconds, (cpu,) = use.wall, use.children
             first_error = first_error or error
             res = CapacityRound(
                 round=r + 1,
@@ -144,7 +131,8 @@ def run_capacity(
                 f"of one CPU" + (f" ({failed} failed: {error})" if failed else "")
             )
     per_cpu = [x.chunks_per_cpu_second for x in rounds if x.chunks_per_cpu_second is not None]
-    peak_rss = gateway.peak_rss_bytes()
+    peak_rss = gateway.proc.peak_rss_bytes()
+    launcher.stop_all()
     return CapacityResult(
         streams=streams,
         requests=requests,

@@ -131,16 +131,15 @@ def free_ports(n: int) -> list[int]:
 def wait_listening(proc: Proc, port: int, deadline: float) -> None:
     """Poll until something accepts TCP connections on 127.0.0.1:``port`` (a process
     without an HTTP readiness endpoint), the process dies, or the deadline passes."""
-    while True:
-        proc.check_alive()
+
+    def listening() -> bool:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-                return
+                return True
         except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{proc.name} did not listen on port {port}; log:\n{proc.tail()}")
-        time.sleep(STARTUP_POLL_S)
+            return False
+
+    _wait(proc, listening, deadline, f"did not listen on port {port}")
 
 
 def wait_ready(
@@ -150,16 +149,21 @@ def wait_ready(
     deadline passes."""
     import httpx
 
-    while True:
-        proc.check_alive()
+    def ready() -> bool:
         try:
             r = httpx.get(url, timeout=5)
-            if r.status_code == 200 and (ok is None or ok(r)):
-                return
         except httpx.TransportError:
-            pass
+            return False
+        return r.status_code == 200 and (ok is None or ok(r))
+
+    _wait(proc, ready, deadline, "was not ready within the deadline")
+
+
+def _wait(proc: Proc, check: Callable[[], bool], deadline: float, failure: str) -> None:
+    while True:
+        proc.check_alive()
+        if check():
+            return
         if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"{proc.name} was not ready within the deadline; log:\n{proc.tail()}"
-            )
+            raise RuntimeError(f"{proc.name} {failure}; log:\n{proc.tail()}")
         time.sleep(STARTUP_POLL_S)

@@ -165,6 +165,14 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def fixed(x: float | None, width: int = 12, spec: str = ".2f", sign: bool = False) -> str:
+    """A number right-aligned in ``width`` characters (``-`` for None), for the commands'
+    plain-text tables; ``sign``: always with its sign."""
+    if x is None:
+        return f"{'-':>{width}}"
+    return format(x, f">{'+' if sign else ''}{width}{spec}")
+
+
 def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]

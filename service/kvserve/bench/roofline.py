@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvserve.bench.cpu import machine_busy_seconds, usable_cpus
+from kvserve.bench.cpu import cpu_use, usable_cpus
 from kvserve.bench.results import Column, Section, Table, Target, model_setup
 from kvserve.bench.suite import SuiteContext
 from kvserve.config import blocks_for, cpu_has_native_bf16, torch_dtype
@@ -123,24 +123,6 @@ class Point:
     @property
     def fraction(self) -> float:  # % of the bound
         return 100 * self.bound / self.seconds
-
-
-def _cpu_clock() -> tuple[float, float, float] | None:
-    """(wall, CPU seconds the whole machine was busy, CPU seconds of this process)."""
-    try:
-        busy = machine_busy_seconds()
-    except (OSError, ValueError):
-        return None
-    return time.perf_counter(), busy, time.process_time()
-
-
-def _others_share(start: tuple[float, float, float] | None) -> float | None:
-    """% of the machine's CPU time that other processes used since ``start``."""
-    end = _cpu_clock()
-    if start is None or end is None:
-        return None
-    wall, busy, own = (b - a for a, b in zip(start, end, strict=True))
-    return max(0.0, 100 * (busy - own) / (wall * usable_cpus()))
 
 
 def _timed(fn: Callable[[], object], device: str) -> float:
@@ -376,17 +358,18 @@ def _table(title: str, columns: list[tuple[Column, Getter]], points: list[Point]
 
 
 def run(ctx: SuiteContext) -> Section:
-    clock = _cpu_clock()
     s = _sizes(ctx.smoke, ctx.device.startswith("cuda"))
-    bandwidth, peaks = measure_machine(s, ctx.device)
-    gflops = {k: _sig(v / 1e9) for k, v in peaks.items()}
-    ctx.say(f"  streaming read {bandwidth / 1e9:.1f} GB/s; matmul peak GFLOP/s {gflops}")
-    path = ctx.checkpoint("150m")
-    points: list[Point] = []
-    for dtype in MODEL_DTYPES:
-        points += measure_model(ctx, path, dtype, s, bandwidth, peaks[dtype])
-        gc.collect()  # free this dtype's model and KV cache before the next one
-    others = _others_share(clock)
+    with cpu_use() as use:
+        bandwidth, peaks = measure_machine(s, ctx.device)
+        gflops = {k: _sig(v / 1e9) for k, v in peaks.items()}
+        ctx.say(f"  streaming read {bandwidth / 1e9:.1f} GB/s; matmul peak GFLOP/s {gflops}")
+        path = ctx.checkpoint("150m")
+        points: list[Point] = []
+        for dtype in MODEL_DTYPES:
+            points += measure_model(ctx, path, dtype, s, bandwidth, peaks[dtype])
+            gc.collect()  # free this dtype's model and KV cache before the next one
+    # % of the machine's CPU time that other processes used meanwhile
+    others = None if use.others is None else 100 * use.others / (use.wall * usable_cpus())
 
     machine = [_sig(bandwidth / 1e9), gflops["float32"], gflops["bfloat16"]]
     machine_columns = [Column("streaming read", "GB/s"), Column("fp32 matmul peak", "GFLOP/s")]

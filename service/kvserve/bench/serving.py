@@ -7,9 +7,10 @@ concurrency:
 * offline: ``LLM.generate`` over the whole workload with ``max_num_seqs = concurrency``,
   in this process;
 * serving: a ``kvserve serve`` process on 127.0.0.1 (the real server, as deployed, with
-  its request log at INFO), and ``concurrency`` asyncio clients (httpx, on uvloop where
-  installed, like the server) in this process that take prompts from a shared queue and
-  stream ``POST /v1/completions`` (``stream_options.include_usage``) until it is empty.
+  its request log at INFO), and ``concurrency`` streaming clients in this process
+  (``bench.sse_client``, on uvloop where installed, like the server) that each take the
+  next prompt of the workload when their last one ends, and stream ``POST
+  /v1/completions`` (``stream_options.include_usage``) until none is left.
 
 Throughput is output tokens / wall seconds on each side (the serving side counts the
 tokens each response's ``usage`` reports); the rounds alternate the two sides.
@@ -23,11 +24,11 @@ one pair at a time, so drift in the machine's speed falls on both alike. Two fig
   output is visible when ``step()`` returns it, detokenized, to the caller.
 * decomposed: the server's request log gives each request's engine timeline on the same
   monotonic clock as the client's timestamps (one machine), which splits the client's
-  TTFT into: HTTP in (the request body's write → the handler stamps arrival, which it does
-  on the request's head, so this is often slightly negative), to the engine (reading and
-  validating the body, tokenization, hand-off to the engine thread → first scheduled), compute
-  (first scheduled → the visible token), and out (that token → its SSE chunk read by the
-  client). What the server adds is TTFT − compute, per request; its median is reported.
+  TTFT into: HTTP in (the request's write → the handler stamps arrival, which it does on
+  the request's head), to the engine (reading and validating the body, tokenization,
+  hand-off to the engine thread → first scheduled), compute (first scheduled → the
+  visible token), and out (that token → its SSE chunk read by the client). What the
+  server adds is TTFT − compute, per request; its median is reported.
   That still holds the engine's own work outside compute (admitting and scheduling the
   request, detokenizing the token and building the output), which the offline side does
   as well: its median there is reported, and per pair the server's share net of it
@@ -54,34 +55,39 @@ import argparse
 import asyncio
 import gc
 import json
-import math
-import os
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvserve.bench.launcher import Launcher, LaunchSettings, Replica
 from kvserve.bench.offline import MODEL_SIZES, make_workload
-from kvserve.bench.processes import Proc, stop
-from kvserve.bench.timelines import Workload
+from kvserve.bench.results import fixed
+from kvserve.bench.sse_client import (
+    COMPLETIONS,
+    ClientRecord,
+    Connection,
+    WorkloadPass,
+    completion_body,
+    run_on_uvloop,
+    stream_workload,
+    ttfts,
+)
+from kvserve.bench.timelines import Workload, percentile_ms
 from kvserve.config import DTYPES
 from kvserve.telemetry import definitions
-from kvserve.telemetry.request_log import REQUEST_LOGGER
 
 if TYPE_CHECKING:
-    import httpx
-
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.llm import LLM
+    from kvserve.sampling_params import SamplingParams
 
-MODEL_NAME = "bench-model"
 TTFT_PROMPT_LEN = 32  # the TTFT pass repeats one prompt: every request is the same work
 TTFT_MAX_TOKENS = 8  # enough to reach the first visible token; keeps the pass short
-SERVER_STARTUP_TIMEOUT_S = 300.0
 T = TypeVar("T")
 
 
@@ -118,29 +124,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---- results ---------------------------------------------------------------------------
-@dataclass
-class ClientRecord:
-    """One streamed request as the client saw it (``time.perf_counter`` seconds)."""
-
-    send: float
-    first: float | None = None  # first chunk with visible text
-    last: float | None = None  # last chunk with visible text
-    chunk_times: list[float] = field(default_factory=list)
-    output_tokens: int = 0  # usage.completion_tokens
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.finish_reason is not None
-
-
-@dataclass
-class ServingPass:
-    seconds: float
-    records: list[ClientRecord]
-
-
 @dataclass
 class TtftPair:
     """One lone request on each side; the server's with its engine timeline (from the
@@ -202,40 +185,7 @@ class BenchResult:
     ttft_server_net_p50_ms: float | None
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None or math.isnan(seconds) else round(seconds * 1000, 2)
-
-
-# ---- engines and the server ------------------------------------------------------------
-def run_on_uvloop(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a benchmark's clients (or stand-in server) on uvloop where it is installed, as
-    the servers run.
-
-    A client's own wake-ups fall inside the TTFT it measures (the offline side has no
-    client), so a slower client loop would be charged to the server.
-    """
-    try:
-        import uvloop
-    except ImportError:  # not on Windows
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
-
-
-def _max_model_len(work: Workload) -> int:
-    return max(map(len, work.prompts)) + max(work.output_lens)
-
-
+# ---- the offline engine ----------------------------------------------------------------
 def _make_llm(model_dir: Path, work: Workload, args: argparse.Namespace) -> LLM:
     """One engine; called twice so both sides get exactly the same settings."""
     from kvserve import LLM
@@ -245,178 +195,10 @@ def _make_llm(model_dir: Path, work: Workload, args: argparse.Namespace) -> LLM:
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.concurrency,
-        max_model_len=_max_model_len(work),
+        max_model_len=work.max_len,
         seed=args.seed,
         enable_prefix_caching=False,  # random prompts share nothing; keep rounds identical
     )
-
-
-def _start_server(
-    model_dir: Path, work: Workload, args: argparse.Namespace, workdir: Path
-) -> tuple[Proc, str]:
-    """``kvserve serve`` with the offline engine's settings; returns once it is ready.
-
-    Its log level is INFO, the default, so its request log (one JSON line per request,
-    with the engine timeline) lands in the process's log file.
-    """
-    from kvserve.bench.processes import free_ports, spawn, wait_ready
-
-    (port,) = free_ports(1)
-    argv = [
-        sys.executable, "-m", "kvserve", "serve", "--model", str(model_dir),
-        "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-        "--no-grpc", "--dtype", args.dtype, "--device", args.device,
-        "--max-num-seqs", str(args.concurrency), "--max-model-len", str(_max_model_len(work)),
-        "--seed", str(args.seed), "--no-prefix-caching", "--drain-timeout", "2",
-        "--log-level", "info",
-    ]  # fmt: skip
-    proc = spawn("server", argv, workdir / "server.log", dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, f"{url}/ready", time.monotonic() + SERVER_STARTUP_TIMEOUT_S)
-    except BaseException:
-        stop([proc])
-        raise
-    return proc, url
-
-
-def _request_log(log: Path) -> dict[str, dict[str, Any]]:
-    """The server's request log records (``kvserve.telemetry.request_log``) by request id."""
-    records: dict[str, dict[str, Any]] = {}
-    for line in log.read_text(errors="replace").splitlines():
-        _, found, payload = line.partition(f" {REQUEST_LOGGER.name} ")
-        if found and payload.startswith("{"):
-            try:
-                record = json.loads(payload)
-            except json.JSONDecodeError:
-                continue
-            records[str(record.get("request_id"))] = record
-    return records
-
-
-# ---- the serving side ------------------------------------------------------------------
-def _body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-async def stream_sse(
-    client: httpx.AsyncClient,
-    path: str,
-    body: dict[str, Any],
-    rec: ClientRecord,
-    on_event: Callable[[dict[str, Any], float], None],
-    headers: dict[str, str] | None = None,
-) -> None:
-    """POST ``body`` (with ``headers``) and hand each SSE event to ``on_event`` with its
-    arrival time.
-
-    ``rec.send`` becomes the moment the request body's write begins: the write that puts
-    the request's last byte on the socket (httpcore's trace events give it, so the client
-    library's own work before it is not charged to the server; the call time stands in if
-    the event never comes). Stamped before the write rather than after: a client thread
-    preempted right after its write (the server waking on its CPU) would otherwise stamp
-    ``send`` late and hide part of the server's time. Chunks are timed when their
-    bytes arrive, before any parsing. HTTP and transport failures land in ``rec.error``;
-    ``rec.first``/``rec.last`` are set from ``rec.chunk_times`` at the end.
-    """
-    rec.send = time.perf_counter()
-
-    async def trace(event: str, info: dict[str, Any]) -> None:
-        if event == "http11.send_request_body.started":
-            rec.send = time.perf_counter()
-
-    try:
-        async with client.stream(
-            "POST", path, json=body, headers=headers, extensions={"trace": trace}
-        ) as r:
-            if r.status_code != 200:
-                await r.aread()
-                rec.error = f"HTTP {r.status_code}: {r.text[:300]}"
-                return
-            pending = b""
-            async for raw in r.aiter_bytes():
-                now = time.perf_counter()
-                *lines, pending = (pending + raw).split(b"\n")
-                for line in lines:
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[len(b"data: ") :].strip()
-                    if data == b"[DONE]":
-                        return
-                    event = json.loads(data)
-                    if "error" in event:
-                        rec.error = str(event["error"].get("message"))
-                    on_event(event, now)
-    except Exception as exc:  # a benchmark reports failures rather than dying on one
-        rec.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        if rec.chunk_times:
-            rec.first, rec.last = rec.chunk_times[0], rec.chunk_times[-1]
-
-
-async def _stream_one(
-    client: httpx.AsyncClient, body: dict[str, Any], request_id: str | None = None
-) -> ClientRecord:
-    """Stream one completion (timing: ``stream_sse``), as ``request_id`` if given."""
-    rec = ClientRecord(send=time.perf_counter())
-
-    def handle(event: dict[str, Any], now: float) -> None:
-        if event.get("usage"):
-            rec.output_tokens = int(event["usage"]["completion_tokens"])
-        for choice in event.get("choices", ()):
-            if choice.get("text"):
-                rec.chunk_times.append(now)
-            if choice.get("finish_reason") is not None:
-                rec.finish_reason = choice["finish_reason"]
-
-    headers = {"x-request-id": request_id} if request_id is not None else None
-    await stream_sse(client, "/v1/completions", body, rec, handle, headers=headers)
-    return rec
-
-
-def _client(url: str, concurrency: int) -> httpx.AsyncClient:
-    import httpx
-
-    return httpx.AsyncClient(
-        base_url=url,
-        timeout=httpx.Timeout(600.0),
-        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-    )
-
-
-async def _serving_pass(url: str, work: Workload, concurrency: int) -> ServingPass:
-    """``concurrency`` workers drain a shared queue of the workload's requests."""
-    todo: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(work.prompts)):
-        todo.put_nowait(i)
-    records: list[ClientRecord | None] = [None] * len(work.prompts)
-
-    async with _client(url, concurrency) as client:
-        # Warm-up (connections, first forward passes), outside the timed window.
-        await asyncio.gather(
-            *(_stream_one(client, _body(p, 4)) for p in work.prompts[: min(2, concurrency)])
-        )
-
-        async def worker() -> None:
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                records[i] = await _stream_one(client, _body(work.prompts[i], work.output_lens[i]))
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-    return ServingPass(seconds, [r for r in records if r is not None])
 
 
 # ---- TTFT, one request at a time -------------------------------------------------------
@@ -455,13 +237,6 @@ def _engine_ttft(
     return found
 
 
-def _same_clock() -> bool:
-    """Whether the client's ``perf_counter`` and the engine's ``monotonic`` are one clock
-    (true on Linux: both CLOCK_MONOTONIC), so their instants can be subtracted."""
-    a, b = time.get_clock_info("perf_counter"), time.get_clock_info("monotonic")
-    return a.implementation == b.implementation
-
-
 async def _ttft_pairs(
     url: str, run_offline: Callable[..., Any], engine: LLMEngine, work: Workload, n: int
 ) -> tuple[list[TtftPair], list[tuple[str, ClientRecord]], int]:
@@ -480,31 +255,32 @@ async def _ttft_pairs(
     max_tokens = max(probe[2] + 1, 2)
     pairs: list[TtftPair] = []
     sent: list[tuple[str, ClientRecord]] = []
-    async with _client(url, 1) as client:
-        await _stream_one(client, _body(prompt, 2))  # warm-up (and the keep-alive connection)
+    client = Connection(url)
+    try:
+        await client.stream(COMPLETIONS, completion_body(prompt, 2))  # warm-up, keep-alive
         for i in range(n):
             offline = await run_offline(_engine_ttft, engine, f"ttft-off-{i}", prompt, max_tokens)
             rid = f"ttft-srv-{i}"
-            rec = await _stream_one(client, _body(prompt, max_tokens), request_id=rid)
+            rec = await client.stream(COMPLETIONS, completion_body(prompt, max_tokens), rid)
             if rec.error is not None:
                 raise RuntimeError(f"TTFT request failed: {rec.error}")
-            if offline is None or rec.first is None:
+            if offline is None or rec.ttft is None:
                 continue
-            server = definitions.ttft(rec.send, rec.first)
-            pairs.append(TtftPair(offline[0], server, offline_compute=offline[1]))
+            pairs.append(TtftPair(offline[0], rec.ttft, offline_compute=offline[1]))
             sent.append((rid, rec))
+    finally:
+        client.close()
     return pairs, sent, probe[2]
 
 
-def _decompose(
+def decompose(
     pairs: list[TtftPair],
     sent: list[tuple[str, ClientRecord]],
     visible_at: int,
     log: dict[str, Any],
 ) -> None:
-    """Fill in each pair's server-side parts from the request log (same clock)."""
-    if not _same_clock():
-        return
+    """Fill in each pair's server-side parts from the server's request log (on the
+    client's clock)."""
     for pair, (rid, rec) in zip(pairs, sent, strict=True):
         r = log.get(rid)
         if r is None or rec.first is None or r.get("last_token_time") is None:
@@ -525,7 +301,7 @@ def _summarise(
     vocab_size: int,
     work: Workload,
     offline_times: list[float],
-    serving: list[ServingPass],
+    serving: list[WorkloadPass],
     pairs: list[TtftPair],
 ) -> BenchResult:
     best = min(serving, key=lambda p: p.seconds)
@@ -537,7 +313,7 @@ def _summarise(
         (sum(r.output_tokens for r in p.records if r.ok) / p.seconds) / (work.output_tokens / t)
         for t, p in zip(offline_times, serving, strict=True)
     ]
-    ttfts = [definitions.ttft(r.send, r.first) for r in ok if r.first is not None]
+    ttft = ttfts(ok)
     e2es = [definitions.e2e(r.send, r.last) for r in ok if r.last is not None]
     tpots = [
         t
@@ -550,11 +326,11 @@ def _summarise(
     diffs = [p.server - p.offline for p in pairs]
     parts = [p for p in pairs if p.compute is not None]
 
-    def median(values: list[float]) -> float:
-        return statistics.median(values) if values else math.nan
+    def median_ms(values: list[float]) -> float | None:
+        return percentile_ms(values, 50)
 
     def part(name: str) -> float | None:
-        return _ms(median([getattr(p, name) for p in parts]))
+        return median_ms([getattr(p, name) for p in parts])
 
     own = [p.offline - p.offline_compute for p in pairs if p.offline_compute is not None]
     net = [
@@ -562,7 +338,7 @@ def _summarise(
         for p in parts
         if p.compute is not None and p.offline_compute is not None
     ]
-
+    records = [r for p in serving for r in p.records]
     return BenchResult(
         model_size=args.model_size,
         model_params=params,
@@ -571,7 +347,7 @@ def _summarise(
         device=args.device,
         num_prompts=len(work.prompts),
         concurrency=args.concurrency,
-        prompt_tokens=sum(map(len, work.prompts)),
+        prompt_tokens=work.prompt_tokens,
         output_tokens=work.output_tokens,
         rounds=args.rounds,
         offline_seconds=round(t_off, 3),
@@ -580,35 +356,35 @@ def _summarise(
         serving_output_tok_s=round(srv_rate, 1),
         throughput_ratio=round(srv_rate / off_rate, 3),
         throughput_ratio_per_round=[round(x, 3) for x in per_round],
-        serving_requests_completed=sum(r.ok for p in serving for r in p.records),
-        serving_requests_failed=sum(not r.ok for p in serving for r in p.records),
+        serving_requests_completed=sum(r.ok for r in records),
+        serving_requests_failed=sum(not r.ok for r in records),
         serving_output_tokens=served_tokens,
-        serving_ttft_p50_ms=_ms(_percentile(ttfts, 50)),
-        serving_ttft_p99_ms=_ms(_percentile(ttfts, 99)),
-        serving_tpot_p50_ms=_ms(_percentile(tpots, 50)),
-        serving_itl_p50_ms=_ms(_percentile(itls, 50)),
-        serving_itl_p99_ms=_ms(_percentile(itls, 99)),
-        serving_e2e_p50_ms=_ms(_percentile(e2es, 50)),
+        serving_ttft_p50_ms=percentile_ms(ttft, 50),
+        serving_ttft_p99_ms=percentile_ms(ttft, 99),
+        serving_tpot_p50_ms=percentile_ms(tpots, 50),
+        serving_itl_p50_ms=percentile_ms(itls, 50),
+        serving_itl_p99_ms=percentile_ms(itls, 99),
+        serving_e2e_p50_ms=percentile_ms(e2es, 50),
         ttft_pairs=len(pairs),
-        ttft_server_p50_ms=_ms(median([p.server for p in pairs])),
-        ttft_engine_p50_ms=_ms(median([p.offline for p in pairs])),
-        ttft_overhead_ms=_ms(median(diffs)),
-        ttft_overhead_p25_ms=_ms(_percentile(diffs, 25)),
-        ttft_overhead_p75_ms=_ms(_percentile(diffs, 75)),
+        ttft_server_p50_ms=median_ms([p.server for p in pairs]),
+        ttft_engine_p50_ms=median_ms([p.offline for p in pairs]),
+        ttft_overhead_ms=median_ms(diffs),
+        ttft_overhead_p25_ms=percentile_ms(diffs, 25),
+        ttft_overhead_p75_ms=percentile_ms(diffs, 75),
         ttft_decomposed_requests=len(parts),
         ttft_http_in_p50_ms=part("http_in"),
         ttft_to_engine_p50_ms=part("to_engine"),
         ttft_compute_p50_ms=part("compute"),
         ttft_http_out_p50_ms=part("http_out"),
-        ttft_server_added_p50_ms=_ms(median([p.server - (p.compute or 0.0) for p in parts])),
-        ttft_engine_own_p50_ms=_ms(median(own)),
-        ttft_server_net_p50_ms=_ms(median(net)),
+        ttft_server_added_p50_ms=median_ms([p.server - (p.compute or 0.0) for p in parts]),
+        ttft_engine_own_p50_ms=median_ms(own),
+        ttft_server_net_p50_ms=median_ms(net),
     )
 
 
 def _print_table(res: BenchResult) -> None:
-    def f(x: float | None, spec: str = ">12.1f") -> str:
-        return f"{'-':>12}" if x is None else format(x, spec)
+    def f(x: float | None) -> str:
+        return fixed(x, 12, ".1f")
 
     print(
         f"model: random Llama ({res.model_size} dims, {res.vocab_size}-token vocabulary), "
@@ -669,10 +445,58 @@ def _print_table(res: BenchResult) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from concurrent.futures import ThreadPoolExecutor
-
+def _measure(
+    args: argparse.Namespace,
+    offline: LLM,
+    sampling: list[SamplingParams],
+    server: Replica,
+    work: Workload,
+    torch_thread: ThreadPoolExecutor,
+    say: Callable[[str], None],
+) -> tuple[list[float], list[WorkloadPass], list[TtftPair]]:
+    """The throughput rounds (the whole workload offline, then through the server), then
+    the lone requests of the TTFT comparison, decomposed with the server's request log."""
     from kvserve.heap import freeze_startup_heap
+
+    async def on_torch(fn: Callable[..., T], *fn_args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(torch_thread, fn, *fn_args)
+
+    # As `kvserve serve` does before serving (kvserve.heap): both sides then run with the
+    # garbage collector off their start-up heaps, and neither pays for collections the
+    # other skips. Undone at the end (a caller may go on running).
+    freeze_startup_heap()
+    try:
+        offline_times: list[float] = []
+        serving: list[WorkloadPass] = []
+        for r in range(args.rounds):
+            start = time.perf_counter()
+            job = torch_thread.submit(offline.generate, work.prompts, sampling, use_tqdm=False)
+            outs = job.result()
+            offline_times.append(time.perf_counter() - start)
+            produced = sum(len(o.outputs[0].token_ids) for o in outs)
+            assert produced == work.output_tokens, (produced, work.output_tokens)
+            say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
+            serving.append(
+                run_on_uvloop(stream_workload(server.http_url, None, work, args.concurrency))
+            )
+            failed = sum(not rec.ok for rec in serving[-1].records)
+            say(
+                f"  round {r + 1}/{args.rounds}: serving  {serving[-1].seconds:7.2f} s"
+                + (f"  ({failed} failed)" if failed else "")
+            )
+        pairs: list[TtftPair] = []
+        if args.ttft_requests > 0:
+            say(f"  TTFT: {args.ttft_requests} lone requests on each side, interleaved ...")
+            pairs, sent, visible_at = run_on_uvloop(
+                _ttft_pairs(server.http_url, on_torch, offline.engine, work, args.ttft_requests)
+            )
+            decompose(pairs, sent, visible_at, server.request_log())
+    finally:
+        gc.unfreeze()
+    return offline_times, serving, pairs
+
+
+def run(args: argparse.Namespace) -> int:
     from kvserve.model.config import ModelConfig
     from kvserve.testing.checkpoints import build_random_checkpoint
 
@@ -688,9 +512,6 @@ def run(args: argparse.Namespace) -> int:
 
     def on_torch(fn: Callable[..., T], *fn_args: Any) -> T:
         return torch_thread.submit(fn, *fn_args).result()
-
-    async def on_torch_async(fn: Callable[..., T], *fn_args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(torch_thread, fn, *fn_args)
 
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-serve-") as tmp, torch_thread:
         # The offline bench's layer dimensions; the vocabulary is the tokenizer's own
@@ -710,7 +531,7 @@ def run(args: argparse.Namespace) -> int:
         params = model_config.num_params()
         work = make_workload(args, model_config.vocab_size)
         say(
-            f"workload: {args.num_prompts} prompts, {sum(map(len, work.prompts))} prompt "
+            f"workload: {args.num_prompts} prompts, {work.prompt_tokens} prompt "
             f"tokens, {work.output_tokens} output tokens, concurrency {args.concurrency}"
         )
         say("loading the offline engine and starting `kvserve serve` ...")
@@ -721,37 +542,21 @@ def run(args: argparse.Namespace) -> int:
             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
         ]
         on_torch(lambda: offline.generate(work.prompts[:2], sampling[:2], use_tqdm=False))
-        # As `kvserve serve` does before serving (kvserve.heap): both sides then run
-        # with the garbage collector off their start-up heaps, and neither pays for
-        # collections the other skips. Undone at the end (a caller may go on running).
-        server, url = _start_server(model_dir, work, args, Path(tmp))
-        freeze_startup_heap()
+        settings = LaunchSettings(
+            str(model_dir), dtype=args.dtype, device=args.device, seed=args.seed,
+            max_num_seqs=args.concurrency, max_model_len=work.max_len,
+        )  # fmt: skip
         try:
-            offline_times: list[float] = []
-            serving: list[ServingPass] = []
-            for r in range(args.rounds):
-                start = time.perf_counter()
-                outs = on_torch(lambda: offline.generate(work.prompts, sampling, use_tqdm=False))
-                offline_times.append(time.perf_counter() - start)
-                produced = sum(len(o.outputs[0].token_ids) for o in outs)
-                assert produced == work.output_tokens, (produced, work.output_tokens)
-                say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
-                serving.append(run_on_uvloop(_serving_pass(url, work, args.concurrency)))
-                failed = sum(not rec.ok for rec in serving[-1].records)
-                say(
-                    f"  round {r + 1}/{args.rounds}: serving  {serving[-1].seconds:7.2f} s"
-                    + (f"  ({failed} failed)" if failed else "")
+            with Launcher(settings, Path(tmp)) as launcher:
+                (server,) = launcher.start_replicas(
+                    1, prefix_caching=False, grpc=False, log_level="info"
                 )
-            pairs: list[TtftPair] = []
-            if args.ttft_requests > 0:
-                say(f"  TTFT: {args.ttft_requests} lone requests on each side, interleaved ...")
-                pairs, sent, visible_at = run_on_uvloop(
-                    _ttft_pairs(url, on_torch_async, offline.engine, work, args.ttft_requests)
+                offline_times, serving, pairs = _measure(
+                    args, offline, sampling, server, work, torch_thread, say
                 )
-                _decompose(pairs, sent, visible_at, _request_log(server.log))
-        finally:
-            stop([server])
-            gc.unfreeze()
+        except RuntimeError as exc:
+            say(f"kvserve bench serve: error: {exc}")
+            return 1
 
     res = _summarise(args, params, model_config.vocab_size, work, offline_times, serving, pairs)
     if args.json:

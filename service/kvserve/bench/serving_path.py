@@ -11,10 +11,9 @@ caching off so every round costs the same), the same concurrency, on two paths:
   wait the clients spend in their own queue, before sending). Same scheduling, same
   throughput as ``generate``.
 * **gateway + server**: one ``kvserve serve`` replica process behind a ``kvserve gateway``
-  process (``kvserve.bench.gateway.Launcher``), and 32 streaming clients in this process
-  (``bench.gateway._overhead_pass``: HTTP + SSE to the gateway with the light client of
-  ``bench.sse_client``, gRPC from it to the replica), each taking the next request of
-  the workload when its last one ends.
+  process (``bench.launcher``), and 32 streaming clients in this process (HTTP + SSE to
+  the gateway with ``bench.sse_client.stream_workload``, gRPC from it to the replica),
+  each taking the next request of the workload when its last one ends.
 
 Per request ``s`` = arrival in the engine (offline) or the request's one write to the
 socket (client, stamped just before it); ``f``/``e`` = the first/last output with
@@ -45,7 +44,6 @@ side's best round (throughput) is reported with that round's latency.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import time
@@ -53,12 +51,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ParamSpec
 
-from kvserve.bench import gateway as gw
-from kvserve.bench.cpu import machine_busy_seconds, usable_cpus
+from kvserve.bench.cpu import cpu_use, usable_cpus
+from kvserve.bench.launcher import Launcher, LaunchSettings
 from kvserve.bench.processes import Proc
 from kvserve.bench.results import Column, Section, Table, model_setup
+from kvserve.bench.sse_client import stream_workload
 from kvserve.bench.suite import SuiteContext
-from kvserve.bench.timelines import Latency, Timeline, Workload, latency, random_workload
+from kvserve.bench.timelines import Latency, Timeline, Workload, diff, latency, random_workload
 from kvserve.telemetry import definitions
 
 if TYPE_CHECKING:
@@ -152,38 +151,29 @@ def _offline_pass(engine: LLMEngine, work: Workload, streams: int, tag: str) -> 
 
 def _serving_pass(url: str, key: str, work: Workload, streams: int) -> Pass:
     """``streams`` clients drain the workload through the gateway (HTTP + SSE, the key)."""
-    seconds, recs, _ = asyncio.run(gw._overhead_pass(url, key, work, streams, []))
-    ok = [r for r in recs if r.ok]
+    x = asyncio.run(stream_workload(url, key, work, streams))
+    ok = [r for r in x.records if r.ok]
     timelines, steady = [], []
-    for i, r in enumerate(recs):  # in workload order: the first `streams` went out first
+    for i, r in enumerate(x.records):  # in workload order: the first `streams` went out first
         if r.ok and r.first is not None and r.last is not None:
             timelines.append(Timeline(r.send, r.first, r.last, len(r.chunk_times)))
-            if i >= streams and len(recs) == len(work.prompts):
+            if i >= streams:
                 steady.append(timelines[-1])
-    return Pass("serving", seconds, len(ok), len(work.prompts) - len(ok),
+    return Pass("serving", x.seconds, len(ok), len(work.prompts) - len(ok),
                 sum(r.output_tokens for r in ok), sum(len(r.chunk_times) for r in ok), 0,
                 timelines, steady)  # fmt: skip
-
-
-def _cpu_now(procs: list[Proc]) -> list[float]:
-    """CPU seconds so far of this process, of each of ``procs``, and of the whole machine;
-    then the clock."""
-    own = time.process_time()
-    return [own, *(p.cpu_seconds() for p in procs), machine_busy_seconds(), time.perf_counter()]
 
 
 def _with_cpu(
     procs: list[Proc], pass_: Callable[P, Pass], *args: P.args, **kwargs: P.kwargs
 ) -> Pass:
     """Run a pass and charge it the CPU time of each process over the whole call (a
-    window slightly longer than the timed pass: the serving pass's 4 tiny warm-up
+    window slightly longer than the timed pass: the serving pass's tiny warm-up
     requests are in it)."""
-    before = _cpu_now(procs)
-    x = pass_(*args, **kwargs)
-    mine, rep, gate, machine, x.cpu_window = (
-        b - a for a, b in zip(before, _cpu_now(procs), strict=True)
-    )
-    x.cpu = (mine, rep, gate, max(0.0, machine - mine - rep - gate))
+    with cpu_use(procs) as use:
+        x = pass_(*args, **kwargs)
+    replica, gateway = use.children
+    x.cpu, x.cpu_window = (use.own, replica, gateway, use.others or 0.0), use.wall
     return x
 
 
@@ -204,43 +194,39 @@ def run(ctx: SuiteContext) -> Section:
     warm = Workload(work.prompts[:streams], [WARMUP_TOKENS] * min(streams, len(work.prompts)))
     cpus = usable_cpus()
     threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else max(1, cpus - 1)
-    parser = argparse.ArgumentParser()
-    gw.add_arguments(parser)
-    gw_args = parser.parse_args(
-        ["--dtype", DTYPE, "--device", ctx.device, "--max-num-seqs", str(streams),
-         "--streams", str(streams), "--requests", str(len(work.prompts)),
-         "--seed", str(ctx.seed)]
-    )  # fmt: skip
     saved_threads = torch.get_num_threads()
-    launcher = gw.Launcher(gw_args, str(model_dir), ctx.work_dir / "serving_path")
-    launcher.workdir.mkdir(parents=True, exist_ok=True)
+    settings = LaunchSettings(
+        str(model_dir), dtype=DTYPE, device=ctx.device, seed=ctx.seed, max_num_seqs=streams
+    )
+    workdir = ctx.work_dir / "serving_path"
+    workdir.mkdir(parents=True, exist_ok=True)
     passes: list[Pass] = []
     try:
         torch.set_num_threads(threads)  # inherited by the short-lived threads below
         ctx.say(f"starting a replica ({threads} compute thread(s)) and a gateway ...")
-        (rep,) = launcher.start_replicas(1, "--no-prefix-caching", threads=threads)
-        gateway, url, key = launcher.start_gateway([rep.grpc_address], "prefix")
-        procs = [rep.proc, gateway]
-        llm = call_in_short_lived_thread(
-            lambda: LLM(str(model_dir), dtype=DTYPE, device=ctx.device, max_num_seqs=streams,
-                        seed=ctx.seed, enable_prefix_caching=False)
-        )  # fmt: skip
-        # Untimed: the first steps at each batch size, and the gRPC path's first calls.
-        call_in_short_lived_thread(_offline_pass, llm.engine, warm, streams, "warm")
-        if _serving_pass(url, key, warm, streams).failed:
-            raise RuntimeError("warm-up requests through the gateway failed")
-        for r in range(1, ctx.rounds + 1):
-            off = _with_cpu(procs, call_in_short_lived_thread, _offline_pass, llm.engine,
-                            work, streams, f"r{r}")  # fmt: skip
-            srv = _with_cpu(procs, _serving_pass, url, key, work, streams)
-            for x in (off, srv):
-                x.round = r
-                passes.append(x)
-                failed = f" ({x.failed} failed)" if x.failed else ""
-                ctx.say(f"  round {r}/{ctx.rounds} {x.side:<8} {x.seconds:6.2f} s "
-                        f"{x.tok_s:7.1f} tok/s{failed}")  # fmt: skip
+        with Launcher(settings, workdir) as launcher:
+            (rep,) = launcher.start_replicas(1, prefix_caching=False, threads=threads)
+            gateway = launcher.start_gateway([rep.grpc_address], "prefix")
+            url, key, procs = gateway.url, gateway.key, [rep.proc, gateway.proc]
+            llm = call_in_short_lived_thread(
+                lambda: LLM(str(model_dir), dtype=DTYPE, device=ctx.device, max_num_seqs=streams,
+                            seed=ctx.seed, enable_prefix_caching=False)
+            )  # fmt: skip
+            # Untimed: the first steps at each batch size, and the gRPC path's first calls.
+            call_in_short_lived_thread(_offline_pass, llm.engine, warm, streams, "warm")
+            if _serving_pass(url, key, warm, streams).failed:
+                raise RuntimeError("warm-up requests through the gateway failed")
+            for r in range(1, ctx.rounds + 1):
+                off = _with_cpu(procs, call_in_short_lived_thread, _offline_pass, llm.engine,
+                                work, streams, f"r{r}")  # fmt: skip
+                srv = _with_cpu(procs, _serving_pass, url, key, work, streams)
+                for x in (off, srv):
+                    x.round = r
+                    passes.append(x)
+                    failed = f" ({x.failed} failed)" if x.failed else ""
+                    ctx.say(f"  round {r}/{ctx.rounds} {x.side:<8} {x.seconds:6.2f} s "
+                            f"{x.tok_s:7.1f} tok/s{failed}")  # fmt: skip
     finally:
-        launcher.stop_all()
         torch.set_num_threads(saved_threads)
     off = max((x for x in passes if x.side == "offline"), key=lambda x: x.tok_s)
     srv = max((x for x in passes if x.side == "serving"), key=lambda x: x.tok_s)
@@ -278,8 +264,8 @@ def _section(ctx: SuiteContext, config: ModelConfig, work: Workload, streams: in
          row("gateway + server", srv, lat["serving"])],
     )  # fmt: skip
     ratio, cpu_ratio = srv.tok_s / off.tok_s, srv.cpu_per_token_ms / off.cpu_per_token_ms
-    d_ttft = _diff(lat["serving"].ttft_p50_ms, lat["offline"].ttft_p50_ms)
-    d_tpot = _diff(lat["serving"].tpot_p50_ms, lat["offline"].tpot_p50_ms)
+    d_ttft = diff(lat["serving"].ttft_p50_ms, lat["offline"].ttft_p50_ms)
+    d_tpot = diff(lat["serving"].tpot_p50_ms, lat["offline"].tpot_p50_ms)
     compare = Table(
         "Serving path vs offline engine (best rounds)",
         [Column("output throughput, serving / offline", "×"),
@@ -352,7 +338,3 @@ def _section(ctx: SuiteContext, config: ModelConfig, work: Workload, streams: in
 
 def _signed(x: float | None) -> str:
     return "–" if x is None else f"{x:+.2f}"
-
-
-def _diff(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else round(a - b, 2)

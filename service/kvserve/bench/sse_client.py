@@ -1,18 +1,21 @@
-"""A minimal HTTP/1.1 client for streamed completions, for the gateway benchmarks.
+"""The benchmarks' one client: streamed completions over keep-alive HTTP/1.1 connections,
+at little CPU cost.
 
-The gateway benchmarks time servers, so their client must cost little: on a small
-machine it shares a CPU with one of the processes it measures. httpx with a JSON parse
-per event costs ~100 µs of CPU per streamed chunk, as much as the gateway itself. This
-client writes each request in one write, reads the chunked body with asyncio streams,
-and recognises a text delta without parsing it: ``"finish_reason": null`` is in every
-event that carries a text delta and nothing else (completions and chat, engine server
-and gateway, which send one event per chunk and no such event without text), and in no
-other event. Only the events that end a stream are parsed (finish reason, usage, errors,
-and the text the last one may carry).
+The benchmarks time servers, so their client must cost little: on a small machine it
+shares a CPU with the processes it measures. httpx with a JSON parse per event costs
+~100 µs of CPU per streamed chunk, as much as the gateway itself. This client writes each
+request in one write, reads the chunked body with asyncio streams, and recognises a text
+delta without parsing it: ``"finish_reason": null`` is in every event that carries a text
+delta and nothing else (completions and chat, engine server and gateway, which send one
+event per chunk and no such event without text), and in no other event. Only the events
+that end a stream are parsed (finish reason, usage, errors, and the text the last one may
+carry), with ``kvserve.sse_events``; ``keep_text`` parses every event, for a caller that
+needs the reply.
 
-Timing (``time.perf_counter``, as ``serving.ClientRecord``): ``send`` is stamped just
-before the request's single write; a chunk is stamped when the read that returns it
-completes, before anything is parsed.
+Timing (``time.perf_counter``, the engine's clock on Linux): ``send`` is stamped just
+before the request's single write (a client preempted right after its write would
+otherwise stamp it late and hide part of the server's time); a chunk is stamped when the
+read that returns it completes, before anything is parsed.
 """
 
 from __future__ import annotations
@@ -20,30 +23,88 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-from kvserve.bench.serving import ClientRecord
+from kvserve.bench.cpu import CpuUse, cpu_use
+from kvserve.bench.timelines import Workload
+from kvserve.sse_events import event_data, parse_event
+from kvserve.telemetry import definitions
 
+if TYPE_CHECKING:
+    from kvserve.bench.processes import Proc
+
+T = TypeVar("T")
+MODEL_NAME = "bench-model"  # what every benchmark server serves its model as
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 TEXT_DELTA = b'"finish_reason": null'
 # What ends one request as failed (and closes its connection).
-_FAILURES = (
-    OSError,
-    ValueError,
-    asyncio.IncompleteReadError,
-    asyncio.LimitOverrunError,
-)
+_FAILURES = (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)
+
+
+@dataclass
+class ClientRecord:
+    """One streamed request as the client saw it (``time.perf_counter`` seconds)."""
+
+    send: float
+    first: float | None = None  # first chunk with visible text
+    last: float | None = None  # last chunk with visible text
+    chunk_times: list[float] = field(default_factory=list)  # of the chunks with text
+    output_tokens: int = 0  # usage.completion_tokens
+    prompt_tokens: int = 0  # usage.prompt_tokens
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    text: str = ""  # the reply, with keep_text only
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_reason is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else definitions.ttft(self.send, self.first)
+
+
+def ttfts(records: Sequence[ClientRecord]) -> list[float]:
+    """The TTFTs of the requests that succeeded and showed text."""
+    return [t for r in records if r.ok and (t := r.ttft) is not None]
+
+
+def completion_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A streamed, greedy completion of exactly ``max_tokens`` tokens (``ignore_eos``)."""
+    return _greedy_stream(max_tokens, prompt=prompt)
+
+
+def chat_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """A streamed, greedy chat completion of exactly ``max_tokens`` tokens."""
+    return _greedy_stream(max_tokens, messages=messages)
+
+
+def _greedy_stream(max_tokens: int, **request: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL_NAME,
+        **request,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 class Connection:
     """One keep-alive connection to ``url`` (``http://host:port``); requests go one at a
     time. Reconnects after a failure."""
 
-    def __init__(self, url: str, key: str | None = None) -> None:
+    def __init__(self, url: str, key: str | None = None, *, keep_text: bool = False) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or parts.hostname is None or parts.port is None:
             raise ValueError(f"expected http://HOST:PORT, got {url!r}")
         self.host, self.port = parts.hostname, parts.port
+        self.keep_text = keep_text
         self._auth = b"" if key is None else b"authorization: Bearer " + key.encode() + b"\r\n"
         self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
@@ -96,10 +157,12 @@ class Connection:
             now = time.perf_counter()
             if size == 0:
                 return
-            for _ in range(data.count(TEXT_DELTA)):
-                rec.chunk_times.append(now)
+            if self.keep_text:
+                _read_events(data, rec, now, keep_text=True)
+                continue
+            rec.chunk_times += [now] * data.count(TEXT_DELTA)
             if b'"finish_reason": "' in data or b'"usage"' in data or b'"error"' in data:
-                _read_events(data, rec, now)
+                _read_events(data, rec, now, keep_text=False)
 
     def close(self) -> None:
         if self._stream is not None:
@@ -107,20 +170,114 @@ class Connection:
             self._stream = None
 
 
-def _read_events(data: bytes, rec: ClientRecord, now: float) -> None:
-    """The finish reason, usage and errors in the events of one chunk, and the text a
-    finishing event may carry (the engine server sends the last token's text with the
-    finish reason)."""
+def _read_events(data: bytes, rec: ClientRecord, now: float, keep_text: bool) -> None:
+    """The events of one chunk of the body: the finish reason, usage and errors, and the
+    text of every event (``keep_text``), or else only the text an event that ends the
+    stream may carry (the engine server sends the last token's text with the finish
+    reason: the other text deltas were counted without parsing them)."""
     for line in data.split(b"\n"):
-        if not line.startswith(b"data: {"):
+        payload = event_data(line)
+        if payload is None or not payload.startswith("{"):
             continue
-        event = json.loads(line[len(b"data: ") :])
-        if "error" in event:
-            rec.error = f"error event: {event['error'].get('message')}"
-        if event.get("usage"):
-            rec.output_tokens = int(event["usage"]["completion_tokens"])
-        for choice in event.get("choices", ()):
-            if choice.get("finish_reason") is not None:
-                rec.finish_reason = choice["finish_reason"]
-                if choice.get("text") or (choice.get("delta") or {}).get("content"):
-                    rec.chunk_times.append(now)
+        event = parse_event(payload)
+        if event.error is not None:
+            rec.error = f"error event: {event.error}"
+        if event.usage:
+            rec.output_tokens = int(event.usage["completion_tokens"])
+            rec.prompt_tokens = int(event.usage.get("prompt_tokens") or 0)
+            details = event.usage.get("prompt_tokens_details") or {}
+            rec.cached_tokens = int(details.get("cached_tokens") or 0)
+        if event.finish_reason is not None:
+            rec.finish_reason = event.finish_reason
+        if event.text and (keep_text or event.finish_reason is not None):
+            rec.chunk_times.append(now)
+            if keep_text:
+                rec.text += event.text
+
+
+class StreamPool:
+    """``streams`` connections to one server that drain a list of requests together, each
+    taking the next request when its last one ends (a closed loop, as clients behind a
+    fixed number of streams send)."""
+
+    def __init__(self, url: str, key: str | None, streams: int) -> None:
+        self.url = url
+        self.connections = [Connection(url, key) for _ in range(streams)]
+
+    async def __aenter__(self) -> StreamPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for conn in self.connections:
+            conn.close()
+
+    async def warm_up(self, path: str, body: dict[str, Any]) -> None:
+        """``body`` once on every connection, outside any timed window: the connections,
+        and the first calls behind them. Raises RuntimeError when one fails."""
+        warm = await asyncio.gather(*(c.stream(path, body) for c in self.connections))
+        errors = [rec.error for rec in warm if rec.error]
+        if errors:
+            raise RuntimeError(f"warm-up request to {self.url} failed: {errors[0]}")
+
+    async def drain(
+        self, path: str, bodies: Sequence[dict[str, Any]], tag: str | None = None
+    ) -> tuple[float, list[ClientRecord]]:
+        """Send every body; returns the wall seconds and the records, in ``bodies``' order.
+        With ``tag``, request ``i`` goes as request id ``{tag}-{i}``."""
+        records: list[ClientRecord | None] = [None] * len(bodies)
+        todo = iter(range(len(bodies)))
+
+        async def worker(conn: Connection) -> None:
+            for i in todo:
+                rid = None if tag is None else f"{tag}-{i}"
+                records[i] = await conn.stream(path, bodies[i], rid)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in self.connections[: len(bodies)]))
+        seconds = time.perf_counter() - start
+        done = [rec for rec in records if rec is not None]
+        assert len(done) == len(bodies), "every request has its record"
+        return seconds, done
+
+
+@dataclass
+class WorkloadPass:
+    """One timed pass of a workload through a server."""
+
+    seconds: float
+    records: list[ClientRecord]  # in the workload's order
+    cpu: CpuUse  # over the timed window, of this process and the watched children
+
+
+async def stream_workload(
+    url: str,
+    key: str | None,
+    work: Workload,
+    streams: int,
+    *,
+    tag: str | None = None,
+    children: Sequence[Proc] = (),
+) -> WorkloadPass:
+    """``streams`` connections (one request each to warm up, untimed) drain the
+    workload's completions. With ``tag``, request ``i`` goes as request id ``{tag}-{i}``."""
+    bodies = [completion_body(p, n) for p, n in zip(work.prompts, work.output_lens, strict=True)]
+    async with StreamPool(url, key, min(streams, len(bodies))) as pool:
+        await pool.warm_up(COMPLETIONS, completion_body(work.prompts[0], 2))
+        with cpu_use(children) as cpu:
+            seconds, records = await pool.drain(COMPLETIONS, bodies, tag)
+    return WorkloadPass(seconds, records, cpu)
+
+
+def run_on_uvloop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a benchmark's clients (or stand-in server) on uvloop where it is installed, as
+    the servers run.
+
+    A client's own wake-ups fall inside the latencies it measures (the offline side has
+    no client), so a slower client loop would be charged to the server.
+    """
+    try:
+        import uvloop
+    except ImportError:  # not on Windows
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)

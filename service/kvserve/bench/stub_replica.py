@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from kvserve.bench.serving import run_on_uvloop
+from kvserve.bench.sse_client import run_on_uvloop
 from kvserve.config import DEFAULT_BLOCK_SIZE
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc

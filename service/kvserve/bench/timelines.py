@@ -48,8 +48,19 @@ class Latency:
     tpot_p99_ms: float | None
 
 
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(x * 1000, 2)
+def ms(seconds: float | None) -> float | None:
+    """Seconds in milliseconds, to 0.01 ms (None stays None)."""
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def percentile_ms(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile of seconds, in milliseconds (None without values)."""
+    return ms(definitions.percentile(values, q))
+
+
+def diff(a: float | None, b: float | None) -> float | None:
+    """``a − b`` to 0.01 (None when either is)."""
+    return None if a is None or b is None else round(a - b, 2)
 
 
 def latency(timelines: Sequence[Timeline]) -> Latency:
@@ -57,10 +68,10 @@ def latency(timelines: Sequence[Timeline]) -> Latency:
     tpots = [v for t in timelines if (v := definitions.tpot(t.f, t.e, t.n)) is not None]
     return Latency(
         ttft_mean_ms=round(statistics.fmean(ttfts) * 1000, 2),
-        ttft_p50_ms=_ms(definitions.percentile(ttfts, 50)) or 0.0,
-        ttft_p99_ms=_ms(definitions.percentile(ttfts, 99)) or 0.0,
-        tpot_p50_ms=_ms(definitions.percentile(tpots, 50)),
-        tpot_p99_ms=_ms(definitions.percentile(tpots, 99)),
+        ttft_p50_ms=ms(definitions.percentile(ttfts, 50)) or 0.0,
+        ttft_p99_ms=ms(definitions.percentile(ttfts, 99)) or 0.0,
+        tpot_p50_ms=ms(definitions.percentile(tpots, 50)),
+        tpot_p99_ms=ms(definitions.percentile(tpots, 99)),
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvserve.loadtest.records import RequestRecord, Status, round_us
 from kvserve.loadtest.workloads import RequestSpec
+from kvserve.sse_events import DONE, event_data, parse_event
 
 Post = Callable[[str, dict[str, Any]], AbstractContextManager[Any]]
 Mark = Callable[[Any, Status, str | None], None]
@@ -106,27 +107,21 @@ def _read(response: Any, spec: RequestSpec, p: _Progress, clock: Callable[[], fl
         return
     for raw in response.iter_lines(chunk_size=None):
         now = clock()
-        line = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-        if not line.startswith("data:"):
+        data = event_data(raw)
+        if data is None:
             continue  # blank separators, SSE comments (": ping"), other fields
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
+        if data == DONE:
             p.done = True
             p.end = now
             return
-        event = json.loads(data)
-        if "error" in event:
-            err = event["error"]
-            msg = err.get("message") if isinstance(err, dict) else err
-            p.fail(f"error event: {msg}")
+        event = parse_event(data)
+        if event.error is not None:
+            p.fail(f"error event: {event.error}")
             continue
-        text = ""
-        for choice in event.get("choices") or []:
-            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            p.finish_reason = choice.get("finish_reason") or p.finish_reason
-        if event.get("usage"):
-            p.usage = event["usage"]
-        if text:
+        p.finish_reason = event.finish_reason or p.finish_reason
+        if event.usage:
+            p.usage = event.usage
+        if event.text:
             p.chunk_times.append(now - p.t0)
             if (
                 spec.cancel_after_chunks is not None

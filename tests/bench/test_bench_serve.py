@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvserve.bench import serving
+from kvserve.bench.launcher import read_request_log
+from kvserve.bench.sse_client import ClientRecord
 
 
 @pytest.mark.slow
@@ -73,7 +75,7 @@ def test_bench_serve_json_reports_every_figure(capsys: pytest.CaptureFixture[str
 def test_decomposition_splits_the_client_ttft_into_the_servers_instants(
     visible_at: int, token: float
 ) -> None:
-    rec = serving.ClientRecord(send=1.0, first=1.5, chunk_times=[1.5])
+    rec = ClientRecord(send=1.0, first=1.5, chunk_times=[1.5])
     pair = serving.TtftPair(offline=0.3, server=0.5)
     log = {
         "r1": {
@@ -84,7 +86,7 @@ def test_decomposition_splits_the_client_ttft_into_the_servers_instants(
             "last_token_time": 1.45,
         }
     }
-    serving._decompose([pair], [("r1", rec)], visible_at, log)
+    serving.decompose([pair], [("r1", rec)], visible_at, log)
     assert pair.http_in == pytest.approx(0.1)
     assert pair.to_engine == pytest.approx(0.1)
     assert pair.compute == pytest.approx(token - 1.2)
@@ -100,4 +102,4 @@ def test_request_log_lines_are_found_among_other_log_lines(tmp_path: Path) -> No
         "2026-11-30 01:02:03,457 INFO uvicorn.access 127.0.0.1 - POST /v1/completions 200\n"
         "2026-11-30 01:02:03,458 INFO kvserve.requests {not json\n"
     )
-    assert serving._request_log(log) == {"a": {"request_id": "a", "arrival_time": 1.0}}
+    assert read_request_log(log) == {"a": {"request_id": "a", "arrival_time": 1.0}}

@@ -1,0 +1,244 @@
+"""Prefix vs round-robin routing: ``kvserve bench gateway --phase routing``.
+
+``--replicas`` replicas, an agent workload: ``--agents`` agents share one system prompt of
+about ``--system-tokens`` tokens (built deterministically from ``--seed``, counted with
+the model's tokenizer) and each asks ``--questions`` short questions in turn, keeping its
+conversation (``--no-history``: each question alone after the system prompt). It runs
+once with ``routing.policy: prefix`` and once with ``round_robin``, each on freshly
+started replicas (cold prefix caches) behind a freshly started gateway. Reported: the
+cached-token ratio (Σ cached_tokens / Σ prompt_tokens from the streams' usage), TTFT, and
+the gateway's routing decisions per replica.
+
+Why conversations by default: the gateway's prefix key is a chat's messages up to the
+first user message, cut to ``routing.prefix_chars`` (512). A ~200-token system prompt is
+shorter than that with the demo tokenizer (~2 characters per token), so the key also
+holds the agent's first question: prefix routing keeps each agent on one replica, where
+its conversation so far is cached, while round-robin scatters its turns. Independent
+questions share only the system prompt, which every replica caches after its first
+request under either policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.bench.cpu import usable_cpus
+from kvserve.bench.launcher import Launcher, Replica
+from kvserve.bench.results import fixed
+from kvserve.bench.sse_client import CHAT, ClientRecord, Connection, chat_body, ttfts
+from kvserve.bench.timelines import ms, percentile_ms
+
+POLICIES = ("prefix", "round_robin")
+_WORDS = (
+    "travel", "train", "flight", "hotel", "booking", "ticket", "station", "airport",
+    "luggage", "refund", "delay", "platform", "passport", "itinerary", "connection",
+    "seat", "window", "aisle", "breakfast", "checkout", "museum", "harbour", "ferry",
+    "bicycle", "map", "weather", "budget", "receipt", "schedule", "guide",
+)  # fmt: skip
+_CITIES = ("Lisbon", "Vienna", "Oslo", "Porto", "Prague", "Seville", "Ghent", "Turin")
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    seconds: float
+    requests_ok: int
+    requests_failed: int
+    prompt_tokens: int  # Σ usage.prompt_tokens
+    cached_tokens: int  # Σ usage.prompt_tokens_details.cached_tokens
+    cached_ratio: float | None
+    ttft_mean_ms: float | None
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    requests_per_replica: list[int]  # the gateway's routing decisions, by replica
+    routing_overrides: int  # prefix routes sent elsewhere (load bound or retry)
+
+
+@dataclass
+class RoutingResult:
+    replicas: int
+    agents: int
+    questions: int
+    history: bool
+    system_prompt_tokens: int
+    max_tokens: int
+    replica_omp_threads: int | None  # OMP_NUM_THREADS given to each replica (None: inherited)
+    policies: list[PolicyResult]
+
+
+def system_prompt(tokenizer: Any, tokens: int, seed: int) -> tuple[str, int]:
+    """A deterministic system prompt of about ``tokens`` tokens, and its exact count."""
+    rng = random.Random(seed)
+    text = "You are a travel desk agent. Follow these notes:"
+
+    def count(t: str) -> int:
+        return len(tokenizer.encode(t, add_special_tokens=False))
+
+    while count(text) < tokens:
+        text += " " + rng.choice(_WORDS)
+    return text, count(text)
+
+
+def agent_questions(agents: int, questions: int, seed: int) -> list[list[str]]:
+    """Each agent's questions: short, distinct, deterministic."""
+    rng = random.Random(seed + 1)
+    return [
+        [
+            f"Agent {a + 1}, question {q + 1}: the {rng.choice(_WORDS)} from "
+            f"{rng.choice(_CITIES)} to {rng.choice(_CITIES)}?"
+            for q in range(questions)
+        ]
+        for a in range(agents)
+    ]
+
+
+async def _warm_replicas(replicas: Sequence[Replica]) -> None:
+    """One tiny request to each replica directly (first forward passes, lazy set-up).
+
+    It starts with a user message, so it shares no KV block with the agents' prompts
+    (which start with the system prompt): the caches stay cold for what is measured.
+    """
+    for rep in replicas:
+        conn = Connection(rep.http_url)
+        rec = await conn.stream(CHAT, chat_body([{"role": "user", "content": "warm up"}], 2))
+        conn.close()
+        if rec.error:
+            raise RuntimeError(f"warm-up request to {rep.http_url} failed: {rec.error}")
+
+
+async def _agents_pass(
+    url: str, key: str, system: str, questions: list[list[str]], args: argparse.Namespace
+) -> tuple[float, list[ClientRecord]]:
+    """Every agent at once, each asking its questions one after another on its own
+    connection, the reply's text kept for its history."""
+    records: list[ClientRecord] = []
+
+    async def agent(asks: list[str]) -> None:
+        conn = Connection(url, key, keep_text=True)
+        history: list[dict[str, str]] = []
+        try:
+            for question in asks:
+                messages = [
+                    {"role": "system", "content": system},
+                    *history,
+                    {"role": "user", "content": question},
+                ]
+                rec = await conn.stream(CHAT, chat_body(messages, args.routing_max_tokens))
+                records.append(rec)
+                if args.history:
+                    history += [
+                        {"role": "user", "content": question},
+                        {"role": "assistant", "content": rec.text},
+                    ]
+        finally:
+            conn.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(agent(asks) for asks in questions))
+    return time.perf_counter() - start, records
+
+
+def _routing_counts(url: str, replicas: Sequence[Replica]) -> tuple[list[int], int]:
+    """The gateway's routing decisions per replica (in ``replicas`` order), and its
+    overrides, from its /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    per: dict[str, float] = {}
+    overrides = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == "kvserve_gateway_routing_decisions_total":
+                per[s.labels["replica"]] = per.get(s.labels["replica"], 0.0) + s.value
+            elif s.name == "kvserve_gateway_routing_overrides_total":
+                overrides += s.value
+    return [round(per.get(r.grpc_address, 0.0)) for r in replicas], round(overrides)
+
+
+def run_routing(
+    args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
+) -> RoutingResult:
+    system, system_tokens = system_prompt(tokenizer, args.system_tokens, args.seed)
+    questions = agent_questions(args.agents, args.questions, args.seed)
+    # Replicas share the CPUs: one OpenMP thread team each sized to its share, unless the
+    # caller set OMP_NUM_THREADS (oversubscribed teams spin and throttle each other).
+    threads = max(1, usable_cpus() // args.replicas)
+    results: list[PolicyResult] = []
+    for policy in POLICIES:
+        say(f"routing: {policy}: starting {args.replicas} replicas and the gateway ...")
+        reps = launcher.start_replicas(args.replicas, threads=threads)
+        asyncio.run(_warm_replicas(reps))
+        gateway = launcher.start_gateway([r.grpc_address for r in reps], policy)
+        seconds, recs = asyncio.run(_agents_pass(gateway.url, gateway.key, system, questions, args))
+        per_replica, overrides = _routing_counts(gateway.url, reps)
+        launcher.stop_all()  # fresh replicas (cold caches) for the next policy
+        ok = [r for r in recs if r.ok]
+        prompt = sum(r.prompt_tokens for r in ok)
+        cached = sum(r.cached_tokens for r in ok)
+        ttft = ttfts(ok)
+        res = PolicyResult(
+            policy=policy,
+            seconds=round(seconds, 3),
+            requests_ok=len(ok),
+            requests_failed=len(recs) - len(ok),
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            cached_ratio=round(cached / prompt, 4) if prompt else None,
+            ttft_mean_ms=ms(statistics.fmean(ttft)) if ttft else None,
+            ttft_p50_ms=percentile_ms(ttft, 50),
+            ttft_p90_ms=percentile_ms(ttft, 90),
+            requests_per_replica=per_replica,
+            routing_overrides=overrides,
+        )
+        results.append(res)
+        say(
+            f"  {policy}: {seconds:.2f} s, cached ratio {res.cached_ratio}, TTFT mean "
+            f"{res.ttft_mean_ms} ms, per replica {per_replica}"
+            + (f" ({res.requests_failed} failed)" if res.requests_failed else "")
+        )
+        failed = [r.error for r in recs if r.error]
+        if failed:
+            say(f"  first failure: {failed[0]}")
+    return RoutingResult(
+        replicas=args.replicas,
+        agents=args.agents,
+        questions=args.questions,
+        history=args.history,
+        system_prompt_tokens=system_tokens,
+        max_tokens=args.routing_max_tokens,
+        replica_omp_threads=None if "OMP_NUM_THREADS" in os.environ else threads,
+        policies=results,
+    )
+
+
+def print_routing(r: RoutingResult) -> None:
+    print()
+    print(
+        f"routing: {r.replicas} replicas, {r.agents} agents × {r.questions} questions, one "
+        f"{r.system_prompt_tokens}-token system prompt, "
+        + ("each agent keeping its conversation" if r.history else "independent questions")
+        + f", {r.max_tokens} output tokens per answer, cold caches for each policy; "
+        "every process may run on every CPU"
+    )
+    print(
+        f"{'policy':<14}{'requests':>9}{'prompt tok':>11}{'cached tok':>11}{'cached':>8}"
+        f"{'TTFT mean':>10}{'TTFT p50':>10}{'TTFT p90':>10}{'seconds':>9}  per replica"
+    )
+    for p in r.policies:
+        ratio = "-" if p.cached_ratio is None else f"{p.cached_ratio:.1%}"
+        print(
+            f"{p.policy:<14}{p.requests_ok:>9}{p.prompt_tokens:>11}{p.cached_tokens:>11}"
+            f"{ratio:>8}{fixed(p.ttft_mean_ms, 10, '.1f')}{fixed(p.ttft_p50_ms, 10, '.1f')}"
+            f"{fixed(p.ttft_p90_ms, 10, '.1f')}{p.seconds:>9.2f}  "
+            f"{'/'.join(map(str, p.requests_per_replica))}"
+            + (f"  ({p.requests_failed} failed)" if p.requests_failed else "")
+        )
+    print("  (TTFT in ms; cached = Σ cached_tokens / Σ prompt_tokens from the streams' usage)")
