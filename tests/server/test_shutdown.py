@@ -85,3 +85,33 @@ def test_drain_timeout_aborts_the_rest(checkpoint_dir) -> None:  # type: ignore[
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_a_second_signal_ends_the_drain_quietly(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    proc, url, _port = start_cli_server(checkpoint_dir("llama"), "--drain-timeout", "60", grpc=True)
+    try:
+        body = {"model": "m", "prompt": "drain me", "max_tokens": 900, "temperature": 0}
+        body |= {"ignore_eos": True, "stream": True}
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{url}/v1/completions", json=body) as r,
+        ):
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass  # mid-stream
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2][len("data: ") :])
+        assert last["choices"][0]["finish_reason"] == "abort"  # ended now, not finished
+        assert proc.wait(timeout=60) == 0
+        log = proc.log.read_text()
+        assert "ending the drain" in log
+        assert "Traceback" not in log and "CancelledError" not in log, proc.tail()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -12,13 +12,17 @@ from tests.support.processes import LoggedProcess, start_logged
 from tests.support.waiting import wait_until
 
 
-def start_cli_server(model: Path | None, *extra: str) -> tuple[LoggedProcess, str, int]:
+def start_cli_server(
+    model: Path | None, *extra: str, grpc: bool = False
+) -> tuple[LoggedProcess, str, int]:
     """``kvserve serve`` on a free port, once it reports ready; its output is in ``.log``.
 
     ``model=None`` runs it with no model arguments at all (the bundled demo model).
+    ``grpc`` serves the gRPC API too, on another free port.
     """
     port = free_port()
-    args = ["--port", str(port), "--no-grpc"]
+    args = ["--port", str(port)]
+    args += ["--grpc-port", str(free_port())] if grpc else ["--no-grpc"]
     if model is not None:
         args += ["--model", str(model), "--served-model-name", "m", "--dtype", "float32"]
     proc = start_logged(

@@ -206,6 +206,11 @@ class AsyncEngine:
         """Abort the request with this engine id (its stream ends with "abort")."""
         self._commands.put(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """Abort every in-flight request (their streams end with "abort")."""
+        for rid in list(self._streams):
+            self._commands.put(_Abort(rid))
+
     def abort_external(self, external_id: str) -> int:
         """Abort every in-flight request whose client id is ``external_id``; how many."""
         found = [rid for rid, ext in self._external_ids.items() if ext == external_id]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from types import FrameType
@@ -18,7 +19,14 @@ log = logging.getLogger("kvserve.server")
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: stop admitting (readiness fails, new requests get 503), let
     in-flight requests finish for up to ``drain_timeout`` seconds, then shut down (what
-    is left is aborted) and exit 0. A second signal stops at once."""
+    is left is aborted) and exit 0.
+
+    A second signal ends the drain now: the requests still running are aborted (their
+    streams end with finish reason "abort") and the server shuts down as after a drain,
+    quietly, with exit 0. (uvicorn's own second-signal exit cancels the lifespan and the
+    open requests mid-await, which printed tracebacks and could abort the process in
+    gRPC's threads.) A third signal exits at once with status 1.
+    """
 
     def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
         super().__init__(config)
@@ -26,6 +34,7 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._drain_ended = False
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -34,9 +43,20 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded as a captured signal: uvicorn would re-raise it after shutdown,
         # and the process would die by the signal instead of exiting 0.
-        if self._draining or self._loop is None:
+        if self._loop is None:
             self.should_exit = True
-            self.force_exit = self._draining
+            return
+        if self._drain_ended:
+            log.warning("signal %d a third time: exiting at once", sig)
+            os._exit(1)
+        if self._draining:
+            self._drain_ended = True
+            log.warning(
+                "signal %d again: ending the drain, aborting %d in-flight requests",
+                sig,
+                self.state.engine.num_in_flight,
+            )
+            self._loop.call_soon_threadsafe(self._end_drain)
             return
         self._draining = True
         self.state.admitting = False
@@ -47,6 +67,10 @@ class DrainingServer(uvicorn.Server):
             self.drain_timeout,
         )
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    def _end_drain(self) -> None:  # on the event loop
+        self.state.engine.abort_all()
+        self.should_exit = True
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
