@@ -252,12 +252,20 @@ for name in first:
         if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
         for n in ast.walk(f)
     }
+    type_checking_only = {  # `if TYPE_CHECKING:` blocks never run
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, ast.If) and "TYPE_CHECKING" in ast.unparse(f.test)
+        for n in ast.walk(f)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
         else:
+            continue
+        if id(node) in type_checking_only:
             continue
         for n in names:
             top = n.split(".")[0]
@@ -273,6 +281,8 @@ print(json.dumps({"loaded": sorted({m.split(".")[0] for m in sys.modules}),
 NOT_FOR_THE_OPERATOR = {
     "huggingface_hub": "kvserve.model.pull downloads hf:// sources in the engine pods' init "
     "container (the kvserve image); the operator only parses sources",
+    "torch": "kvserve.config makes the engine's torch dtypes and devices; the operator only "
+    "reads the engine's option schema from it",
 }
 
 
