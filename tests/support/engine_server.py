@@ -37,6 +37,7 @@ def start_server(
     tracer_provider: TracerProvider | None = None,
     grpc: bool = False,
     max_body_bytes: int = 64 * 1024,
+    write_stall_timeout: float = 30.0,
     **engine_kw: object,
 ) -> RunningServer:
     cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **engine_kw)  # type: ignore[arg-type]
@@ -45,6 +46,7 @@ def start_server(
         engine,
         SERVED_MODEL,
         max_body_bytes=max_body_bytes,
+        write_stall_timeout=write_stall_timeout,
         metrics=EngineMetrics(SERVED_MODEL),
         tracer_provider=tracer_provider,
         grpc_address=("127.0.0.1", 0) if grpc else None,

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 # Tokenizing a prompt of more characters than this leaves the event loop: ~1 ms of work on
 # the loop is the most a request may cost the other streams and the health probes.
 OFFLOAD_CHARS = 16_384
+# Outputs a request may have waiting for its consumer (each holds the request's text and
+# logprobs so far): a client that stops reading is ended by the write-stall timeout
+# (kvserve.openai.stalls); this bounds what piles up before, or without one.
+MAX_PENDING_OUTPUTS = 4096
 TOKENIZER_THREADS = 2
 _T = TypeVar("_T")
 
@@ -70,9 +74,15 @@ class EngineHooks:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, hooks: EngineHooks | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        hooks: EngineHooks | None = None,
+        max_pending_outputs: int = MAX_PENDING_OUTPUTS,
+    ) -> None:
         self.engine = engine
         self.hooks = hooks or EngineHooks()
+        self.max_pending_outputs = max_pending_outputs
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, OutputSink] = {}  # engine id → consumer
         self._external_ids: dict[str, str | None] = {}  # engine id → client id, in flight
@@ -171,8 +181,9 @@ class AsyncEngine:
         so a request whose response never starts does not run on.
         """
         queue_: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.add_request(req, queue_.put_nowait)
-        return RequestStream(self, req.request_id, queue_)
+        stream = RequestStream(self, req.request_id, queue_)
+        self.add_request(req, stream.put)
+        return stream
 
     def add_request(self, req: Request, on_output: OutputSink) -> None:
         """Hand ``req`` to the engine thread now; ``on_output`` gets, on the event loop,
@@ -377,6 +388,16 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         return self._take(await self._queue.get())
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """The engine's next output (on the event loop). A consumer that fell the engine's
+        ``max_pending_outputs`` behind (a client that stopped reading) has its request
+        aborted: what it has waiting is all it gets, then the error."""
+        limit = self._engine.max_pending_outputs
+        if self._queue.qsize() >= limit and not isinstance(item, BaseException):
+            self._engine.release(self.request_id, abort=True)
+            item = RequestFailedError(f"the client fell {limit} outputs behind; request aborted")
+        self._queue.put_nowait(item)
 
     def ready(self) -> list[RequestOutput]:
         outs: list[RequestOutput] = []

@@ -40,6 +40,7 @@ from kvserve.gateway.files import (
     validation_problems,
 )
 from kvserve.gateway.keys import WILDCARD
+from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.sampling_params import StopLimits
 
 RoutingPolicy = Literal["prefix", "least_load", "round_robin"]
@@ -161,6 +162,8 @@ class GatewayConfig(StrictModel):
     # Stop strings cost every replica's engine thread time per token (docs/security.md).
     max_stop_strings: int = Field(default=StopLimits.max_count, ge=0)
     max_stop_string_chars: int = Field(default=StopLimits.max_chars, ge=1)
+    # A stream whose client has not read for this long is ended (kvserve.openai.stalls).
+    write_stall_timeout_seconds: float = Field(default=DEFAULT_WRITE_STALL_SECONDS, gt=0)
 
     @property
     def stop_limits(self) -> StopLimits:

@@ -29,6 +29,10 @@ from kvserve.rpc import engine_pb2 as pb
 
 log = logging.getLogger("kvserve.gateway")
 
+# Outputs a request may have waiting for its reader: a client that stops reading is ended
+# by the write-stall timeout (kvserve.openai.stalls); this bounds what piles up before.
+MAX_PENDING_OUTPUTS = 4096
+
 
 def rpc_error(
     code: grpc.StatusCode, details: str, error: pb.Error | None = None
@@ -93,6 +97,14 @@ class UpstreamRequest:
             return
         if isinstance(item, BaseException) or item.WhichOneof("kind") != "delta":
             self._end(item)
+            return
+        if len(self._items) >= MAX_PENDING_OUTPUTS:  # its reader (a client) fell this far behind
+            self._abort(
+                rpc_error(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the client fell {MAX_PENDING_OUTPUTS} outputs behind; request aborted",
+                )
+            )
             return
         self._items.append(item)
         self._wake()

@@ -223,6 +223,7 @@ async def _serve(
             relay.sse(call, first, ids, chat, body.include_usage),
             headers=admission.headers,
             on_close=lambda: call.close(None, disconnected=not call.done and call.status == 200),
+            write_timeout=state.config.write_stall_timeout_seconds,
         )
     try:
         result = await until_disconnected(request, relay.collect(call, first, ids, chat))

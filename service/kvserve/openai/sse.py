@@ -18,6 +18,7 @@ Streaming is the hot path of both (one event per token per stream), so it is kep
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -26,7 +27,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvserve.openai import format as fmt
-from kvserve.openai.disconnect import cancel_on_disconnect
+from kvserve.openai.disconnect import Watch, cancel_on_disconnect
+from kvserve.openai.stalls import OpenStream, watchdog
 
 _SENTINEL = "\x00kvserve-text\x00"
 # A str as a JSON string literal, non-ASCII kept (the C function behind json.dumps).
@@ -69,33 +71,55 @@ class EventStreamResponse(Response):
         *,
         headers: Mapping[str, str] | None = None,
         on_close: Callable[[], None] | None = None,
+        write_timeout: float | None = None,
     ) -> None:
+        """``write_timeout``: end the response (as if the client had left) when one write
+        waits longer than this for a client that stopped reading (``openai.stalls``)."""
         self.events = events
         self.on_close = on_close
+        self.write_timeout = write_timeout
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with cancel_on_disconnect(receive):
-                await self._stream(send)
+            async with cancel_on_disconnect(receive) as watch:
+                await self._stream(send, watch)
         except OSError:  # the client left while a write was under way
             pass
         finally:
             if self.on_close is not None:
                 self.on_close()
 
-    async def _stream(self, send: Send) -> None:
+    async def _stream(self, send: Send, watch: Watch) -> None:
+        stream: OpenStream | None = None
+        if self.write_timeout is not None:
+            task = asyncio.current_task()
+            assert task is not None
+
+            def stalled() -> None:  # ended as a disconnect: quietly, request aborted
+                watch.disconnected = True
+                task.cancel()
+
+            stalls = watchdog()
+            stream = stalls.open(self.write_timeout, stalled)
+        clock = asyncio.get_running_loop().time
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.events:
-                if chunk.endswith(SSE_DONE):  # the last event: one write with the end
-                    await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                last = chunk.endswith(SSE_DONE)  # the last event: one write with the end
+                if stream is not None:
+                    stream.writing_since = clock()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if stream is not None:
+                    stream.writing_since = None
+                if last:
                     return
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            if stream is not None:
+                stalls.close(stream)
             aclose = getattr(self.events, "aclose", None)
             if aclose is not None:
                 await aclose()

@@ -14,6 +14,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import Request
 from kvserve.openai.errors import install_error_handlers
 from kvserve.openai.middleware import RequestContextMiddleware
+from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import StopLimits
 from kvserve.server.grpc_service import start_grpc_server
@@ -32,6 +33,7 @@ def create_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     stop_limits: StopLimits | None = None,
+    write_stall_timeout: float = DEFAULT_WRITE_STALL_SECONDS,
     metrics: EngineMetrics | None = None,
     tracer_provider: TracerProvider | None = None,
     grpc_address: tuple[str, int] | None = None,
@@ -63,6 +65,7 @@ def create_app(
         metrics=metrics,
         telemetry=telemetry,
         stop_limits=stop_limits,
+        write_stall_timeout=write_stall_timeout,
     )
 
     @asynccontextmanager

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from kvserve import engine_options
+from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.sampling_params import StopLimits
 
 
@@ -23,6 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (for the gateway)")
     p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--write-stall-timeout",
+        type=float,
+        default=DEFAULT_WRITE_STALL_SECONDS,
+        help="seconds a streaming client may go without reading before its request is "
+        f"aborted (default: {DEFAULT_WRITE_STALL_SECONDS:g})",
+    )
     p.add_argument(
         "--max-stop-strings",
         type=int,
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         name,
         max_body_bytes=args.max_body_bytes,
         stop_limits=StopLimits(args.max_stop_strings, args.max_stop_string_chars),
+        write_stall_timeout=args.write_stall_timeout,
         metrics=EngineMetrics(name),
         grpc_address=grpc_address,
     )

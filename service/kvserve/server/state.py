@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.sampling_params import StopLimits
 from kvserve.telemetry.prometheus import EngineMetrics
 from kvserve.telemetry.tracing import RequestTelemetry
@@ -20,6 +21,8 @@ class ServerState:
     metrics: EngineMetrics
     telemetry: RequestTelemetry
     stop_limits: StopLimits = field(default_factory=StopLimits)
+    # A stream whose client has not read for this long is ended (kvserve.openai.stalls).
+    write_stall_timeout: float = DEFAULT_WRITE_STALL_SECONDS
     admitting: bool = True  # false while draining: readiness fails, new requests get 503
 
     @property

@@ -80,7 +80,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
                 )
             )
 
-        return _sse(state.engine, req, chunk, ids, False, body.include_usage)
+        return _sse(state, req, chunk, ids, False, body.include_usage)
 
     out = await _run_to_end(request, state.engine, req)
     c = out.outputs[0]
@@ -133,7 +133,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             first = False
             return encode_event(event)
 
-        return _sse(state.engine, req, chunk, ids, True, body.include_usage)
+        return _sse(state, req, chunk, ids, True, body.include_usage)
 
     out = await _run_to_end(request, state.engine, req)
     c = out.outputs[0]
@@ -201,7 +201,7 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
 
 
 def _sse(
-    engine: AsyncEngine,
+    state: ServerState,
     req: EngineRequest,
     chunk: Callable[[RequestOutput], bytes],
     ids: dict[str, Any],
@@ -211,7 +211,7 @@ def _sse(
     # The request enters the engine now, before the response starts; the response's
     # close (end, client gone, or never started) aborts it unless it finished.
     try:
-        outputs = engine.submit(req)
+        outputs = state.engine.submit(req)
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
 
@@ -235,7 +235,9 @@ def _sse(
             parts.append(encode_event(fmt.usage_chunk(ids, chat, _usage(last))))
         yield b"".join([*parts, SSE_DONE])
 
-    return EventStreamResponse(events(), on_close=outputs.close)
+    return EventStreamResponse(
+        events(), on_close=outputs.close, write_timeout=state.write_stall_timeout
+    )
 
 
 async def _run_to_end(request: Request, engine: AsyncEngine, req: EngineRequest) -> RequestOutput:

@@ -1,0 +1,119 @@
+"""A streaming client that stops reading is ended once a write has waited longer than the
+write-stall timeout, as if it had disconnected: the response's ``on_close`` runs (which
+aborts the engine request) and its events are closed. And a consumer that falls far
+behind has its engine request aborted.
+
+The response runs on a real event loop with the real watchdog; its ASGI ``send`` is a
+client that takes the first writes and then never reads again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
+from kvserve.openai.sse import SSE_DONE, EventStreamResponse
+from kvserve.sampling_params import SamplingParams
+from tests.support.engine_server import RunningServer, start_server, stop_server
+
+STALL_SECONDS = 0.2
+
+
+class StopsReading:
+    """An ASGI ``send`` whose client reads ``reads`` messages, then never again."""
+
+    def __init__(self, reads: int) -> None:
+        self.reads = reads
+        self.sent: list[dict[str, Any]] = []
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if len(self.sent) >= self.reads:
+            await asyncio.Event().wait()  # the socket's buffers are full: wait forever
+        self.sent.append(message)
+
+
+async def never_disconnects() -> dict[str, Any]:
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}
+
+
+def run_stream(reads: int, write_timeout: float | None) -> tuple[StopsReading, list[str]]:
+    events_closed: list[str] = []
+    log: list[str] = []
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n".encode()
+            yield SSE_DONE
+        finally:
+            events_closed.append("closed")
+
+    async def main() -> StopsReading:
+        send = StopsReading(reads)
+        response = EventStreamResponse(
+            events(), on_close=lambda: log.append("on_close"), write_timeout=write_timeout
+        )
+        await asyncio.wait_for(response({}, never_disconnects, send), timeout=30)
+        return send
+
+    send = asyncio.run(main())
+    return send, log + events_closed
+
+
+def test_a_stalled_write_ends_the_response_as_a_disconnect() -> None:
+    send, happened = run_stream(reads=3, write_timeout=STALL_SECONDS)
+    assert len(send.sent) == 3  # the start and two chunks, then nothing was read
+    assert sorted(happened) == ["closed", "on_close"]  # events closed, request aborted
+
+
+def test_a_client_that_reads_is_never_ended() -> None:
+    send, happened = run_stream(reads=10_000, write_timeout=STALL_SECONDS)
+    assert send.sent[-1] == {"type": "http.response.body", "body": SSE_DONE, "more_body": False}
+    assert len(send.sent) == 1 + 1000 + 1 and sorted(happened) == ["closed", "on_close"]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_dir) -> Iterator[RunningServer]:  # type: ignore[no-untyped-def]
+    srv = start_server(checkpoint_dir("llama"))
+    yield srv
+    stop_server(srv)
+
+
+def test_a_consumer_that_falls_far_behind_has_its_request_aborted(
+    server: RunningServer,
+) -> None:
+    """A request's waiting outputs are bounded: a consumer that falls that far behind
+    gets what is waiting, then an error, and the request is aborted (its blocks freed)."""
+    bound = 8
+
+    async def main() -> list[Any]:
+        engine = AsyncEngine(server.engine, max_pending_outputs=bound)
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
+            stream = engine.submit(engine.make_request("fall behind", params, "slow-reader"))
+            while not server.engine.requests:  # the engine thread takes it
+                await asyncio.sleep(0.01)
+            while server.engine.requests:  # and runs it; nobody reads
+                await asyncio.sleep(0.01)
+            got: list[Any] = []
+            try:
+                async for out in stream:
+                    got.append(out)
+            except RequestFailedError as exc:
+                got.append(exc)
+            stream.close()
+            return got
+        finally:
+            await engine.stop()
+
+    got = asyncio.run(main())
+    assert len(got) == bound + 1, got
+    assert isinstance(got[-1], RequestFailedError) and "behind" in str(got[-1])
+    assert sum(len(o.outputs[0].delta_token_ids) for o in got[:-1]) < 200  # cut short
+    assert server.engine.kv.pool.num_free_blocks == server.engine.num_kv_blocks
