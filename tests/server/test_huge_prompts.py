@@ -14,6 +14,7 @@ from kvserve.engine.async_engine import OFFLOAD_CHARS
 from kvserve.rpc import codec
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc
+from kvserve.server.app import body_limit
 from tests.support.engine_server import SERVED_MODEL as MODEL
 from tests.support.engine_server import RunningServer, start_server, stop_server
 
@@ -32,15 +33,29 @@ def post(srv: RunningServer, path: str, body: dict[str, object]) -> httpx.Respon
         return c.post(path, json={"model": MODEL, "max_tokens": 2, **body})
 
 
-def test_a_prompt_of_megabytes_is_refused_by_its_length(big_body_server: RunningServer) -> None:
+def test_a_body_of_megabytes_is_refused_before_it_is_read(
+    big_body_server: RunningServer,
+) -> None:
+    """No prompt that long could fit, so the body limit (4 MiB configured) shrinks to what
+    the longest prompt may take, and the Content-Length alone is refused."""
+    limit = big_body_server.engine.max_prompt_chars
+    assert limit is not None
+    r = post(big_body_server, "/v1/completions", {"prompt": "x" * (3 * MEGABYTE)})
+    assert r.status_code == 413, r.text
+    assert f"limit of {body_limit(4 * MEGABYTE, big_body_server.engine)}" in r.text
+    assert body_limit(4 * MEGABYTE, big_body_server.engine) < MEGABYTE
+
+
+def test_a_prompt_longer_than_can_fit_is_refused_by_its_length(
+    big_body_server: RunningServer,
+) -> None:
     limit = big_body_server.engine.max_prompt_chars
     assert limit is not None
     for path, body, param in [
-        ("/v1/completions", {"prompt": "x" * (3 * MEGABYTE)}, "prompt"),
         ("/v1/completions", {"prompt": "y" * (limit + 1)}, "prompt"),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "z" * (2 * MEGABYTE)}]},
+            {"messages": [{"role": "user", "content": "z" * (limit + 1)}]},
             "messages",
         ),
     ]:

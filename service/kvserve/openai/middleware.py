@@ -56,12 +56,15 @@ class RequestContextMiddleware:
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             self._refused(413)
+            # Then close the connection: reading and discarding the rest of an oversized
+            # body would cost the server as much as taking it.
             await _send_error(
                 send,
                 413,
                 rid,
                 f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}",
                 None,
+                close=True,
             )
             return
 
@@ -98,17 +101,16 @@ class _BodyTooLarge(HTTPException):
         super().__init__(413, f"request body exceeds the limit of {limit} bytes")
 
 
-async def _send_error(send: Send, status: int, rid: str, message: str, param: Any) -> None:
+async def _send_error(
+    send: Send, status: int, rid: str, message: str, param: Any, *, close: bool = False
+) -> None:
     body = json.dumps(error_body(status, message, param, request_id=rid)).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"x-request-id", rid.encode()),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", rid.encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

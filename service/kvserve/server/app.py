@@ -27,6 +27,24 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 log = logging.getLogger("kvserve.server")
 
 
+# A prompt character takes at most this many bytes of JSON (an escaped character outside
+# the BMP: a surrogate pair, \uXXXX\uXXXX); the rest of a body needs far less than the slack.
+JSON_BYTES_PER_CHAR = 12
+BODY_SLACK_BYTES = 64 * 1024
+
+
+def body_limit(max_body_bytes: int, engine: LLMEngine) -> int:
+    """The body limit: ``max_body_bytes``, or less where no prompt that long could fit.
+
+    A body bigger than the longest prompt the engine can take (``max_prompt_chars``) is
+    refused from its Content-Length, before it is read and parsed: megabyte bodies sent
+    in a loop would otherwise hold the event loop for tens of milliseconds each.
+    """
+    if engine.max_prompt_chars is None:
+        return max_body_bytes
+    return min(max_body_bytes, JSON_BYTES_PER_CHAR * engine.max_prompt_chars + BODY_SLACK_BYTES)
+
+
 def create_app(
     engine: LLMEngine,
     served_model_name: str,
@@ -90,5 +108,5 @@ def create_app(
     install_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(health.router)
-    app.add_middleware(RequestContextMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestContextMiddleware, max_body_bytes=body_limit(max_body_bytes, engine))
     return app
