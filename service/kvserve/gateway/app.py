@@ -122,6 +122,7 @@ def create_gateway_app(
     app.add_middleware(
         RequestContextMiddleware,  # type: ignore[arg-type]
         max_body_bytes=config.max_body_bytes,
+        body_timeout=config.listen.body_timeout_seconds,
         on_error=lambda status: metrics.rejections.labels(
             "payload_too_large" if status == 413 else "invalid"
         ).inc(),

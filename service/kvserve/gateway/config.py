@@ -40,6 +40,7 @@ from kvserve.gateway.files import (
     validation_problems,
 )
 from kvserve.gateway.keys import WILDCARD
+from kvserve.openai.http_limits import HttpLimits
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.sampling_params import StopLimits
 
@@ -74,6 +75,17 @@ class ListenConfig(StrictModel):
     # gateway closed idle connections first, the balancer would reuse a closed one and
     # answer 502. uvicorn's own default is 5 s.
     keep_alive_seconds: int = Field(default=75, ge=1)
+    # What a client may make the gateway hold before its request is read
+    # (kvserve.openai.http_limits): a larger head is a 431, a slower one a 408.
+    max_header_bytes: int = Field(default=HttpLimits.max_head_bytes, ge=1024)
+    header_timeout_seconds: float = Field(default=HttpLimits.head_timeout, gt=0)
+    body_timeout_seconds: float = Field(default=HttpLimits.body_timeout, gt=0)
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.max_header_bytes, self.header_timeout_seconds, self.body_timeout_seconds
+        )
 
 
 def _replica_url(url: str) -> str:

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.gateway.app import create_gateway_app
     from kvserve.heap import freeze_startup_heap
+    from kvserve.openai.http_limits import protocol_with
 
     config = watcher.config
     host = args.host or config.listen.host
@@ -76,5 +77,6 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         timeout_keep_alive=config.listen.keep_alive_seconds,
+        http=protocol_with(config.listen.http_limits),
     )
     return 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.openai.errors import error_body
 
 MAX_REQUEST_ID_LEN = 128
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds a body part may take to arrive
 
 
 def valid_request_id(value: str) -> bool:
@@ -21,17 +23,21 @@ def valid_request_id(value: str) -> bool:
 
 
 class RequestContextMiddleware:
-    """Request ids (``x-request-id`` in, validated, echoed out) and the body size limit."""
+    """Request ids (``x-request-id`` in, validated, echoed out), the body size limit, and
+    the body timeout: a body part that does not arrive within ``body_timeout`` seconds
+    (a client that promised a body and never sends it) is a 408."""
 
     def __init__(
         self,
         app: ASGIApp,
         max_body_bytes: int,
         on_error: Callable[[int], None] | None = None,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.on_error = on_error  # called with the status of each refusal (metrics)
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,12 +75,16 @@ class RequestContextMiddleware:
             return
 
         received = 0
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # only the disconnect is left to wait for: no timeout
+                return await receive()
+            message = await self._receive_in_time(receive)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.max_body_bytes:
                     self._refused(413)
                     raise _BodyTooLarge(self.max_body_bytes)
@@ -88,9 +98,39 @@ class RequestContextMiddleware:
 
         await self.app(scope, limited_receive, send_with_id)
 
+    async def _receive_in_time(self, receive: Receive) -> Message:
+        """``receive()``, or a 408 when the body does not arrive in time. A timer that
+        cancels this task is cheaper than ``asyncio.wait_for`` (a task per read)."""
+        task = asyncio.current_task()
+        assert task is not None
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(self.body_timeout, expire)
+        try:
+            return await receive()
+        except asyncio.CancelledError:
+            if expired and task.uncancel() == 0:
+                self._refused(408)
+                raise _BodyTimeout(self.body_timeout) from None
+            raise
+        finally:
+            timer.cancel()
+
     def _refused(self, status: int) -> None:
         if self.on_error is not None:
             self.on_error(status)
+
+
+class _BodyTimeout(HTTPException):
+    """Raised by ``receive`` inside the app when the body stops arriving."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {timeout:g} s")
 
 
 class _BodyTooLarge(HTTPException):

@@ -13,7 +13,7 @@ from kvserve.engine.async_engine import AsyncEngine, EngineHooks
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import Request
 from kvserve.openai.errors import install_error_handlers
-from kvserve.openai.middleware import RequestContextMiddleware
+from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT, RequestContextMiddleware
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import StopLimits
@@ -52,6 +52,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     stop_limits: StopLimits | None = None,
     write_stall_timeout: float = DEFAULT_WRITE_STALL_SECONDS,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
     metrics: EngineMetrics | None = None,
     tracer_provider: TracerProvider | None = None,
     grpc_address: tuple[str, int] | None = None,
@@ -108,5 +109,9 @@ def create_app(
     install_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(health.router)
-    app.add_middleware(RequestContextMiddleware, max_body_bytes=body_limit(max_body_bytes, engine))
+    app.add_middleware(
+        RequestContextMiddleware,
+        max_body_bytes=body_limit(max_body_bytes, engine),
+        body_timeout=body_timeout,
+    )
     return app

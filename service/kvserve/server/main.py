@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from kvserve import engine_options
+from kvserve.openai.http_limits import HttpLimits, protocol_with
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.sampling_params import StopLimits
 
@@ -24,6 +25,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (for the gateway)")
     p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=HttpLimits.max_head_bytes,
+        help="largest request line + headers; larger is a 431 "
+        f"(default: {HttpLimits.max_head_bytes})",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HttpLimits.head_timeout,
+        help="seconds for a request's line and headers to arrive; later is a 408 "
+        f"(default: {HttpLimits.head_timeout:g})",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=HttpLimits.body_timeout,
+        help="seconds for each part of a request body to arrive; later is a 408 "
+        f"(default: {HttpLimits.body_timeout:g})",
+    )
     p.add_argument(
         "--write-stall-timeout",
         type=float,
@@ -100,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         stop_limits=StopLimits(args.max_stop_strings, args.max_stop_string_chars),
         write_stall_timeout=args.write_stall_timeout,
+        body_timeout=args.body_timeout,
         metrics=EngineMetrics(name),
         grpc_address=grpc_address,
     )
@@ -109,8 +132,14 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    limits = HttpLimits(args.max_header_bytes, args.header_timeout, args.body_timeout)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=1
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=1,
+        http=protocol_with(limits),
     )
     freeze_startup_heap()
     DrainingServer(config, app.state.kvserve, args.drain_timeout).run()

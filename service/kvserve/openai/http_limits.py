@@ -1,0 +1,119 @@
+"""Limits on what a client may make a server hold before its request is even read.
+
+uvicorn's httptools protocol buffers a request's head (request line and headers) for as
+long as it takes and however large it grows: four connections each sending 32 MB of one
+unterminated header line grew a gateway by 190 MB, and a client that sends its head a
+byte at a time holds a connection open forever. ``GuardedHttpToolsProtocol`` bounds both:
+
+- a head larger than ``HttpLimits.max_head_bytes`` is answered 431 (in the OpenAI error
+  shape) and the connection closed;
+- a head not complete ``HttpLimits.head_timeout`` seconds after its first byte (or after
+  the connection opened) is answered 408 and the connection closed.
+
+A body that is promised (Content-Length) but does not arrive is bounded by the
+request-id middleware (``body_timeout``). Both servers run with these: ``kvserve serve``
+(``--max-header-bytes``, ``--header-timeout``, ``--body-timeout``) and the gateway
+(``listen:`` in its config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kvserve.openai.errors import error_body
+from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT
+
+HEAD_END = b"\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_head_bytes: int = 64 * 1024
+    head_timeout: float = 10.0
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the head limits above (``limits`` is set by
+    ``protocol_with``)."""
+
+    limits = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0
+        self._in_head = True
+        self._tail = b""  # the last bytes seen, for a head end split across reads
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            seen = self._tail + data
+            end = seen.find(HEAD_END)
+            head_part = len(data) if end < 0 else max(0, end + len(HEAD_END) - len(self._tail))
+            self._head_bytes += head_part
+            self._tail = seen[-(len(HEAD_END) - 1) :]
+            if self._head_bytes > self.limits.max_head_bytes:
+                self._refuse(
+                    431,
+                    f"request line and headers exceed {self.limits.max_head_bytes} bytes",
+                )
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if not self._in_head:  # the next request on a kept-alive connection
+            self._start_head()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _start_head(self) -> None:
+        self._in_head, self._head_bytes, self._tail = True, 0, b""
+        self._stop_head_timer()
+        self._head_timer = self.loop.call_later(self.limits.head_timeout, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.transport.is_closing():
+            self._refuse(
+                408, f"request line and headers not received within {self.limits.head_timeout:g} s"
+            )
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer in the OpenAI error shape and close (the request never started)."""
+        self._stop_head_timer()
+        body = json.dumps(error_body(status, message)).encode()
+        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
+        )
+        self.transport.close()
+
+
+def protocol_with(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class to pass as uvicorn's ``http=``, with these limits."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})

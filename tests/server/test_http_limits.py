@@ -1,0 +1,102 @@
+"""What a client may make a server hold before its request is read: a head too large is a
+431, a head too slow a 408, a promised body that never arrives a 408, each in the OpenAI
+error shape, and the connection closed. Against a real uvicorn server on loopback with
+the protocol and middleware both servers run."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from kvserve.openai.errors import install_error_handlers
+from kvserve.openai.http_limits import HttpLimits, protocol_with
+from kvserve.openai.middleware import RequestContextMiddleware
+from tests.support.net import free_port
+from tests.support.waiting import wait_until
+
+LIMITS = HttpLimits(max_head_bytes=4096, head_timeout=0.5, body_timeout=0.5)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        return {"bytes": len(await request.body())}
+
+    install_error_handlers(app)
+    app.add_middleware(
+        RequestContextMiddleware,  # type: ignore[arg-type]
+        max_body_bytes=1 << 20,
+        body_timeout=LIMITS.body_timeout,
+    )
+    chosen = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=chosen, log_level="warning", http=protocol_with(LIMITS)
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, timeout=30)
+    yield chosen
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def exchange(port: int, *parts: bytes, pause: float = 0.0) -> bytes:
+    """Send ``parts`` (``pause`` seconds apart), then read until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for part in parts:
+            try:
+                sock.sendall(part)
+            except OSError:  # the server already answered and closed
+                break
+            time.sleep(pause)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
+
+
+def error_of(response: bytes) -> tuple[int, dict[str, object]]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body)["error"]
+
+
+def test_a_normal_request_is_served(port: int) -> None:
+    body = b'{"x": 1}'
+    reply = exchange(
+        port,
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body,
+    )
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b'{"bytes":8}')
+
+
+def test_an_endless_header_is_refused_431(port: int) -> None:
+    start = b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Long: "
+    status, error = error_of(exchange(port, start, b"a" * 8192, b"a" * 8192))
+    assert status == 431 and "4096 bytes" in str(error["message"])
+
+
+def test_a_dribbled_head_is_refused_408(port: int) -> None:
+    parts = [b"POST /echo HTTP/1.1\r\n", b"Host: x\r\n", b"X-A: 1\r\n", b"X-B: 2\r\n"]
+    status, error = error_of(exchange(port, *parts, pause=0.3))
+    assert status == 408 and "headers" in str(error["message"])
+
+
+def test_a_promised_body_that_never_arrives_is_refused_408(port: int) -> None:
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 100\r\n\r\n"
+    status, error = error_of(exchange(port, head, b'{"x":', pause=1.0))
+    assert status == 408 and "body" in str(error["message"])
