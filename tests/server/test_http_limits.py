@@ -1,7 +1,7 @@
 """What a client may make a server hold before its request is read: a head too large is a
-431, a head too slow a 408, a promised body that never arrives a 408, each in the OpenAI
-error shape, and the connection closed. Against a real uvicorn server on loopback with
-the protocol and middleware both servers run."""
+431, a head too slow a 408, a promised body that never arrives a 408, malformed HTTP a
+400, each in the OpenAI error shape, and the connection closed. Against a real uvicorn
+server on loopback with the protocol and middleware both servers run."""
 
 from __future__ import annotations
 
@@ -100,3 +100,24 @@ def test_a_promised_body_that_never_arrives_is_refused_408(port: int) -> None:
     head = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 100\r\n\r\n"
     status, error = error_of(exchange(port, head, b'{"x":', pause=1.0))
     assert status == 408 and "body" in str(error["message"])
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n",  # a control character
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Length: 5\r\n\r\n0\r\n\r\n",  # both length headers
+        b"GARBAGE\r\n\r\n",
+    ],
+)
+def test_malformed_http_is_a_400_in_the_openai_shape(port: int, request_bytes: bytes) -> None:
+    status, error = error_of(exchange(port, request_bytes))
+    assert status == 400 and str(error["message"]).startswith("malformed HTTP request")
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_megabyte_url_is_a_431(port: int) -> None:
+    url = [b"GET /", *[b"a" * 8192] * 128, b" HTTP/1.1\r\n\r\n"]  # sent 8 KiB at a time
+    status, _ = error_of(exchange(port, *url))
+    assert status == 431

@@ -10,6 +10,10 @@ byte at a time holds a connection open forever. ``GuardedHttpToolsProtocol`` bou
 - a head not complete ``HttpLimits.head_timeout`` seconds after its first byte (or after
   the connection opened) is answered 408 and the connection closed.
 
+Malformed HTTP that the parser refuses (control characters in a header, both
+Transfer-Encoding and Content-Length, ...) is answered 400 in the OpenAI error shape too,
+where uvicorn answers plain text.
+
 A body that is promised (Content-Length) but does not arrive is bounded by the
 request-id middleware (``body_timeout``). Both servers run with these: ``kvserve serve``
 (``--max-header-bytes``, ``--header-timeout``, ``--body-timeout``) and the gateway
@@ -29,6 +33,10 @@ from kvserve.openai.errors import error_body
 from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT
 
 HEAD_END = b"\r\n\r\n"
+# After a refusal the connection stays open this long, its input discarded, before it is
+# closed: closing with unread input makes the kernel reset the connection, and the reset
+# can destroy the refusal before the client reads it (a lingering close).
+LINGER_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._tail = b""  # the last bytes seen, for a head end split across reads
         self._head_timer: asyncio.TimerHandle | None = None
+        self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -60,6 +69,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # lingering after a refusal: discard
         if self._in_head:
             seen = self._tail + data
             end = seen.find(HEAD_END)
@@ -102,16 +113,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 408, f"request line and headers not received within {self.limits.head_timeout:g} s"
             )
 
+    def send_400_response(self, msg: str) -> None:
+        """The parser refused the request (uvicorn's answer is plain text)."""
+        self._refuse(400, f"malformed HTTP request: {msg}")
+
     def _refuse(self, status: int, message: str) -> None:
         """Answer in the OpenAI error shape and close (the request never started)."""
         self._stop_head_timer()
         body = json.dumps(error_body(status, message)).encode()
-        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        reason = {
+            400: b"Bad Request",
+            408: b"Request Timeout",
+            431: b"Request Header Fields Too Large",
+        }[status]
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
         )
-        self.transport.close()
+        self._refused = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
 
 def protocol_with(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
