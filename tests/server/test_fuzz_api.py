@@ -9,9 +9,8 @@ the bodies name the served model and reach validation and the engine. The server
 with a small ``max_model_len``: an accepted request generates at most that many tokens,
 and a larger ``max_tokens`` must be refused with a 4xx, which the fuzzer also exercises.
 
-schemathesis' own pytest integration (``from_fixture`` / ``@schema.parametrize()``) needs
-the schema at collection time or breaks on pytest 9 (it rewrites ``node._nodeid``), so
-each operation's Hypothesis strategy is run with ``@given`` inside an ordinary test.
+The fuzzing itself is ``tests.support.openapi_fuzz``; tests/gateway/test_fuzz_gateway.py
+runs the same against the gateway, with real replicas behind it.
 """
 
 from __future__ import annotations
@@ -22,17 +21,13 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
 
 from tests.support.engine_server import SERVED_MODEL as MODEL
 from tests.support.engine_server import RunningServer, start_server, stop_server
+from tests.support.openapi_fuzz import ERROR_FIELDS, fuzz_operation
 
 MAX_MODEL_LEN = 96
 MAX_EXAMPLES = 30
-ERROR_FIELDS = {"message", "type", "param", "code", "request_id"}
 OPERATIONS = [
     "POST /v1/completions",
     "POST /v1/chat/completions",
@@ -53,42 +48,6 @@ def fuzz_server(checkpoint_dir) -> Iterator[RunningServer]:  # type: ignore[no-u
 @pytest.fixture(scope="module")
 def api_schema(fuzz_server: RunningServer) -> Any:
     return schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json", timeout=30)
-
-
-def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
-    """Every 4xx carries {"error": {"message", "type", "param", "code"}}."""
-    if not 400 <= response.status_code < 500:
-        return None
-    try:
-        body = response.json()
-    except ValueError as exc:
-        raise AssertionError(
-            f"{response.status_code} with a non-JSON body: {response.text[:300]!r}"
-        ) from exc
-    error = body.get("error") if isinstance(body, dict) else None
-    assert isinstance(error, dict) and set(error) == ERROR_FIELDS, (
-        f"{response.status_code} body is not an OpenAI error object: {body!r}"
-    )
-    assert isinstance(error["message"], str) and error["message"], body
-    assert isinstance(error["type"], str) and error["type"], body
-    return None
-
-
-def _name_the_served_model(case: Any) -> Any:
-    if isinstance(case.body, dict):
-        case.body = {**case.body, "model": MODEL}
-    return case
-
-
-def _cases(operation: Any) -> Any:
-    """Valid and invalid requests; bodies also with the served model's name."""
-    if operation.body:
-        variants = [
-            operation.as_strategy(mode)
-            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
-        ]
-        return st.one_of(*variants, *(v.map(_name_the_served_model) for v in variants))
-    return operation.as_strategy(GenerationMode.POSITIVE)
 
 
 def assert_openai_error(response: httpx.Response) -> None:
@@ -154,21 +113,4 @@ def test_the_schema_publishes_exactly_the_fuzzed_operations(api_schema: Any) -> 
 def test_no_server_errors_and_openai_errors(
     label: str, api_schema: Any, fuzz_server: RunningServer
 ) -> None:
-    operation = api_schema.find_operation_by_label(label)
-    assert operation is not None, label
-
-    @settings(
-        max_examples=MAX_EXAMPLES,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(case=_cases(operation))
-    def fuzz(case: Any) -> None:
-        case.call_and_validate(
-            base_url=fuzz_server.url,
-            checks=[not_a_server_error, openai_error_shape],
-            timeout=30,
-        )
-
-    fuzz()
+    fuzz_operation(api_schema, label, fuzz_server.url, MODEL, MAX_EXAMPLES)
