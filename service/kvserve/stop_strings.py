@@ -74,4 +74,4 @@ class StopMatcher:
 
     def held_back(self) -> int:
         """How many of the fed text's last characters may still begin a stop string."""
-        return max((k for k in self._state), default=0)
+        return max(self._state, default=0)

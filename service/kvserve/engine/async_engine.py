@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvserve.engine.llm_engine import EngineStats, LLMEngine
+from kvserve.engine.llm_engine import EngineStats, LLMEngine, content_chars
 from kvserve.engine.request import Request
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -138,16 +138,17 @@ class AsyncEngine:
             external_id=external_id,
         )
 
-    async def tokenize(self, prompt: str) -> list[int]:
-        """``LLMEngine.tokenize``, off the event loop for a long prompt (so other streams
-        and health probes are not stalled while it is tokenized)."""
-        if len(prompt) <= OFFLOAD_CHARS:
-            return self.engine.tokenize(prompt)
-        return await self._off_loop(self.engine.tokenize, prompt)
+    async def prepare(self, prompt: str | list[int]) -> str | list[int]:
+        """The prompt as ``make_request`` takes it: a long text tokenized off the event loop
+        (so other streams and health probes are not stalled meanwhile), anything else as
+        it is (``make_request`` tokenizes a short text itself)."""
+        if isinstance(prompt, str) and len(prompt) > OFFLOAD_CHARS:
+            return await self._off_loop(self.engine.tokenize, prompt)
+        return prompt
 
     async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """``LLMEngine.chat_prompt``, off the event loop for a long conversation."""
-        if sum(len(str(m.get("content", ""))) for m in messages) <= OFFLOAD_CHARS:
+        if content_chars(messages) <= OFFLOAD_CHARS:
             return self.engine.chat_prompt(messages)
         return await self._off_loop(self.engine.chat_prompt, messages)
 

@@ -144,7 +144,7 @@ class LLMEngine:
                 "this model has no chat template; send a plain prompt (/v1/completions)",
                 "messages",
             )
-        self._check_prompt_chars(sum(len(str(m.get("content", ""))) for m in messages), "messages")
+        self._check_prompt_chars(content_chars(messages), "messages")
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tok.encode(text, add_special_tokens=False))
 
@@ -157,6 +157,11 @@ class LLMEngine:
         _require_utf8(prompt, "prompt")
         self._check_prompt_chars(len(prompt), "prompt")
         return list(self.tokenizer.encode(prompt))
+
+    def context_left(self, num_prompt_tokens: int) -> int:
+        """What the context leaves for output after a prompt (at least 1): a chat's
+        ``max_tokens`` when the client sets none."""
+        return max(self.max_model_len - num_prompt_tokens, 1)
 
     def _check_prompt_chars(self, chars: int, param: str) -> None:
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
@@ -357,6 +362,11 @@ class LLMEngine:
             return self.runner.prompt_logprobs(token_ids, self.kv.block_ids(probe.request_id))
         finally:
             self.kv.free(probe)
+
+
+def content_chars(messages: list[dict[str, str]]) -> int:
+    """The characters of a conversation's contents (what its length is judged by)."""
+    return sum(len(str(m.get("content", ""))) for m in messages)
 
 
 def _longest_token_chars(tokenizer: Any) -> int:

@@ -78,8 +78,7 @@ def logprobs_count(body: CompletionRequest | ChatCompletionRequest) -> int | Non
 
 def check_stop(body: CommonRequest, limits: StopLimits) -> None:
     """The stop strings are within the server's limits (400 naming ``stop``)."""
-    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     try:
-        limits.check(stop)
+        limits.check(body.stop_list)
     except InvalidRequestError as exc:
         raise OpenAIError(400, str(exc), param=exc.param) from None

@@ -44,8 +44,12 @@ class CommonRequest(BaseModel):
     # salt is always applied as well (docs/architecture.md).
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
+    @property
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list (OpenAI takes one string or several)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -55,7 +59,7 @@ class CommonRequest(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
-            stop=stop,
+            stop=self.stop_list,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )

@@ -13,7 +13,7 @@ This module loads neither torch nor the engine: the gateway imports it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvserve.errors import InvalidRequestError
+from kvserve.openai.format import TokenText
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.sampling_params import SamplingParams
@@ -148,9 +149,6 @@ def decode_max_tokens_cap(request: pb.GenerateRequest) -> int | None:
 
 
 # ---- outputs -------------------------------------------------------------------------
-TokenText = Callable[[int], str]
-
-
 def _logprobs_to_proto(entries: list[TokenLogprob], token_text: TokenText) -> list[pb.TokenLogprob]:
     return [
         pb.TokenLogprob(
@@ -162,13 +160,6 @@ def _logprobs_to_proto(entries: list[TokenLogprob], token_text: TokenText) -> li
         )
         for e in entries
     ]
-
-
-def tokenizer_text(tokenizer: Any) -> TokenText:
-    """A token's text as the wire carries it (the gateway has no tokenizer)."""
-    if tokenizer is None:
-        return str
-    return lambda token_id: str(tokenizer.decode([token_id]))
 
 
 def encode_delta(

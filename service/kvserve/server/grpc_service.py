@@ -29,14 +29,10 @@ from typing import NoReturn
 
 import grpc
 
-from kvserve.engine.async_engine import (
-    OFFLOAD_CHARS,
-    AsyncEngine,
-    EngineDeadError,
-    RequestFailedError,
-)
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
+from kvserve.openai.format import tokenizer_text
 from kvserve.outputs import RequestOutput
 from kvserve.rpc import codec
 from kvserve.rpc import engine_pb2 as pb
@@ -108,20 +104,18 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         try:
             prompt = codec.decode_prompt(request)
             default_max_tokens = None
-            if isinstance(prompt, str) and len(prompt) > OFFLOAD_CHARS:
-                prompt = await self.engine.tokenize(prompt)
-            elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 prompt = await self.engine.chat_prompt(prompt)  # type: ignore[arg-type]
                 # A chat without max_tokens gets as much as the context allows, or the
                 # gateway's cap if that is less.
-                default_max_tokens = max(engine.max_model_len - len(prompt), 1)
+                default_max_tokens = engine.context_left(len(prompt))
                 cap = codec.decode_max_tokens_cap(request)
                 if cap is not None and cap >= 1:
                     default_max_tokens = min(default_max_tokens, cap)
             params = codec.decode_sampling_params(request, default_max_tokens=default_max_tokens)
             self.stop_limits.check(params.stop)
             req = self.engine.make_request(
-                prompt,  # type: ignore[arg-type]
+                await self.engine.prepare(prompt),  # type: ignore[arg-type]
                 params,
                 request.request_id or None,
                 arrival_time=arrival,
@@ -148,7 +142,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             await _abort(context, exc)
 
         num_sent = 0
-        token_text = codec.tokenizer_text(self.engine.engine.tokenizer)
+        token_text = tokenizer_text(self.engine.engine.tokenizer)
         last: RequestOutput | None = None
         try:
             async with _closing(self.engine.stream(req)) as outputs:
@@ -228,7 +222,7 @@ class _ManyCall:
         self.servicer = servicer
         self.engine = servicer.engine
         self.context = context
-        self.token_text = codec.tokenizer_text(servicer.engine.engine.tokenizer)
+        self.token_text = tokenizer_text(servicer.engine.engine.tokenizer)
         self.started: dict[int, _Started] = {}
         self.ready: list[pb.TaggedOutput] = []
         self.wake = asyncio.Event()

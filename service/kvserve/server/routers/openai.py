@@ -9,12 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvserve.engine.async_engine import (
-    OFFLOAD_CHARS,
-    AsyncEngine,
-    EngineDeadError,
-    RequestFailedError,
-)
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvserve.engine.request import Request as EngineRequest
 from kvserve.errors import InvalidRequestError
 from kvserve.openai import checks
@@ -55,9 +50,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     prompt = checks.completion_prompt(body)
     limit = checks.token_limit(body).value
     assert limit is not None  # a completion's limit defaults to 16
-    if isinstance(prompt, str) and len(prompt) > OFFLOAD_CHARS:
-        prompt = await _tokenized(state, prompt)  # off the event loop
-    req = _make_request(state, request, body, prompt, limit, arrival)
+    req = await _make_request(state, request, body, prompt, limit, arrival)
     ids = fmt.response_ids(
         request.state.request_id, state.served_model_name, False, int(time.time())
     )
@@ -106,8 +99,8 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             400, f"model {state.served_model_name!r}: {exc}", param=exc.param
         ) from exc
     if limit is None:  # as much as the context allows
-        limit = max(state.max_model_len - len(prompt_ids), 1)
-    req = _make_request(state, request, body, prompt_ids, limit, arrival)
+        limit = state.engine.engine.context_left(len(prompt_ids))
+    req = await _make_request(state, request, body, prompt_ids, limit, arrival)
     ids = fmt.response_ids(
         request.state.request_id, state.served_model_name, True, int(time.time())
     )
@@ -156,14 +149,7 @@ def _check_common(body: CommonRequest, state: ServerState) -> None:
     checks.check_stop(body, state.stop_limits)
 
 
-async def _tokenized(state: ServerState, prompt: str) -> list[int]:
-    try:
-        return await state.engine.tokenize(prompt)
-    except InvalidRequestError as exc:
-        raise OpenAIError(400, str(exc), param=exc.param) from exc
-
-
-def _make_request(
+async def _make_request(
     state: ServerState,
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
@@ -176,7 +162,11 @@ def _make_request(
     try:
         params = body.sampling_params(max_tokens, checks.logprobs_count(body))
         req = state.engine.make_request(
-            prompt, params, rid, arrival_time=arrival, cache_salt=body.cache_salt
+            await state.engine.prepare(prompt),
+            params,
+            rid,
+            arrival_time=arrival,
+            cache_salt=body.cache_salt,
         )
         operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
         state.telemetry.begin(req.request_id, operation, params, request.headers, arrival, rid)
