@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import re
 import sys
 import types
@@ -51,7 +52,18 @@ class EngineOption:
     def required(self) -> bool:
         return self.default is dataclasses.MISSING
 
+    @property
+    def default_value(self) -> Any:
+        """The default, or None for a required field."""
+        return None if self.required else self.default
 
+    @property
+    def negated(self) -> bool:
+        """A boolean whose flag (``--no-...``) turns it off."""
+        return self.kind is bool and (self.option.flag or "").startswith("--no-")
+
+
+@functools.cache
 def engine_options() -> tuple[EngineOption, ...]:
     """Every field of ``EngineConfig``, in order."""
     hints = typing.get_type_hints(EngineConfig)
@@ -72,18 +84,17 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) 
         flag = o.option.flag
         if flag is None or o.name in skip:
             continue
-        shown = "" if o.default in (None, dataclasses.MISSING) else f" (default: {o.default})"
         if o.kind is bool:
-            off = flag.startswith("--no-")
-            help_ = f"do not {o.option.help}" if off else o.option.help
-            action = "store_false" if off else "store_true"
+            help_ = f"do not {o.option.help}" if o.negated else o.option.help
+            action = "store_false" if o.negated else "store_true"
             parser.add_argument(flag, dest=o.name, action=action, help=help_)
             continue
+        shown = "" if o.default_value is None else f" (default: {o.default_value})"
         parser.add_argument(
             flag,
             dest=o.name,
             type=o.kind,
-            default=None if o.required else o.default,
+            default=o.default_value,
             choices=list(o.option.choices) or None,
             help=o.option.help + shown,
         )
@@ -172,13 +183,11 @@ def crd_properties() -> dict[str, Any]:
             schema["minimum"] = _number(o.kind, o.option.minimum)
         if o.option.maximum is not None:
             schema["maximum"] = _number(o.kind, o.option.maximum)
-        default = None if o.required else o.default
-        if default is not None:
-            schema["default"] = default
+        if o.default_value is not None:
+            schema["default"] = o.default_value
         help_ = o.option.help[:1].upper() + o.option.help[1:]
-        flag = o.option.flag or ""
-        off = o.kind is bool and flag.startswith("--no-")
-        schema["description"] = f"{help_} ({'false passes ' if off else ''}{flag})."
+        passes = "false passes " if o.negated else ""
+        schema["description"] = f"{help_} ({passes}{o.option.flag})."
         props[o.option.crd] = schema
     return props
 
@@ -192,13 +201,13 @@ def flags_from_spec(engine: Mapping[str, Any]) -> list[str]:
     for o in crd_options():
         value = engine.get(o.option.crd or "")
         if value is None:
-            value = None if o.required else o.default
+            value = o.default_value
         if value is None:
             continue
         flag = o.option.flag
         assert flag is not None
         if o.kind is bool:
-            if bool(value) != flag.startswith("--no-"):
+            if bool(value) != o.negated:
                 args.append(flag)
             continue
         args += [flag, repr(float(value)) if o.kind is float else str(value)]
