@@ -15,6 +15,7 @@ from kvserve.gateway.app import create_gateway_app
 from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.keys import KeysFile, hash_key
 from kvserve.gateway.tenancy import CacheSalts
+from kvserve.sse_events import DONE, event_data, parse_event
 from tests.support.net import free_port
 from tests.support.prometheus import metric
 from tests.support.replicas import REPLICA_MODEL, Replica
@@ -124,10 +125,9 @@ def stream_text(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[
     with client.stream("POST", path, json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            data = event_data(line)
+            if data is None or data == DONE:
                 continue
-            chunk = json.loads(line[len("data: ") :])
-            chunks.append(chunk)
-            for choice in chunk.get("choices", []):
-                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            chunks.append(json.loads(data))
+            text += parse_event(data).text
     return text, chunks

@@ -119,14 +119,13 @@ def _authenticate(state: GatewayState, request: Request) -> Tenant:
 
 
 def _checked_limit(
-    state: GatewayState, body: CompletionRequest | ChatCompletionRequest
+    state: GatewayState, body: CompletionRequest | ChatCompletionRequest, ceiling: int | None
 ) -> checks.TokenLimit:
-    """The shared checks, then this model's ``max_tokens`` ceiling (400 ``invalid``)."""
+    """The shared checks, then the model's ``max_tokens`` ceiling (400 ``invalid``)."""
     try:
         checks.check_n(body)
         checks.check_stop(body, state.config.stop_limits)
         limit = checks.token_limit(body)
-        ceiling = state.config.model_settings(body.model).max_tokens_ceiling
         if limit.value is not None and ceiling is not None and limit.value > ceiling:
             raise OpenAIError(
                 400,
@@ -161,13 +160,13 @@ async def _serve(
         state.keys.authorize(tenant, body.model)
     except AuthError as exc:
         raise _refused(state, exc) from None
-    limit = _checked_limit(state, body)
+    ceiling = state.config.model_settings(body.model).max_tokens_ceiling
+    limit = _checked_limit(state, body, ceiling)
     try:
         params = body.sampling_params(limit.value or 1, checks.logprobs_count(body))
     except InvalidRequestError as exc:
         state.metrics.rejections.labels("invalid").inc()
         raise OpenAIError(400, str(exc), param=exc.param) from None
-    ceiling = state.config.model_settings(body.model).max_tokens_ceiling
     cache_salt = state.salts.salt(tenant, body.cache_salt)
     upstream = encode_request(
         prompt,
@@ -181,7 +180,8 @@ async def _serve(
     # Token reservation: the prompt estimate + the most the request may generate; settled
     # to the real usage at the end, an overrun charged as debt (kvserve.gateway.ratelimit).
     prompt_estimate = _prompt_estimate(prompt)
-    reserve = prompt_estimate + _most_output_tokens(state, body.model, limit, prompt_estimate)
+    most = _most_output_tokens(state, body.model, limit, ceiling, prompt_estimate)
+    reserve = prompt_estimate + most
     try:
         admission = state.limiter.admit(tenant, reserve)
     except RateLimited as exc:
@@ -235,13 +235,16 @@ async def _serve(
 
 
 def _most_output_tokens(
-    state: GatewayState, model: str, limit: checks.TokenLimit, prompt_estimate: int
+    state: GatewayState,
+    model: str,
+    limit: checks.TokenLimit,
+    ceiling: int | None,
+    prompt_estimate: int,
 ) -> int:
     """The most output tokens a request may get: its limit, or for a chat without one,
     what the replicas' context leaves after the prompt, capped by the model's ceiling."""
     if limit.value is not None:
         return limit.value
-    ceiling = state.config.model_settings(model).max_tokens_ceiling
     context = state.fleet.max_model_len(model)
     bounds = [b for b in (ceiling, context and max(context - prompt_estimate, 1)) if b]
     # Before any replica reported its context (the first load poll), the completion

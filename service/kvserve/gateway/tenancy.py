@@ -45,6 +45,7 @@ class CacheSalts:
                 f"(got {len(secret)}); generate one with: openssl rand -base64 32"
             )
         self._secret = secret
+        self._by_namespace: dict[str, str] = {}  # the salts without a client's, made once
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> CacheSalts:
@@ -68,5 +69,12 @@ class CacheSalts:
             namespace = f"group:{share}"
         else:
             namespace = f"tenant:{tenant.name}"
-        message = namespace if client_salt is None else f"{namespace}\0{client_salt}"
+        if client_salt is not None:
+            return self._hmac(f"{namespace}\0{client_salt}")
+        salt = self._by_namespace.get(namespace)
+        if salt is None:  # one per tenant or group: bounded by the keys file
+            salt = self._by_namespace[namespace] = self._hmac(namespace)
+        return salt
+
+    def _hmac(self, message: str) -> str:
         return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
