@@ -83,6 +83,11 @@ COMMANDS: dict[str, Command | Group] = {
                 "the gateway's added latency, CPU cost and capacity, and prefix vs "
                 "round-robin routing (replica and gateway processes)",
             ),
+            "attacks": Command(
+                "kvserve.bench.attacks",
+                "what hostile clients cost a replica's other clients (stop strings, huge "
+                "prompts, header floods, slow heads)",
+            ),
             "suite": Command(
                 "kvserve.bench.suite",
                 "the performance suite: vs transformers, batching, prefix caching, "

@@ -1,0 +1,201 @@
+"""``kvserve bench attacks``: what hostile clients cost the other clients of a replica.
+
+One ``kvserve serve`` replica; a victim stream measures its ITL p50 and a prober its
+``/health`` p99 while attacker processes (on loopback, bounded, stopped after each phase)
+do one thing each, side by side in one run (docs/security.md):
+
+- ``load``: requests with no stop strings (the control for ``stops``);
+- ``stops``: the same requests with 16 stop strings of 256 characters (the limits);
+- ``huge``: 3.8 MB prompts posted in a loop;
+- then four connections each sending 32 MB of one unterminated header line (the
+  replica's peak RSS before and after), and one head sent a byte a second (when it is
+  answered).
+
+The attackers share this machine's CPUs with the replica: on a small machine the
+``huge`` phase measures their own cost as well as the replica's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvserve.bench.launcher import Launcher, LaunchSettings
+from kvserve.bench.processes import Proc
+from kvserve.bench.sse_client import MODEL_NAME
+from kvserve.config import DTYPES
+from kvserve.sse_events import DONE, event_data
+
+STOPS = [f"{i:02d}" + "q" * 254 for i in range(16)]
+HUGE_PROMPT_WORDS = 760_000  # "word " × this ≈ 3.8 MB
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--attackers", type=int, default=4, help="attacker processes per phase")
+    p.add_argument("--victim-tokens", type=int, default=150, help="tokens per victim stream")
+    p.add_argument("--victim-streams", type=int, default=3, help="victim streams per phase")
+    p.add_argument("--flood-mb", type=int, default=32, help="MB of header per flood connection")
+
+
+@dataclass
+class Phase:
+    name: str
+    itl_p50_ms: float
+    health_p99_ms: float
+
+
+def _victim_itl(url: str, tokens: int) -> float:
+    """ITL p50 (ms) of one greedy stream of ``tokens`` tokens."""
+    body = {"model": MODEL_NAME, "prompt": "Plan a trip to", "max_tokens": tokens}
+    body |= {"ignore_eos": True, "stream": True, "temperature": 0}
+    gaps, last = [], None
+    with httpx.Client(timeout=300) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            data = event_data(line)
+            if data is None or data == DONE:
+                continue
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+    return statistics.median(gaps) * 1000
+
+
+def _attack(url: str, kind: str, stop: Any) -> None:  # in an attacker process
+    body: dict[str, Any] = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 100}
+    body["ignore_eos"] = True
+    if kind == "stops":
+        body["stop"] = STOPS
+    elif kind == "huge":
+        body = {"model": MODEL_NAME, "prompt": "word " * HUGE_PROMPT_WORDS, "max_tokens": 2}
+    with httpx.Client(timeout=300) as c:
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):  # a refused huge body: closed
+                c.post(url + "/v1/completions", json=body)
+
+
+def _phase(url: str, kind: str | None, args: argparse.Namespace) -> Phase:
+    stop = mp.get_context("fork").Event()
+    latencies: list[float] = []
+
+    def probe() -> None:
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                start = time.perf_counter()
+                c.get(url + "/health")
+                latencies.append((time.perf_counter() - start) * 1000)
+                time.sleep(0.02)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    procs = []
+    if kind is not None:
+        ctx = mp.get_context("fork")
+        procs = [ctx.Process(target=_attack, args=(url, kind, stop)) for _ in range(args.attackers)]
+        for proc in procs:
+            proc.start()
+        time.sleep(1.0)  # the attack under way before the victim starts (not a sync point)
+    try:
+        itl = statistics.median(
+            _victim_itl(url, args.victim_tokens) for _ in range(args.victim_streams)
+        )
+    finally:
+        stop.set()
+        prober.join(timeout=60)
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    latencies.sort()
+    return Phase(kind or "baseline", itl, latencies[int(0.99 * (len(latencies) - 1))])
+
+
+def _peak_mb(proc: Proc) -> float:
+    peak = proc.peak_rss_bytes()
+    if peak is None:
+        raise RuntimeError(f"cannot read the peak memory of {proc.name}")
+    return peak / 2**20
+
+
+def _header_flood(port: int, megabytes: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Long: ")
+            for _ in range(megabytes):
+                sock.sendall(b"a" * (1 << 20))
+        except OSError:
+            pass  # closed by the replica
+
+
+def _dribbled_head_seconds(port: int) -> tuple[float, str]:
+    """Seconds until a head sent a byte a second is answered, and the answer's status."""
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+        sock.setblocking(False)
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n" * 10:
+            try:
+                answer = sock.recv(4096)
+                return time.perf_counter() - start, answer.split(b"\r\n")[0].decode()
+            except BlockingIOError:
+                pass
+            sock.send(bytes([byte]))
+            time.sleep(1.0)
+    return time.perf_counter() - start, "never answered"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.model is None:
+        from kvserve.demo_model import default_model_dir
+
+        args.model = str(default_model_dir())
+    settings = LaunchSettings(model=args.model, dtype=args.dtype)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvserve-attacks-") as tmp,
+        Launcher(settings, Path(tmp)) as launcher,
+    ):
+        (replica,) = launcher.start_replicas(1, grpc=False)
+        url = replica.http_url
+        port = int(url.rsplit(":", 1)[1])
+        _victim_itl(url, 8)  # warm-up
+        phases = [_phase(url, kind, args) for kind in (None, "load", "stops", "huge")]
+        before = _peak_mb(replica.proc)
+        floods = [
+            threading.Thread(target=_header_flood, args=(port, args.flood_mb)) for _ in range(4)
+        ]
+        for flood in floods:
+            flood.start()
+        for flood in floods:
+            flood.join(timeout=120)
+        after = _peak_mb(replica.proc)
+        dribble_s, dribble_status = _dribbled_head_seconds(port)
+    by = {p.name: p for p in phases}
+    print(f"{'phase':<10}{'ITL p50 ms':>12}{'/health p99 ms':>16}")
+    for p in phases:
+        print(f"{p.name:<10}{p.itl_p50_ms:>12.2f}{p.health_p99_ms:>16.1f}")
+    print(
+        f"stops vs load (the same requests without stop strings): "
+        f"{by['stops'].itl_p50_ms / by['load'].itl_p50_ms:.2f}x ITL (target <= 1.2)"
+    )
+    print(
+        f"huge vs baseline: {by['huge'].itl_p50_ms / by['baseline'].itl_p50_ms:.2f}x ITL "
+        f"(target <= 1.2), /health p99 {by['huge'].health_p99_ms:.1f} ms (target <= 50)"
+    )
+    print(
+        f"4 x {args.flood_mb} MB header floods: peak RSS {before:.1f} -> {after:.1f} MB "
+        f"(+{after - before:.1f}; target <= +10)"
+    )
+    print(f"a head sent a byte a second: {dribble_status!r} after {dribble_s:.1f} s")
+    return 0
