@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvserve.bench import kv_memory
-from kvserve.bench.results import Section, SuiteResult, Table, Target, hardware
+from kvserve.bench.results import Section, SuiteResult, Table, Target, hardware, table
 from kvserve.bench.suite import SuiteContext, run_sections
 from kvserve.bench.timelines import random_workload
 
@@ -152,6 +152,15 @@ def test_target_and_table_rules() -> None:
     assert Target("x", None, 1.0, "x").met is None
     with pytest.raises(ValueError, match="wrong width"):
         Table("t", [], [[1]])
+    # Headers name each column and its unit, the way the Markdown tables print them.
+    headers = ["engine", "wall (s)", "CPU per output token, serving / offline (×)"]
+    t = table("t", " | ".join(headers), [[1, 2, 3]])
+    assert [(c.name, c.unit) for c in t.columns] == [
+        ("engine", ""),
+        ("wall", "s"),
+        ("CPU per output token, serving / offline", "×"),
+    ]
+    assert [c.header for c in t.columns] == headers
 
 
 def test_cli_writes_results(tmp_path: Path) -> None:

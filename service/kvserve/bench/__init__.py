@@ -2,8 +2,9 @@
 
 A small harness: ``launcher`` (replica, stub-replica and gateway processes, configured by
 a ``LaunchSettings``), ``processes`` (child processes), ``cpu`` (CPU time and placement),
-``sse_client`` (the one streaming client), ``timelines`` (workloads and latency figures)
-and ``results`` (the suite's tables). The sections use it through public names only:
+``sse_client`` (the one streaming client), ``timelines`` (workloads, greedy requests,
+latency figures), ``results`` (tables, progress messages) and ``suite.SuiteContext``
+(checkpoints, engines, alternating rounds). Sections use it through public names only:
 ``suite`` and its sections (``engine_vs_transformers``, ``batching``, ``prefix_caching``,
 ``roofline``, ``kv_memory``, ``serving_path``), and the commands ``offline``, ``serving``
 and ``gateway`` (with its phases ``gateway_overhead``, ``gateway_capacity`` and

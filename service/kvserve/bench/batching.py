@@ -19,11 +19,12 @@ alternate for ``rounds`` rounds at each concurrency; each one's best round is re
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from kvserve.bench.results import Column, Section, Table, model_setup
+from kvserve.bench.results import Section, model_setup, table
 from kvserve.bench.suite import SuiteContext
-from kvserve.bench.timelines import Timeline, Workload, from_output, latency, random_workload
+from kvserve.bench.timelines import Timeline, Workload, latency, timed_generate
 
 NAME = "batching"
 TITLE = "Static vs continuous batching (kvserve)"
@@ -31,32 +32,7 @@ CONCURRENCIES = (1, 4, 16)
 REQUESTS_PER_SLOT = 8
 
 
-def _run_mode(
-    llm: Any, work: Workload, concurrency: int, static: bool
-) -> tuple[float, list[Timeline]]:
-    from kvserve import SamplingParams
-
-    params = [
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
-    ]
-    groups = (
-        [
-            range(i, min(i + concurrency, len(work.prompts)))
-            for i in range(0, len(work.prompts), concurrency)
-        ]
-        if static
-        else [range(len(work.prompts))]
-    )
-    t0 = llm.engine.clock()
-    timelines = []
-    for g in groups:
-        outs = llm.generate([work.prompts[i] for i in g], [params[i] for i in g], use_tqdm=False)
-        timelines += [from_output(o, arrival=t0) for o in outs]
-    return llm.engine.clock() - t0, timelines
-
-
 def run(ctx: SuiteContext) -> Section:
-    from kvserve import LLM
     from kvserve.model.config import ModelConfig
 
     dtype = "float32"
@@ -64,10 +40,7 @@ def run(ctx: SuiteContext) -> Section:
     config = ModelConfig.from_file(model_dir)
     per_slot = 2 if ctx.smoke else REQUESTS_PER_SLOT
     n = per_slot * max(CONCURRENCIES)
-    if ctx.smoke:
-        everything = random_workload(n, (4, 24), (2, 8), config.vocab_size, ctx.seed)
-    else:
-        everything = random_workload(n, (16, 256), (16, 128), config.vocab_size, ctx.seed)
+    everything = ctx.mixed_workload(n, config.vocab_size, smoke=(n, (4, 24), (2, 8)))
     rows = []
     results: dict[tuple[int, str], tuple[float, list[Timeline]]] = {}
     for c in CONCURRENCIES:
@@ -77,39 +50,16 @@ def run(ctx: SuiteContext) -> Section:
             f"  concurrency {c}: {k} prompts, {work.prompt_tokens} prompt and "
             f"{work.output_tokens} output tokens, {dtype}"
         )
-        llm = LLM(
-            str(model_dir),
-            dtype=dtype,
-            device=ctx.device,
-            max_num_seqs=c,
-            max_model_len=work.max_len,
-            seed=ctx.seed,
-            enable_prefix_caching=False,  # random prompts share nothing; rounds stay equal
-        )
-        _run_mode(llm, Workload(work.prompts[:2], [2, 2]), c, static=False)  # warm-up
-        for r in range(ctx.rounds):
-            for mode in ("static", "continuous"):
-                seconds, tl = _run_mode(llm, work, c, static=mode == "static")
-                ctx.say(
-                    f"  concurrency {c:>2}, round {r + 1}/{ctx.rounds}: {mode:<10} {seconds:6.2f} s"
-                )
-                if (c, mode) not in results or seconds < results[(c, mode)][0]:
-                    results[(c, mode)] = (seconds, tl)
-        for mode in ("static", "continuous"):
-            seconds, tl = results[(c, mode)]
-            lat = latency(tl)
-            rows.append(
-                [
-                    c,
-                    k,
-                    mode,
-                    round(seconds, 2),
-                    round(work.output_tokens / seconds, 1),
-                    lat.ttft_p50_ms,
-                    lat.ttft_p99_ms,
-                    lat.tpot_p50_ms,
-                ]
-            )
+        llm = ctx.llm(model_dir, dtype=dtype, max_num_seqs=c, max_model_len=work.max_len)
+        timed_generate(llm, Workload(work.prompts[:2], [2, 2]))  # warm-up
+        modes = {"static": partial(timed_generate, llm, work, c),
+                 "continuous": partial(timed_generate, llm, work)}  # fmt: skip
+        best = ctx.best_of(modes, lambda run: run[0], label=f"concurrency {c:>2}, ")
+        for mode, (seconds, timelines) in best.items():
+            results[(c, mode)] = (seconds, timelines)
+            lat = latency(timelines)
+            rows.append([c, k, mode, round(seconds, 2), round(work.output_tokens / seconds, 1),
+                         lat.ttft_p50_ms, lat.ttft_p99_ms, lat.tpot_p50_ms])  # fmt: skip
         del llm
 
     speedups = [
@@ -122,27 +72,12 @@ def run(ctx: SuiteContext) -> Section:
         "output lengths": "16–128 tokens" if not ctx.smoke else "2–8 tokens",
         "rounds": ctx.rounds,
     }
+    headers = "concurrency | requests | batching | wall (s) | output (tok/s) | TTFT p50 (ms)"
     tables = [
-        Table(
-            "Throughput and TTFT by concurrency",
-            [
-                Column("concurrency"),
-                Column("requests"),
-                Column("batching"),
-                Column("wall", "s"),
-                Column("output", "tok/s"),
-                Column("TTFT p50", "ms"),
-                Column("TTFT p99", "ms"),
-                Column("TPOT p50", "ms"),
-            ],
-            rows,
-        ),
-        Table(
-            "Continuous over static",
-            [Column("concurrency"), Column("throughput ratio", "x")],
-            speedups,
-        ),
-    ]
+        table("Throughput and TTFT by concurrency", headers + " | TTFT p99 (ms) | TPOT p50 (ms)",
+              rows),
+        table("Continuous over static", "concurrency | throughput ratio (x)", speedups),
+    ]  # fmt: skip
     notes = [
         "All requests arrive at t=0: TTFT includes the wait for a slot. At concurrency 1 "
         "both modes run the same schedule (a noise control).",

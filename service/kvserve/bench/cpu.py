@@ -55,32 +55,23 @@ class CpuUse:
 def cpu_use(children: Sequence[Proc] = ()) -> Iterator[CpuUse]:
     """Measure what the body of the ``with`` costs; the ``CpuUse`` it yields is filled
     in when the body ends."""
-    use = CpuUse()
-    before = _Reading.now(children)
-    yield use
-    after = _Reading.now(children)
-    use.wall, use.own = after.wall - before.wall, after.own - before.own
-    use.children = [b - a for a, b in zip(before.children, after.children, strict=True)]
-    if before.machine is not None and after.machine is not None:
-        use.others = max(0.0, after.machine - before.machine - use.ours)
 
-
-@dataclass(frozen=True)
-class _Reading:
-    wall: float
-    own: float
-    children: list[float]
-    machine: float | None  # CPU seconds the whole machine was busy
-
-    @staticmethod
-    def now(children: Sequence[Proc]) -> _Reading:
-        own = time.process_time()
-        procs = [p.cpu_seconds() for p in children]
+    def reading() -> tuple[float, float, list[float], float | None]:
+        own, procs = time.process_time(), [p.cpu_seconds() for p in children]
         try:
             machine: float | None = machine_busy_seconds()
         except (OSError, ValueError):
             machine = None
-        return _Reading(time.perf_counter(), own, procs, machine)
+        return time.perf_counter(), own, procs, machine
+
+    use = CpuUse()
+    wall, own, procs, machine = reading()
+    yield use
+    wall_end, own_end, procs_end, machine_end = reading()
+    use.wall, use.own = wall_end - wall, own_end - own
+    use.children = [b - a for a, b in zip(procs, procs_end, strict=True)]
+    if machine is not None and machine_end is not None:
+        use.others = max(0.0, machine_end - machine - use.ours)
 
 
 @dataclass(frozen=True)

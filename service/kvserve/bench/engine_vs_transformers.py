@@ -29,52 +29,31 @@ from typing import Any
 
 import torch
 
-from kvserve.bench.results import Column, Section, Table, Target, model_setup
+from kvserve.bench.results import Section, Target, model_setup, table
 from kvserve.bench.suite import SuiteContext
-from kvserve.bench.timelines import (
-    Latency,
-    Timeline,
-    Workload,
-    from_output,
-    latency,
-    random_workload,
-)
+from kvserve.bench.timelines import Timeline, Workload, latency, timed_generate
 from kvserve.config import blocks_for, torch_dtype
 
 NAME = "engine_vs_transformers"
 TITLE = "Engine vs Hugging Face transformers"
 TARGET_VS_STATIC = 2.5
 TARGET_VS_CONTINUOUS = 1.0
+KVSERVE, STATIC, CONTINUOUS = (
+    "kvserve (continuous batching)",
+    "transformers generate (static batches)",
+    "transformers continuous batching",
+)
 
-Runner = Callable[[], tuple[float, list[Timeline]]]  # → (seconds, timelines)
+Run = tuple[float, list[Timeline]]  # (seconds, timelines)
+Runner = Callable[[], Run]
 
 
 def kvserve_runner(
-    model_dir: Path, work: Workload, concurrency: int, dtype: str, device: str, seed: int
+    ctx: SuiteContext, model_dir: Path, work: Workload, concurrency: int, dtype: str = "float32"
 ) -> Runner:
-    from kvserve import LLM, SamplingParams
-
-    llm = LLM(
-        str(model_dir),
-        dtype=dtype,
-        device=device,
-        max_num_seqs=concurrency,
-        max_model_len=work.max_len,
-        seed=seed,
-        enable_prefix_caching=False,  # random prompts share nothing; keep rounds identical
-    )
-    params = [
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
-    ]
-    llm.generate(work.prompts[:2], params[:2], use_tqdm=False)  # warm-up
-
-    def once() -> tuple[float, list[Timeline]]:
-        t0 = llm.engine.clock()
-        outs = llm.generate(work.prompts, params, use_tqdm=False)
-        seconds = llm.engine.clock() - t0
-        return seconds, [from_output(o, arrival=t0) for o in outs]
-
-    return once
+    llm = ctx.llm(model_dir, dtype=dtype, max_num_seqs=concurrency, max_model_len=work.max_len)
+    timed_generate(llm, Workload(work.prompts[:2], work.output_lens[:2]))  # warm-up
+    return lambda: timed_generate(llm, work)
 
 
 def _load_hf(model_dir: Path, dtype: str, device: str) -> Any:
@@ -113,20 +92,15 @@ def hf_static_runner(
         clock = StepClock()
         with torch.inference_mode():
             model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=pad,
+                ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                do_sample=False, eos_token_id=None, pad_token_id=pad,
                 stopping_criteria=transformers.StoppingCriteriaList([clock]),
-            )
+            )  # fmt: skip
         return clock.times
 
     batch(work.prompts[:2], 4)  # warm-up
 
-    def once() -> tuple[float, list[Timeline]]:
+    def once() -> Run:
         t0 = time.perf_counter()
         timelines = []
         for i in range(0, len(work.prompts), concurrency):
@@ -164,9 +138,7 @@ def hf_continuous_runner(
         max_batch_tokens=2048,
     )
 
-    def submit(
-        manager: Any, prompts: list[list[int]], lens: list[int]
-    ) -> tuple[float, list[Timeline]]:
+    def submit(manager: Any, prompts: list[list[int]], lens: list[int]) -> Run:
         t0 = time.perf_counter()  # the manager's timestamps are perf_counter seconds
         ids = [
             manager.add_request(p, max_new_tokens=n, record_timestamps=True)
@@ -190,7 +162,7 @@ def hf_continuous_runner(
             timelines.append(Timeline(t0, ts[0], ts[-1], n))
         return seconds, timelines
 
-    def once() -> tuple[float, list[Timeline]]:
+    def once() -> Run:
         manager = model.init_continuous_batching(
             generation_config=gen, continuous_batching_config=cb
         )
@@ -214,71 +186,44 @@ def padded_positions(work: Workload, concurrency: int) -> int:
     return total
 
 
-def _row(name: str, seconds: float, work: Workload, lat: Latency) -> list[Any]:
-    return [
-        name,
-        round(seconds, 2),
-        round(work.output_tokens / seconds, 1),
-        lat.ttft_p50_ms,
-        lat.ttft_p99_ms,
-        lat.tpot_p50_ms,
-        lat.tpot_p99_ms,
-    ]
-
-
 def run(ctx: SuiteContext) -> Section:
     from kvserve.model.config import ModelConfig
 
-    dtype, concurrency = "float32", 16
+    dtype, concurrency = "float32", 4 if ctx.smoke else 16
     model_dir = ctx.checkpoint("30m")
     config = ModelConfig.from_file(model_dir)
-    if ctx.smoke:
-        work = random_workload(6, (4, 24), (2, 8), config.vocab_size, ctx.seed)
-        concurrency = 4
-    else:
-        work = random_workload(48, (16, 256), (16, 128), config.vocab_size, ctx.seed)
+    work = ctx.mixed_workload(48, config.vocab_size, smoke=(6, (4, 24), (2, 8)))
     ctx.say(
         f"  {len(work.prompts)} prompts, {work.prompt_tokens} prompt and {work.output_tokens} "
         f"output tokens, concurrency {concurrency}, {dtype}"
     )
-    runners: dict[str, Runner] = {
-        "kvserve (continuous batching)": kvserve_runner(
-            model_dir, work, concurrency, dtype, ctx.device, ctx.seed
-        ),
-        "transformers generate (static batches)": hf_static_runner(
-            model_dir, work, concurrency, dtype, ctx.device
-        ),
+    runners = {
+        KVSERVE: kvserve_runner(ctx, model_dir, work, concurrency),
+        STATIC: hf_static_runner(model_dir, work, concurrency, dtype, ctx.device),
     }
     notes = []
     try:
-        runners["transformers continuous batching"] = hf_continuous_runner(
-            model_dir, work, concurrency, dtype, ctx.device
-        )
+        runners[CONTINUOUS] = hf_continuous_runner(model_dir, work, concurrency, dtype, ctx.device)
     except ImportError as e:  # an older transformers: no continuous batching
         notes.append(f"transformers' continuous batching is not available here ({e}).")
-    best: dict[str, tuple[float, list[Timeline]]] = {}
-    for r in range(ctx.rounds):
-        for name, once in runners.items():
-            seconds, timelines = once()
-            ctx.say(f"  round {r + 1}/{ctx.rounds}: {name:<40} {seconds:7.2f} s")
-            if name not in best or seconds < best[name][0]:
-                best[name] = (seconds, timelines)
+    best = ctx.best_of(runners, lambda run: run[0])
     del runners
     gc.collect()
 
-    rows = [_row(name, s, work, latency(tl)) for name, (s, tl) in best.items()]
-    kv_s = best["kvserve (continuous batching)"][0]
-    vs_static = round(best["transformers generate (static batches)"][0] / kv_s, 2)
+    rows = []
+    for name, (seconds, timelines) in best.items():
+        lat = latency(timelines)
+        rows.append([name, round(seconds, 2), round(work.output_tokens / seconds, 1),
+                     lat.ttft_p50_ms, lat.ttft_p99_ms, lat.tpot_p50_ms,
+                     lat.tpot_p99_ms])  # fmt: skip
+    vs_static = round(best[STATIC][0] / best[KVSERVE][0], 2)
     targets = [
         Target("throughput vs transformers static batching", vs_static, TARGET_VS_STATIC, "x")
     ]
-    if "transformers continuous batching" in best:
-        vs_cb = round(best["transformers continuous batching"][0] / kv_s, 2)
-        targets.append(
-            Target(
-                "throughput vs transformers continuous batching", vs_cb, TARGET_VS_CONTINUOUS, "x"
-            )
-        )
+    if CONTINUOUS in best:
+        vs_cb = round(best[CONTINUOUS][0] / best[KVSERVE][0], 2)
+        targets.append(Target("throughput vs transformers continuous batching", vs_cb,
+                              TARGET_VS_CONTINUOUS, "x"))  # fmt: skip
     setup = model_setup(config, dtype, ctx.device) | {
         "requests": len(work.prompts),
         "prompt tokens": work.prompt_tokens,
@@ -301,28 +246,14 @@ def run(ctx: SuiteContext) -> Section:
         f"{ctx.rounds} interleaved rounds per engine; ratios are time ratios on the same "
         "requests."
     )
-    table = Table(
-        "Throughput and latency (same requests, same process)",
-        [
-            Column("engine"),
-            Column("wall", "s"),
-            Column("output", "tok/s"),
-            Column("TTFT p50", "ms"),
-            Column("TTFT p99", "ms"),
-            Column("TPOT p50", "ms"),
-            Column("TPOT p99", "ms"),
-        ],
-        rows,
-    )
-    plots = [
-        p
-        for p in [ctx.save_plot("engine_vs_transformers_ttft.png", _ttft_cdf(best))]
-        if p is not None
-    ]
-    return Section(NAME, TITLE, setup, [table], targets, notes, plots)
+    headers = "engine | wall (s) | output (tok/s) | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms)"
+    tput = table("Throughput and latency (same requests, same process)",
+                 headers + " | TPOT p99 (ms)", rows)  # fmt: skip
+    plot = ctx.save_plot("engine_vs_transformers_ttft.png", _ttft_cdf(best))
+    return Section(NAME, TITLE, setup, [tput], targets, notes, [plot] if plot else [])
 
 
-def _ttft_cdf(best: dict[str, tuple[float, list[Timeline]]]) -> Callable[[Any], None]:
+def _ttft_cdf(best: dict[str, Run]) -> Callable[[Any], None]:
     from kvserve.telemetry import definitions
 
     def draw(fig: Any) -> None:

@@ -1,28 +1,15 @@
 """``kvserve bench gateway``: what the gateway adds to a streaming workload, how many
-streamed chunks it can serve on one core, and what prefix routing buys over round-robin.
+streamed chunks it can serve on one core, and what prefix routing buys over round-robin
+(docs/gateway-config.md, "Gateway benchmark", says what each figure means).
 
-Everything runs as separate processes on 127.0.0.1, as in production
-(``bench.launcher``): the replicas are ``kvserve serve`` processes (HTTP for the direct
-path, gRPC for the gateway), the gateway a ``kvserve gateway --config FILE`` process with
-a generated config and keys file, and this process is the client (``bench.sse_client``).
-Separate processes let the gateway's own CPU time be read from ``/proc/PID/stat`` around
-each measured window.
-
-Three phases (``--phase``; ``all`` runs them in this order), one module each:
-``bench.gateway_overhead`` (direct vs through the gateway, one replica),
-``bench.gateway_capacity`` (the gateway saturated on one core by a stub replica) and
-``bench.gateway_routing`` (prefix vs round-robin routing over several replicas). This
-module holds the command's arguments, its report and the run.
-
-CPU placement (``--placement``, overhead and capacity phases): ``separate`` (the default)
-runs the gateway alone on the first CPU and the replica, the stub replica and this
-process's client on the others, as in production, where the gateway has its own pod and
-never takes CPU from a replica. It needs two CPUs; with one, or ``shared``, every process
-may run on every CPU, and on a small machine the gateway's own work then slows the
-replica it is measured against. Either way the direct path has the replica serve HTTP and
-SSE itself, work the gateway path moves to the gateway (the replica speaks gRPC to it), so
-with ``separate`` the gateway path can come out faster at 64 streams. The routing phase
-always shares the CPUs.
+Everything runs as separate processes on 127.0.0.1, as in production (``bench.launcher``:
+``kvserve serve`` replicas, a ``kvserve gateway`` with a generated config and key), with
+this process as the client (``bench.sse_client``); separate processes let the gateway's
+own CPU time be read from ``/proc/PID/stat`` around each measured window. Three phases
+(``--phase``; ``all`` runs them in this order), one module each: ``gateway_overhead``,
+``gateway_capacity`` and ``gateway_routing``. This module holds the command's arguments,
+its report and the run. ``--placement separate`` (overhead and capacity) runs the gateway
+alone on the first CPU and everything else on the others, as a gateway has its own pod.
 """
 
 from __future__ import annotations
@@ -34,12 +21,14 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvserve.bench.cpu import usable_cpus
 from kvserve.bench.gateway_capacity import CapacityResult, print_capacity, run_capacity
 from kvserve.bench.gateway_overhead import OverheadResult, print_overhead, run_overhead
 from kvserve.bench.gateway_routing import RoutingResult, print_routing, run_routing
 from kvserve.bench.launcher import Launcher, LaunchSettings
+from kvserve.bench.results import say
 from kvserve.config import DEFAULT_BLOCK_SIZE, DTYPES
 
 DESCRIPTION = (
@@ -53,16 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="KV block size of the replicas"
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        help="replicas' max_num_seqs (default: enough for --streams and --agents)",
-    )
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    _numbers(p, [
+        ("--block-size", DEFAULT_BLOCK_SIZE, "KV block size of the replicas"),
+        ("--max-num-seqs", None, "replicas' max_num_seqs (default: enough for --streams and "
+         "--agents)"),
+        ("--max-num-batched-tokens", 2048, None),
+        ("--seed", 0, None),
+    ])  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds for a process to be ready"
@@ -76,48 +62,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "≥ 2 CPUs; with fewer, or 'shared', every process may run on every CPU)",
     )
     o = p.add_argument_group("overhead phase")
-    o.add_argument("--streams", type=int, default=64, help="concurrent streaming clients")
-    o.add_argument("--requests", type=int, default=384, help="requests per pass")
-    o.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
-    o.add_argument(
-        "--max-tokens-spread",
-        type=float,
-        default=0.5,
-        help="output lengths uniform in --max-tokens × (1 ± this), seeded; 0: all equal, "
-        "so the streams start and end in waves of --streams requests at once",
-    )
-    o.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
-    o.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="rounds of direct + gateway passes (order alternates between rounds)",
-    )
-    o.add_argument(
-        "--lone-pairs",
-        type=int,
-        default=32,
-        help="then this many lone requests on each path, one at a time and interleaved, "
-        "for the latency the gateway adds without batching noise (0: skip)",
-    )
+    _numbers(o, [
+        ("--streams", 64, "concurrent streaming clients"),
+        ("--requests", 384, "requests per pass"),
+        ("--max-tokens", 32, "output tokens per request"),
+        ("--max-tokens-spread", 0.5, "output lengths uniform in --max-tokens × (1 ± this), "
+         "seeded; 0: all equal, so the streams start and end in waves of --streams requests "
+         "at once"),
+        ("--prompt-len", 32, "prompt tokens per request"),
+        ("--rounds", 2, "rounds of direct + gateway passes (order alternates between rounds)"),
+        ("--lone-pairs", 32, "then this many lone requests on each path, one at a time and "
+         "interleaved, for the latency the gateway adds without batching noise (0: skip)"),
+    ])  # fmt: skip
     c = p.add_argument_group("capacity phase (also uses --max-tokens and --rounds)")
-    c.add_argument(
-        "--capacity-streams",
-        type=int,
-        default=128,
-        help="concurrent streams offered to the gateway (more than it can serve on one core)",
-    )
-    c.add_argument("--capacity-requests", type=int, default=2048, help="requests per round")
+    _numbers(c, [
+        ("--capacity-streams", 128, "concurrent streams offered to the gateway (more than it "
+         "can serve on one core)"),
+        ("--capacity-requests", 2048, "requests per round"),
+    ])  # fmt: skip
     r = p.add_argument_group("routing phase")
-    r.add_argument("--replicas", type=int, default=3)
-    r.add_argument("--agents", type=int, default=8, help="agents running concurrently")
-    r.add_argument("--questions", type=int, default=4, help="questions each agent asks in turn")
-    r.add_argument(
-        "--system-tokens", type=int, default=200, help="size of the shared system prompt"
-    )
-    r.add_argument(
-        "--routing-max-tokens", type=int, default=32, help="output tokens per agent answer"
-    )
+    _numbers(r, [
+        ("--replicas", 3, None),
+        ("--agents", 8, "agents running concurrently"),
+        ("--questions", 4, "questions each agent asks in turn"),
+        ("--system-tokens", 200, "size of the shared system prompt"),
+        ("--routing-max-tokens", 32, "output tokens per agent answer"),
+    ])  # fmt: skip
     r.add_argument(
         "--no-history",
         dest="history",
@@ -125,6 +95,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="send each question alone after the system prompt (default: each agent keeps "
         "its conversation, so later questions carry the earlier turns)",
     )
+
+
+def _numbers(
+    p: Any,  # a parser or an argument group
+    flags: list[tuple[str, float | None, str | None]],
+) -> None:
+    """Options that take a number: an int, or a float where the default is one."""
+    for flag, default, text in flags:
+        p.add_argument(flag, type=type(default) if default is not None else int,
+                       default=default, help=text)  # fmt: skip
 
 
 @dataclass
@@ -195,9 +175,6 @@ def _launch_settings(args: argparse.Namespace, model: str) -> LaunchSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    def say(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
     problem = _check_args(args)
     if problem:
         say(f"kvserve bench gateway: error: {problem}")
@@ -223,11 +200,11 @@ def run(args: argparse.Namespace) -> int:
             Launcher(_launch_settings(args, model), Path(tmp)) as launcher,
         ):
             if args.phase in ("overhead", "all"):
-                report.overhead = run_overhead(args, launcher, tokenizer, say)
+                report.overhead = run_overhead(args, launcher, tokenizer)
             if args.phase in ("capacity", "all"):
-                report.capacity = run_capacity(args, launcher, say)
+                report.capacity = run_capacity(args, launcher)
             if args.phase in ("routing", "all"):
-                report.routing = run_routing(args, launcher, tokenizer, say)
+                report.routing = run_routing(args, launcher, tokenizer)
     except KeyboardInterrupt:
         say("interrupted; every process the benchmark started is stopped")
         return 130

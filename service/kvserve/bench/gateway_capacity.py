@@ -1,33 +1,25 @@
-"""The gateway's capacity on one core: ``kvserve bench gateway --phase capacity``.
+"""The gateway's capacity on one core: ``kvserve bench gateway --phase capacity``
+(docs/gateway-config.md, "Gateway benchmark").
 
-The target is a rate a gateway process sustains on one core (streamed chunks per
-second), so the gateway must be the bottleneck: it runs alone on one CPU, and what feeds
-it runs on the others. A CPU replica cannot do that on a small machine (it makes ~1,300
-tokens/s on two cores), so the upstream is a stub replica (``bench.stub_replica``: the
-engine's gRPC API with canned tokens and no model; one message per 1 ms step carrying a
-token for every open request, as an engine step does). This process is the load
-generator: ``--capacity-streams`` connections, each sending streaming chat completions
-of ``--max-tokens`` tokens one after another (keep-alive), read with the minimal HTTP/1.1
-client of ``bench.sse_client`` (a full client library would need more CPU than the
-gateway, and shares the stub's CPU).
-
-Per round (``--capacity-requests`` requests): the text chunks received per wall second,
-the gateway's CPU time over the round (``/proc/PID/stat``), its busy share of one CPU,
-and the chunks per gateway CPU-second. When the gateway was busy ≥ 90% of its CPU, the
-chunks per second are its capacity on one core; below that the load generator could not
-keep it saturated, and chunks per CPU-second is the figure to read. After the rounds:
-the gateway's peak resident memory (VmHWM), which its pod's memory request must cover.
+The target is a rate on one core (streamed chunks per second), so the gateway must be the
+bottleneck: it runs alone on one CPU, fed by a stub replica (``bench.stub_replica``: a
+token for every open request every 1 ms, no model) and by this process as the load
+generator on the others, with the light client of ``bench.sse_client`` (a client library
+would need more CPU than the gateway). Per round: chunks received per wall second, the
+gateway's CPU time (``/proc/PID/stat``), its busy share of one CPU and chunks per
+gateway CPU-second; the chunks per second are its capacity only when it was busy ≥ 90%
+in every round. Last, the gateway's peak resident memory, which its pod must cover.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.bench.cpu import cpu_use, running_on, split_cpus
 from kvserve.bench.launcher import Launcher
+from kvserve.bench.results import say
 from kvserve.bench.sse_client import CHAT, MODEL_NAME, StreamPool, run_on_uvloop
 
 TARGET_CHUNKS_PER_SECOND = 10_000.0
@@ -88,9 +80,7 @@ async def offer_load(
     return len(ok), len(errors), sum(len(rec.chunk_times) for rec in ok), next(iter(errors), None)
 
 
-def run_capacity(
-    args: argparse.Namespace, launcher: Launcher, say: Callable[[str], None]
-) -> CapacityResult:
+def run_capacity(args: argparse.Namespace, launcher: Launcher) -> CapacityResult:
     """A stub replica and a gateway, then ``--rounds`` timed rounds (after one untimed)."""
     placement = split_cpus(args.placement == "separate")
     say(f"capacity: starting a stub replica and the gateway; {placement.describe()}")

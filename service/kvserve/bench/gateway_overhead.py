@@ -1,19 +1,14 @@
-"""What the gateway adds to a streaming workload: ``kvserve bench gateway --phase overhead``.
+"""What the gateway adds to a streaming workload: ``kvserve bench gateway --phase overhead``
+(docs/gateway-config.md, "Gateway benchmark", defines every figure).
 
-One replica (prefix caching off, so repeating the workload costs the engine the same each
-time; its log at info, so it holds the request log). The same workload, ``--requests``
-streamed completions (``ignore_eos``, greedy; output lengths uniform in ``--max-tokens`` ×
-(1 ± ``--max-tokens-spread``), seeded, so streams end at different steps as in
-production) from ``--streams`` concurrent clients, goes direct to the replica's HTTP API
-and through the gateway, alternated within each of ``--rounds`` rounds (ABBA order, so
-drift in machine load falls on both paths alike). The gateway's added latency is the
-difference of the medians; each request is also found in the replica's request log and
-split at its engine (TTFT inside and outside the engine, delay added per gap beyond the
-engine's pace), which separates what the path adds from how the requests fell into
-batches. The gateway's efficiency at that load is the text chunks it streamed per
-CPU-second of its process, next to the floor of its gRPC client alone. Then
-``--lone-pairs`` lone requests on each path, one at a time and interleaved: the medians
-of their paired differences are the latency the gateway adds without batching noise.
+One replica (prefix caching off, so every pass costs the engine the same; its request log
+on). The same seeded workload of ``--requests`` streamed completions from ``--streams``
+clients goes direct to the replica's HTTP API and through the gateway, alternated in ABBA
+order over ``--rounds`` rounds so drift falls on both paths alike. Reported: the
+difference of the medians, each request split at the replica's engine (from its request
+log, on the client's clock), the gateway's chunks per CPU-second next to the floor of its
+gRPC client alone, and ``--lone-pairs`` lone requests on each path, interleaved, for what
+the gateway adds without batching noise.
 """
 
 from __future__ import annotations
@@ -22,23 +17,25 @@ import argparse
 import asyncio
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.bench.cpu import cpu_use, running_on, split_cpus, usable_cpus
 from kvserve.bench.launcher import Gateway, Launcher, Replica
-from kvserve.bench.results import fixed
+from kvserve.bench.results import fixed, say
 from kvserve.bench.sse_client import (
     COMPLETIONS,
     ClientRecord,
     Connection,
     completion_body,
+    itls,
     run_on_uvloop,
     stream_workload,
+    text_chunks,
     ttfts,
 )
-from kvserve.bench.timelines import Workload, diff, percentile_ms
+from kvserve.bench.timelines import Workload, diff, greedy, percentile_ms
 from kvserve.telemetry import definitions
 
 # The issue's targets, printed next to the measured figures.
@@ -153,14 +150,6 @@ class LonePair:
     itl_gateway: float
 
 
-def _itls(records: Sequence[ClientRecord]) -> list[float]:
-    return [gap for r in records if r.ok for gap in definitions.itls(r.chunk_times)]
-
-
-def _chunks(records: Sequence[ClientRecord]) -> int:
-    return sum(len(r.chunk_times) for r in records if r.ok)
-
-
 def _workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
     """``--requests`` prompts of ``--prompt-len`` random ordinary token ids (seeded)."""
     rng = random.Random(args.seed)
@@ -204,7 +193,7 @@ def _path_stats(
 ) -> PathStats:
     records = [rec for _, recs in passes for rec in recs]
     seconds = sum(x.seconds for x, _ in passes)
-    ttft, itl, chunks = ttfts(records), _itls(records), _chunks(records)
+    ttft, itl, chunks = ttfts(records), itls(records), text_chunks(records)
     return PathStats(
         requests_ok=sum(r.ok for r in records),
         requests_failed=sum(not r.ok for r in records),
@@ -233,25 +222,20 @@ async def _grpc_client_pass(
     window."""
     from kvserve.gateway.upstream import ReplicaClient
     from kvserve.rpc.codec import encode_request
-    from kvserve.sampling_params import SamplingParams
 
     client = ReplicaClient(address)
     todo = iter(range(len(work.prompts)))
 
     async def one(rid: str, prompt: list[int], max_tokens: int) -> int:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        call = client.generate(encode_request(prompt, params, request_id=rid), 600.0, {})
-        texts = 0
-        async for msg in call:
-            if msg.WhichOneof("kind") == "delta" and msg.delta.text:
-                texts += 1
-        return texts
+        call = client.generate(
+            encode_request(prompt, greedy(max_tokens), request_id=rid), 600.0, {}
+        )
+        return sum(
+            [msg.WhichOneof("kind") == "delta" and bool(msg.delta.text) async for msg in call]
+        )
 
     async def worker() -> int:
-        texts = 0
-        for i in todo:
-            texts += await one(f"{tag}-{i}", work.prompts[i], work.output_lens[i])
-        return texts
+        return sum([await one(f"{tag}-{i}", work.prompts[i], work.output_lens[i]) for i in todo])
 
     try:
         await one(f"{tag}-warm-up", work.prompts[0], 2)  # the channel's connection
@@ -272,12 +256,10 @@ async def _lone_pairs(direct_url: str, gateway: Gateway, work: Workload, n: int)
     try:
         for i in range(n):
             body = completion_body(work.prompts[i % len(work.prompts)], work.output_lens[0])
-            if i % 2 == 0:
-                d = await direct.stream(COMPLETIONS, body)
-                g = await via.stream(COMPLETIONS, body)
-            else:
-                g = await via.stream(COMPLETIONS, body)
-                d = await direct.stream(COMPLETIONS, body)
+            first, second = (direct, via) if i % 2 == 0 else (via, direct)
+            recs = {first: await first.stream(COMPLETIONS, body)}
+            recs[second] = await second.stream(COMPLETIONS, body)
+            d, g = recs[direct], recs[via]
             if not (d.ok and g.ok and d.ttft is not None and g.ttft is not None):
                 continue
             gaps_d, gaps_g = definitions.itls(d.chunk_times), definitions.itls(g.chunk_times)
@@ -297,9 +279,7 @@ def _quartiles(values: Sequence[float]) -> tuple[float | None, float | None, flo
     return percentile_ms(values, 50), percentile_ms(values, 25), percentile_ms(values, 75)
 
 
-def run_overhead(
-    args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
-) -> OverheadResult:
+def run_overhead(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -> OverheadResult:
     work = _workload(args, tokenizer)
     placement = split_cpus(args.placement == "separate")
     say(
@@ -315,21 +295,18 @@ def run_overhead(
     )
     gateway = launcher.start_gateway([rep.grpc_address], "prefix", cpus=placement.gateway)
     with running_on(placement.others):  # the client: never on the gateway's CPU
-        passes, floor, lone = _measure(args, work, rep, gateway, say)
+        passes, (floor_messages, floor_cpu), lone = _measure(args, work, rep, gateway)
     launcher.stop_all()  # the request log is complete once the replica has stopped
     engine_log = rep.request_log()
     stats = {}
     for path in PATHS:
         mine = [(x, recs) for x, recs in passes if x.path == path]
-        split = [
-            s
-            for x, recs in mine
-            for s in _split_at_engine(recs, _pass_tag(path, x.round), engine_log)
-        ]
-        stats[path] = _path_stats(mine, split)
+        tags = [(recs, _pass_tag(path, x.round)) for x, recs in mine]
+        stats[path] = _path_stats(
+            mine, [s for r, t in tags for s in _split_at_engine(r, t, engine_log)]
+        )
     direct, via = stats["direct"], stats["gateway"]
     gw_cpu = sum(x.gateway_cpu_seconds or 0.0 for x, _ in passes)
-    floor_messages, floor_cpu = floor
     lone_ttft = _quartiles([x.ttft_gateway - x.ttft_direct for x in lone])
     lone_itl = _quartiles([x.itl_gateway - x.itl_direct for x in lone])
     return OverheadResult(
@@ -373,11 +350,7 @@ def run_overhead(
 
 
 def _measure(
-    args: argparse.Namespace,
-    work: Workload,
-    rep: Replica,
-    gateway: Gateway,
-    say: Callable[[str], None],
+    args: argparse.Namespace, work: Workload, rep: Replica, gateway: Gateway
 ) -> tuple[list[tuple[PassResult, list[ClientRecord]]], tuple[int, float], list[LonePair]]:
     """The rounds of passes on both paths, each round's gRPC floor, then the lone pairs."""
     # An untimed pass of one request per stream on each path first: the engine's first
@@ -398,11 +371,8 @@ def _measure(
             via_gw = path == "gateway"
             url, key = (gateway.url, gateway.key) if via_gw else (rep.http_url, None)
             procs = [rep.proc, gateway.proc] if via_gw else [rep.proc]
-            x = asyncio.run(
-                stream_workload(
-                    url, key, work, args.streams, tag=_pass_tag(path, r), children=procs
-                )
-            )
+            tag = _pass_tag(path, r)
+            x = asyncio.run(stream_workload(url, key, work, args.streams, tag=tag, children=procs))
             recs, cpu = x.records, x.cpu.children
             result = PassResult(
                 path=path,
@@ -410,9 +380,9 @@ def _measure(
                 seconds=round(x.seconds, 3),
                 requests_ok=sum(rec.ok for rec in recs),
                 requests_failed=sum(not rec.ok for rec in recs),
-                chunks=_chunks(recs),
+                chunks=text_chunks(recs),
                 ttft_p50_ms=percentile_ms(ttfts(recs), 50),
-                itl_p50_ms=percentile_ms(_itls(recs), 50),
+                itl_p50_ms=percentile_ms(itls(recs), 50),
                 gateway_cpu_seconds=round(cpu[1], 2) if via_gw else None,
                 replica_cpu_seconds=round(cpu[0], 2),
             )

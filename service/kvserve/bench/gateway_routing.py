@@ -1,21 +1,17 @@
-"""Prefix vs round-robin routing: ``kvserve bench gateway --phase routing``.
+"""Prefix vs round-robin routing: ``kvserve bench gateway --phase routing``
+(docs/gateway-config.md, "Gateway benchmark").
 
-``--replicas`` replicas, an agent workload: ``--agents`` agents share one system prompt of
-about ``--system-tokens`` tokens (built deterministically from ``--seed``, counted with
-the model's tokenizer) and each asks ``--questions`` short questions in turn, keeping its
-conversation (``--no-history``: each question alone after the system prompt). It runs
-once with ``routing.policy: prefix`` and once with ``round_robin``, each on freshly
-started replicas (cold prefix caches) behind a freshly started gateway. Reported: the
-cached-token ratio (Σ cached_tokens / Σ prompt_tokens from the streams' usage), TTFT, and
-the gateway's routing decisions per replica.
+``--agents`` agents share one system prompt of about ``--system-tokens`` tokens (seeded,
+counted with the model's tokenizer) and each asks ``--questions`` questions in turn,
+keeping its conversation (``--no-history``: each question alone). It runs once per
+policy, each on freshly started replicas and gateway (cold caches). Reported: the
+cached-token ratio from the streams' usage, TTFT, and the gateway's routing decisions.
 
 Why conversations by default: the gateway's prefix key is a chat's messages up to the
 first user message, cut to ``routing.prefix_chars`` (512). A ~200-token system prompt is
-shorter than that with the demo tokenizer (~2 characters per token), so the key also
-holds the agent's first question: prefix routing keeps each agent on one replica, where
-its conversation so far is cached, while round-robin scatters its turns. Independent
-questions share only the system prompt, which every replica caches after its first
-request under either policy.
+shorter than that with the demo tokenizer, so the key also holds the agent's first
+question: prefix routing keeps each agent on the replica that caches its conversation,
+while round-robin scatters its turns.
 """
 
 from __future__ import annotations
@@ -26,13 +22,13 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.bench.cpu import usable_cpus
 from kvserve.bench.launcher import Launcher, Replica
-from kvserve.bench.results import fixed
+from kvserve.bench.results import fixed, say
 from kvserve.bench.sse_client import CHAT, ClientRecord, Connection, chat_body, ttfts
 from kvserve.bench.timelines import ms, percentile_ms
 
@@ -163,9 +159,7 @@ def _routing_counts(url: str, replicas: Sequence[Replica]) -> tuple[list[int], i
     return [round(per.get(r.grpc_address, 0.0)) for r in replicas], round(overrides)
 
 
-def run_routing(
-    args: argparse.Namespace, launcher: Launcher, tokenizer: Any, say: Callable[[str], None]
-) -> RoutingResult:
+def run_routing(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -> RoutingResult:
     system, system_tokens = system_prompt(tokenizer, args.system_tokens, args.seed)
     questions = agent_questions(args.agents, args.questions, args.seed)
     # Replicas share the CPUs: one OpenMP thread team each sized to its share, unless the

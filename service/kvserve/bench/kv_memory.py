@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.bench.results import Column, Section, Table, Target, model_setup
+from kvserve.bench.results import Section, Target, model_setup, table
 from kvserve.bench.suite import SuiteContext
-from kvserve.bench.timelines import Workload, random_workload
+from kvserve.bench.timelines import Workload, greedy
 
 NAME = "kv_memory"
 TITLE = "KV cache memory efficiency"
@@ -50,14 +50,10 @@ class Occupancy:
 
 
 def measure(llm: Any, work: Workload) -> Occupancy:
-    from kvserve import SamplingParams
-
     engine = llm.engine
     kv, block = engine.kv, engine.config.block_size
     for i, (p, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
-        engine.add_request(
-            f"mix-{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        )
+        engine.add_request(f"mix-{i}", p, greedy(n))
     occ = Occupancy()
     while engine.has_unfinished_requests():
         engine.step()
@@ -74,47 +70,24 @@ def measure(llm: Any, work: Workload) -> Occupancy:
 
 
 def run(ctx: SuiteContext) -> Section:
-    from kvserve import LLM
     from kvserve.model.config import ModelConfig
 
     dtype, concurrency = "float32", 16
     model_dir = ctx.checkpoint("30m")
     config = ModelConfig.from_file(model_dir)
     max_model_len = config.max_position_embeddings
-    if ctx.smoke:
-        work = random_workload(8, (4, 40), (2, 12), config.vocab_size, ctx.seed)
-    else:
-        work = random_workload(64, (16, 256), (16, 128), config.vocab_size, ctx.seed)
+    work = ctx.mixed_workload(64, config.vocab_size, smoke=(8, (4, 40), (2, 12)))
     results: dict[int, Occupancy] = {}
+    rows = []
     for bs in BLOCK_SIZES:
-        llm = LLM(
-            str(model_dir),
-            dtype=dtype,
-            device=ctx.device,
-            block_size=bs,
-            max_num_seqs=concurrency,
-            max_model_len=max_model_len,
-            seed=ctx.seed,
-            enable_prefix_caching=False,
-        )
-        results[bs] = measure(llm, work)
-        ctx.say(
-            f"  block size {bs:>2}: waste {results[bs].waste:5.2f}% over {results[bs].steps} steps"
-        )
+        llm = ctx.llm(model_dir, dtype=dtype, block_size=bs, max_num_seqs=concurrency,
+                      max_model_len=max_model_len)  # fmt: skip
+        o = results[bs] = measure(llm, work)
         del llm
-
-    rows = [
-        [
-            bs,
-            o.steps,
-            round(o.held / o.steps, 1),
-            round(o.allocated / o.steps, 1),
-            round(o.waste, 2),
-            round(o.reserved / o.steps, 1),
-            round(o.reserved_waste, 2),
-        ]
-        for bs, o in results.items()
-    ]
+        ctx.say(f"  block size {bs:>2}: waste {o.waste:5.2f}% over {o.steps} steps")
+        rows.append([bs, o.steps, round(o.held / o.steps, 1), round(o.allocated / o.steps, 1),
+                     round(o.waste, 2), round(o.reserved / o.steps, 1),
+                     round(o.reserved_waste, 2)])  # fmt: skip
     default = results[BLOCK_SIZES[0]]
     setup = model_setup(config, dtype, ctx.device) | {
         "requests": len(work.prompts),
@@ -124,29 +97,14 @@ def run(ctx: SuiteContext) -> Section:
         "max_model_len": max_model_len,
     }
     tables = [
-        Table(
-            "Slots per step (averages over steps) and waste",
-            [
-                Column("block size", "tokens"),
-                Column("steps"),
-                Column("tokens held"),
-                Column("slots allocated"),
-                Column("paged waste", "%"),
-                Column("slots if max_model_len reserved"),
-                Column("reservation waste", "%"),
-            ],
-            rows,
-        )
-    ]
+        table("Slots per step (averages over steps) and waste",
+              "block size (tokens) | steps | tokens held | slots allocated | paged waste (%) | "
+              "slots if max_model_len reserved | reservation waste (%)", rows)
+    ]  # fmt: skip
     targets = [
-        Target(
-            f"KV waste at block size {BLOCK_SIZES[0]}",
-            round(default.waste, 2),
-            TARGET_WASTE,
-            "%",
-            op="<=",
-        )
-    ]
+        Target(f"KV waste at block size {BLOCK_SIZES[0]}", round(default.waste, 2), TARGET_WASTE,
+               "%", op="<=")
+    ]  # fmt: skip
     notes = [
         "Paged waste is the unfilled tail of each running request's last block: at most "
         "block size − 1 slots per request, whatever the request's length.",

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvserve.bench.suite import MODEL_SHAPES
+from kvserve.bench.suite import MODEL_SHAPES, SuiteContext
 from kvserve.bench.timelines import Workload, random_workload
 from kvserve.config import DTYPES
 
@@ -71,50 +70,33 @@ def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.model.config import ModelConfig
-    from kvserve.testing.checkpoints import build_random_checkpoint
-
-    def say(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
-        size = MODEL_SIZES[args.model_size]
-        say(f"building a random {args.model_size} Llama checkpoint ...")
-        model_dir = build_random_checkpoint(
-            Path(tmp) / "model",
-            "llama",
-            max_position_embeddings=1024,
-            seed=args.seed,
-            initializer_range=0.02,
-            **size,  # type: ignore[arg-type]
-        )
+        ctx = SuiteContext(Path(tmp), Path(tmp), args.device, seed=args.seed, rounds=args.rounds)
+        model_dir = ctx.checkpoint(args.model_size)
         params = ModelConfig.from_file(model_dir).num_params()
-        work = make_workload(args, int(size["vocab_size"]))
-        prompt_tokens = sum(map(len, work.prompts))
-        say(
-            f"workload: {args.num_prompts} prompts, {prompt_tokens} prompt tokens, "
+        work = make_workload(args, int(MODEL_SIZES[args.model_size]["vocab_size"]))
+        ctx.say(
+            f"workload: {args.num_prompts} prompts, {work.prompt_tokens} prompt tokens, "
             f"{work.output_tokens} output tokens, concurrency {args.max_num_seqs}, {args.dtype}"
         )
-        say("loading both engines ...")
+        ctx.say("loading both engines ...")
         # Here, not at the top: the runners load torch, and every `kvserve` command
         # imports this module to build its parser.
         from kvserve.bench.engine_vs_transformers import hf_static_runner, kvserve_runner
 
-        c, dtype, device = args.max_num_seqs, args.dtype, args.device
+        c = args.max_num_seqs
         runners = {
-            "kvserve": kvserve_runner(model_dir, work, c, dtype, device, args.seed),
-            "transformers": hf_static_runner(model_dir, work, c, dtype, device),
+            "kvserve": kvserve_runner(ctx, model_dir, work, c, args.dtype),
+            "transformers": hf_static_runner(model_dir, work, c, args.dtype, args.device),
         }
-        times: dict[str, list[float]] = {name: [] for name in runners}
-        for r in range(args.rounds):
-            for name, once in runners.items():
-                times[name].append(once()[0])
-                say(f"  round {r + 1}/{args.rounds}: {name:<13} {times[name][-1]:7.2f} s")
-        t_kv, t_hf = min(times["kvserve"]), min(times["transformers"])
+        best = ctx.best_of(runners, lambda run: run[0])
+        t_kv, t_hf = best["kvserve"][0], best["transformers"][0]
 
     res = BenchResult(
         model_params=params,
         num_prompts=args.num_prompts,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=work.prompt_tokens,
         output_tokens=work.output_tokens,
         kvserve_seconds=round(t_kv, 3),
         transformers_seconds=round(t_hf, 3),
@@ -125,16 +107,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(asdict(res)))
-    else:
-        print(f"model: random Llama, {params / 1e6:.1f}M parameters, {args.dtype}, {args.device}")
-        print(f"{'engine':<34}{'seconds':>9}{'output tok/s':>14}")
-        print(f"{'kvserve (continuous batching)':<34}{t_kv:>9.2f}{res.kvserve_output_tok_s:>14.1f}")
-        print(
-            f"{'transformers (static batches)':<34}{t_hf:>9.2f}"
-            f"{res.transformers_output_tok_s:>14.1f}"
-        )
-        print(
-            f"ratio (kvserve / transformers): {res.ratio:.2f}x  (best of {args.rounds} "
-            "interleaved rounds each)"
-        )
+        return 0
+    print(f"model: random Llama, {params / 1e6:.1f}M parameters, {args.dtype}, {args.device}")
+    print(f"{'engine':<34}{'seconds':>9}{'output tok/s':>14}")
+    print(f"{'kvserve (continuous batching)':<34}{t_kv:>9.2f}{res.kvserve_output_tok_s:>14.1f}")
+    print(
+        f"{'transformers (static batches)':<34}{t_hf:>9.2f}{res.transformers_output_tok_s:>14.1f}"
+    )
+    print(
+        f"ratio (kvserve / transformers): {res.ratio:.2f}x  (best of {args.rounds} "
+        "interleaved rounds each)"
+    )
     return 0

@@ -23,12 +23,6 @@ STARTUP_POLL_S = 0.1  # how often readiness is polled (each poll has a deadline)
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 
 
-def _default_sigint() -> None:
-    # Parents like make or CI may ignore SIGINT, and children inherit that; a child must
-    # die on Ctrl-C like this process does.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @dataclass
 class Proc:
     """A child process (replica or gateway) with its output in a log file."""
@@ -46,14 +40,8 @@ class Proc:
     def peak_rss_bytes(self) -> int | None:
         """The most resident memory the process has had (VmHWM in /proc/PID/status), or
         None where /proc does not say."""
-        try:
-            status = Path(f"/proc/{self.popen.pid}/status").read_text()
-        except OSError:
-            return None
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # in kB
-        return None
+        peak = proc_field(f"/proc/{self.popen.pid}/status", "VmHWM:")  # "1234 kB"
+        return None if peak is None else int(peak.split()[0]) * 1024
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -78,6 +66,16 @@ _ON_CPUS = (
 )
 
 
+def proc_field(path: str, prefix: str) -> str | None:
+    """What follows ``prefix`` on the first line of a /proc file that starts with it (None:
+    no such line, or no such file)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    return next((ln[len(prefix) :].strip(" \t:") for ln in lines if ln.startswith(prefix)), None)
+
+
 def spawn(
     name: str,
     argv: list[str],
@@ -95,7 +93,9 @@ def spawn(
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_default_sigint,
+            # Parents like make or CI may ignore SIGINT, and children inherit that; a
+            # child must die on Ctrl-C like this process does.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     return Proc(name, popen, log)
 

@@ -13,11 +13,19 @@ import datetime as dt
 import json
 import os
 import platform
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.processes import proc_field
+
 SCHEMA_VERSION = 1
+
+
+def say(msg: str) -> None:
+    """A progress message: on stderr, as stdout holds the results."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -40,6 +48,16 @@ class Table:
         for row in self.rows:
             if len(row) != len(self.columns):
                 raise ValueError(f"table {self.title!r}: row {row} has the wrong width")
+
+
+def table(title: str, headers: str, rows: list[list[Any]]) -> Table:
+    """A table whose columns are given as their headers, ``|``-separated, each a name with
+    its unit in parentheses where it has one: ``"concurrency | wall (s)"``."""
+    columns = []
+    for header in headers.split("|"):
+        name, paren, unit = header.strip().rpartition(" (")
+        columns.append(Column(name, unit[:-1]) if paren else Column(unit))
+    return Table(title, columns, rows)
 
 
 @dataclass
@@ -89,19 +107,13 @@ def hardware(device: str) -> dict[str, Any]:
     """The machine the run is on: CPU model and count, memory, torch threads, GPU."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = proc_field("/proc/cpuinfo", "model name")
+    memory = proc_field("/proc/meminfo", "MemTotal:")  # "16384 kB"
     info: dict[str, Any] = {
-        "cpu": cpu,
+        "cpu": cpu or platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "memory_gib": _memory_gib(),
+        "memory_gib": None if memory is None else round(int(memory.split()[0]) / 2**20, 1),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": device,
@@ -115,16 +127,6 @@ def hardware(device: str) -> dict[str, Any]:
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
-
-
-def _memory_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
 
 
 @dataclass

@@ -53,8 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.bench.cpu import cpu_use, usable_cpus
-from kvserve.bench.results import Column, Section, Table, Target, model_setup
+from kvserve.bench.results import Column, Section, Table, Target, model_setup, table
 from kvserve.bench.suite import SuiteContext
+from kvserve.bench.timelines import greedy
 from kvserve.config import blocks_for, cpu_has_native_bf16, torch_dtype
 from kvserve.model.config import ModelConfig
 from kvserve.telemetry.definitions import percentile
@@ -166,8 +167,6 @@ def measure_model(
     ctx: SuiteContext, path: Path, dtype: str, s: Sizes, bandwidth: float, peak: float
 ) -> list[Point]:
     """Decode at each batch size, then prefill, for the model at ``path`` in ``dtype``."""
-    from kvserve import LLM, SamplingParams
-
     c = ModelConfig.from_file(path)
     elem = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
     h, kv_per_token = c.hidden_size, c.kv_bytes_per_token(elem)
@@ -179,17 +178,14 @@ def measure_model(
     point = functools.partial(Point, dtype, bandwidth, peak, weights)
     max_tokens = 3 * (s.decode_steps + 8)  # outlasts the three batch phases
     max_len = max(s.prompt + max_tokens, s.prefill + 1)
-    llm = LLM(
-        str(path),
+    llm = ctx.llm(
+        path,
         dtype=dtype,
-        device=ctx.device,
         max_num_seqs=max(BATCHES),
         max_model_len=max_len,
         # One step admits a whole batch of prompts, or the whole prefill request.
         max_num_batched_tokens=max(s.prefill, max(BATCHES) * (s.prompt + 1)),
-        enable_prefix_caching=False,
         num_kv_blocks=(max(BATCHES) + 1) * blocks_for(max_len, 16),
-        seed=ctx.seed,
     )
     engine, gen = llm.engine, torch.Generator().manual_seed(ctx.seed)
 
@@ -201,7 +197,7 @@ def measure_model(
         return [(r.request_id, n) for r, n in sched.scheduled] if sched else []
 
     points = []
-    decode = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    decode = greedy(max_tokens)
     for batch in BATCHES:
         for i in range(len(engine.requests), batch):
             engine.add_request(f"decode-{i}", ids(s.prompt), decode)
@@ -234,7 +230,7 @@ def measure_model(
     engine.abort_request(list(engine.requests))
 
     times = []
-    once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)  # done in its 1st step
+    once = greedy(1)  # done in its first step
     for rep in range(s.prefill_reps):
         engine.add_request(f"prefill-{rep}", ids(s.prefill), once)
         times.append(_timed(engine.step, ctx.device))
@@ -372,15 +368,13 @@ def run(ctx: SuiteContext) -> Section:
     others = None if use.others is None else 100 * use.others / (use.wall * usable_cpus())
 
     machine = [_sig(bandwidth / 1e9), gflops["float32"], gflops["bfloat16"]]
-    machine_columns = [Column("streaming read", "GB/s"), Column("fp32 matmul peak", "GFLOP/s")]
-    machine_columns += [Column("bf16 matmul peak", "GFLOP/s"), Column("read size", "MiB")]
+    headers = "streaming read (GB/s) | fp32 matmul peak (GFLOP/s) | bf16 matmul peak (GFLOP/s)"
     tables = [
-        Table(
-            "Machine", [*machine_columns, Column("matmul n")], [[*machine, s.read_mib, s.matmul_n]]
-        ),
+        table("Machine", f"{headers} | read size (MiB) | matmul n",
+              [[*machine, s.read_mib, s.matmul_n]]),
         _table("Decode", DECODE_COLUMNS, [p for p in points if p.kind == "decode"]),
         _table("Prefill", PREFILL_COLUMNS, [p for p in points if p.kind == "prefill"]),
-    ]
+    ]  # fmt: skip
     bf16 = {(p.kind, p.batch): p for p in points if p.dtype == MODEL_DTYPES[0]}
     targets = [
         Target(f"{name}, bf16: fraction of the {bound} bound", _sig(p.fraction), goal, "%")

@@ -1,52 +1,31 @@
 """``kvserve bench serve``: ``kvserve serve`` under load vs the offline engine.
 
 Both sides run the same workload (random token-id prompts, greedy, ``ignore_eos``, each
-request's own ``max_tokens``) on engines built with the same settings, at the same
-concurrency:
+request's own ``max_tokens``) on engines with the same settings, at the same concurrency:
+offline, ``LLM.generate`` over the whole workload with ``max_num_seqs = concurrency`` in
+this process; serving, a ``kvserve serve`` process on 127.0.0.1 (its request log at
+INFO) and ``concurrency`` streaming clients here (``bench.sse_client``, on uvloop where
+installed, like the server), each taking the next prompt when its last one ends.
+Throughput is output tokens / wall seconds on each side (the serving side counts each
+response's ``usage``); the rounds alternate the two sides.
 
-* offline: ``LLM.generate`` over the whole workload with ``max_num_seqs = concurrency``,
-  in this process;
-* serving: a ``kvserve serve`` process on 127.0.0.1 (the real server, as deployed, with
-  its request log at INFO), and ``concurrency`` streaming clients in this process
-  (``bench.sse_client``, on uvloop where installed, like the server) that each take the
-  next prompt of the workload when their last one ends, and stream ``POST
-  /v1/completions`` (``stream_options.include_usage``) until none is left.
+TTFT: one lone request (a 32-token prompt, prefix caching off, so always the same engine
+work) alternates between the offline engine's step API and the server, one pair at a
+time, so drift falls on both alike. Reported: the median paired difference (server −
+offline, client side against engine side; an offline output is visible when ``step()``
+returns it, detokenized), and the decomposition of docs/engine.md ("The serving path"):
+the server's request log, on the client's monotonic clock, splits the client's TTFT into
+HTTP in, to the engine, compute and out; TTFT − compute per request is what the server
+adds, and net of the engine's own time outside compute (measured offline) it is the
+figure held to the 2 ms target. Every figure comes from ``kvserve.telemetry.definitions``
+(docs/architecture.md §3): ``s`` = the request's last byte written (client) or its
+arrival (engine), ``f``/``e`` = the first/last output with visible text on both sides.
 
-Throughput is output tokens / wall seconds on each side (the serving side counts the
-tokens each response's ``usage`` reports); the rounds alternate the two sides.
-
-TTFT: the same lone request (one 32-token prompt, prefix caching off, so every one is the
-same engine work) alternates between the offline engine's step-level API and the server,
-one pair at a time, so drift in the machine's speed falls on both alike. Two figures:
-
-* paired: the median of (server TTFT − offline TTFT) over the pairs, client side against
-  engine side. It carries the run-to-run noise of the forward pass itself. The offline
-  output is visible when ``step()`` returns it, detokenized, to the caller.
-* decomposed: the server's request log gives each request's engine timeline on the same
-  monotonic clock as the client's timestamps (one machine), which splits the client's
-  TTFT into: HTTP in (the request's write → the handler stamps arrival, which it does on
-  the request's head), to the engine (reading and validating the body, tokenization,
-  hand-off to the engine thread → first scheduled), compute (first scheduled → the
-  visible token), and out (that token → its SSE chunk read by the client). What the
-  server adds is TTFT − compute, per request; its median is reported.
-  That still holds the engine's own work outside compute (admitting and scheduling the
-  request, detokenizing the token and building the output), which the offline side does
-  as well: its median there is reported, and per pair the server's share net of it
-  ((server TTFT − compute) − (offline TTFT − offline compute)) is the figure held to the
-  2 ms target.
-
-Every latency figure comes from ``kvserve.telemetry.definitions`` (docs/architecture.md §3):
-``s`` = when the request's last byte was written to the socket (client side) or its
-arrival (engine side), ``f``/``e`` = the first/last non-empty visible output (SSE chunks
-with text on the client; steps whose ``delta_text`` is non-empty in the engine), so both
-sides of the TTFT comparison wait for the same token.
-
-The offline engine computes in one long-lived thread of this process (never the main
-thread, which runs the clients): see ``kvserve.engine.cpu_threads`` for why one thread.
-The model has ``kvserve bench offline``'s layer dimensions but the test tokenizer's own
+The offline engine computes in one long-lived thread of this process, never the main
+thread, which runs the clients (``kvserve.engine.cpu_threads``: one OpenMP team). The
+model has ``kvserve bench offline``'s layer dimensions with the test tokenizer's own
 vocabulary, so every generated id decodes to text (with the offline bench's 8192-token
-vocabulary most ids are ones the tokenizer cannot show, and the streams would be nearly
-empty). The clients share the machine's CPUs with the server.
+vocabulary most ids could not be shown, and the streams would be nearly empty).
 """
 
 from __future__ import annotations
@@ -55,9 +34,7 @@ import argparse
 import asyncio
 import gc
 import json
-import sys
 import tempfile
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -66,7 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvserve.bench.launcher import Launcher, LaunchSettings, Replica
 from kvserve.bench.offline import MODEL_SIZES, make_workload
-from kvserve.bench.results import fixed
+from kvserve.bench.results import fixed, say
 from kvserve.bench.sse_client import (
     COMPLETIONS,
     ClientRecord,
@@ -77,14 +54,14 @@ from kvserve.bench.sse_client import (
     stream_workload,
     ttfts,
 )
-from kvserve.bench.timelines import Workload, percentile_ms
+from kvserve.bench.suite import SuiteContext
+from kvserve.bench.timelines import Workload, greedy, percentile_ms, timed_generate
 from kvserve.config import DTYPES
 from kvserve.telemetry import definitions
 
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.llm import LLM
-    from kvserve.sampling_params import SamplingParams
 
 TTFT_PROMPT_LEN = 32  # the TTFT pass repeats one prompt: every request is the same work
 TTFT_MAX_TOKENS = 8  # enough to reach the first visible token; keeps the pass short
@@ -185,28 +162,7 @@ class BenchResult:
     ttft_server_net_p50_ms: float | None
 
 
-# ---- the offline engine ----------------------------------------------------------------
-def _make_llm(model_dir: Path, work: Workload, args: argparse.Namespace) -> LLM:
-    """One engine; called twice so both sides get exactly the same settings."""
-    from kvserve import LLM
-
-    return LLM(
-        str(model_dir),
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.concurrency,
-        max_model_len=work.max_len,
-        seed=args.seed,
-        enable_prefix_caching=False,  # random prompts share nothing; keep rounds identical
-    )
-
-
 # ---- TTFT, one request at a time -------------------------------------------------------
-def _ttft_request(work: Workload) -> tuple[list[int], int]:
-    """The one request the TTFT passes repeat (prefix caching is off): same work each time."""
-    return work.prompts[0][:TTFT_PROMPT_LEN], min(TTFT_MAX_TOKENS, max(work.output_lens))
-
-
 def _engine_ttft(
     engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int
 ) -> tuple[float, float, int] | None:
@@ -217,10 +173,7 @@ def _engine_ttft(
     The output is visible when ``step()`` returns it, detokenized, to its caller (as the
     server's is when its chunk reaches the client), not when its token was sampled.
     """
-    from kvserve import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    engine.add_request(rid, prompt, params)
+    engine.add_request(rid, prompt, greedy(max_tokens))
     found: tuple[float, float, int] | None = None
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -248,7 +201,9 @@ async def _ttft_pairs(
     bookkeeping runs before it is handed over). Returns the pairs (without the
     decomposition), each server request's id and client record, and k.
     """
-    prompt, max_tokens = _ttft_request(work)
+    # The one request repeated (prefix caching is off): the same work every time.
+    prompt = work.prompts[0][:TTFT_PROMPT_LEN]
+    max_tokens = min(TTFT_MAX_TOKENS, max(work.output_lens))
     probe = await run_offline(_engine_ttft, engine, "ttft-probe", prompt, max_tokens)
     if probe is None:
         return [], [], 0
@@ -304,23 +259,23 @@ def _summarise(
     serving: list[WorkloadPass],
     pairs: list[TtftPair],
 ) -> BenchResult:
+    def served(p: WorkloadPass) -> int:
+        return sum(r.output_tokens for r in p.records if r.ok)
+
     best = min(serving, key=lambda p: p.seconds)
     ok = [r for r in best.records if r.ok]
-    served_tokens = sum(r.output_tokens for r in ok)
     t_off, t_srv = min(offline_times), best.seconds
-    off_rate, srv_rate = work.output_tokens / t_off, served_tokens / t_srv
+    off_rate, srv_rate = work.output_tokens / t_off, served(best) / t_srv
     per_round = [
-        (sum(r.output_tokens for r in p.records if r.ok) / p.seconds) / (work.output_tokens / t)
+        (served(p) / p.seconds) / (work.output_tokens / t)
         for t, p in zip(offline_times, serving, strict=True)
     ]
     ttft = ttfts(ok)
     e2es = [definitions.e2e(r.send, r.last) for r in ok if r.last is not None]
     tpots = [
-        t
+        definitions.tpot(r.first, r.last, r.output_tokens)
         for r in ok
         if r.first is not None and r.last is not None
-        for t in [definitions.tpot(r.first, r.last, r.output_tokens)]
-        if t is not None
     ]
     itls = [gap for r in ok for gap in definitions.itls(r.chunk_times)]
     diffs = [p.server - p.offline for p in pairs]
@@ -358,10 +313,10 @@ def _summarise(
         throughput_ratio_per_round=[round(x, 3) for x in per_round],
         serving_requests_completed=sum(r.ok for r in records),
         serving_requests_failed=sum(not r.ok for r in records),
-        serving_output_tokens=served_tokens,
+        serving_output_tokens=served(best),
         serving_ttft_p50_ms=percentile_ms(ttft, 50),
         serving_ttft_p99_ms=percentile_ms(ttft, 99),
-        serving_tpot_p50_ms=percentile_ms(tpots, 50),
+        serving_tpot_p50_ms=percentile_ms([t for t in tpots if t is not None], 50),
         serving_itl_p50_ms=percentile_ms(itls, 50),
         serving_itl_p99_ms=percentile_ms(itls, 99),
         serving_e2e_p50_ms=percentile_ms(e2es, 50),
@@ -448,11 +403,9 @@ def _print_table(res: BenchResult) -> None:
 def _measure(
     args: argparse.Namespace,
     offline: LLM,
-    sampling: list[SamplingParams],
     server: Replica,
     work: Workload,
     torch_thread: ThreadPoolExecutor,
-    say: Callable[[str], None],
 ) -> tuple[list[float], list[WorkloadPass], list[TtftPair]]:
     """The throughput rounds (the whole workload offline, then through the server), then
     the lone requests of the TTFT comparison, decomposed with the server's request log."""
@@ -469,11 +422,9 @@ def _measure(
         offline_times: list[float] = []
         serving: list[WorkloadPass] = []
         for r in range(args.rounds):
-            start = time.perf_counter()
-            job = torch_thread.submit(offline.generate, work.prompts, sampling, use_tqdm=False)
-            outs = job.result()
-            offline_times.append(time.perf_counter() - start)
-            produced = sum(len(o.outputs[0].token_ids) for o in outs)
+            seconds, timelines = torch_thread.submit(timed_generate, offline, work).result()
+            offline_times.append(seconds)
+            produced = sum(t.n for t in timelines)
             assert produced == work.output_tokens, (produced, work.output_tokens)
             say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
             serving.append(
@@ -500,9 +451,6 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.model.config import ModelConfig
     from kvserve.testing.checkpoints import build_random_checkpoint
 
-    def say(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
     if args.concurrency < 1 or args.num_prompts < 1 or args.rounds < 1:
         say("kvserve bench serve: error: --concurrency, --num-prompts, --rounds must be ≥ 1")
         return 2
@@ -520,45 +468,40 @@ def run(args: argparse.Namespace) -> int:
         say(f"building a random {args.model_size} Llama checkpoint ...")
         model_dir = on_torch(
             lambda: build_random_checkpoint(
-                Path(tmp) / "model",
-                "llama",
-                max_position_embeddings=1024,
-                seed=args.seed,
+                Path(tmp) / "model", "llama", max_position_embeddings=1024, seed=args.seed,
                 **dims,  # type: ignore[arg-type]
             )
-        )
+        )  # fmt: skip
         model_config = ModelConfig.from_file(model_dir)
-        params = model_config.num_params()
         work = make_workload(args, model_config.vocab_size)
         say(
             f"workload: {args.num_prompts} prompts, {work.prompt_tokens} prompt "
             f"tokens, {work.output_tokens} output tokens, concurrency {args.concurrency}"
         )
         say("loading the offline engine and starting `kvserve serve` ...")
-        offline = on_torch(lambda: _make_llm(model_dir, work, args))
-        from kvserve import SamplingParams
-
-        sampling = [
-            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in work.output_lens
-        ]
-        on_torch(lambda: offline.generate(work.prompts[:2], sampling[:2], use_tqdm=False))
         settings = LaunchSettings(
             str(model_dir), dtype=args.dtype, device=args.device, seed=args.seed,
             max_num_seqs=args.concurrency, max_model_len=work.max_len,
         )  # fmt: skip
+        ctx = SuiteContext(Path(tmp), Path(tmp), args.device, seed=args.seed)
+        offline = on_torch(lambda: ctx.llm(model_dir, dtype=args.dtype,
+                                           max_num_seqs=args.concurrency,
+                                           max_model_len=work.max_len))  # fmt: skip
+        on_torch(timed_generate, offline, Workload(work.prompts[:2], work.output_lens[:2]))
         try:
             with Launcher(settings, Path(tmp)) as launcher:
                 (server,) = launcher.start_replicas(
                     1, prefix_caching=False, grpc=False, log_level="info"
                 )
-                offline_times, serving, pairs = _measure(
-                    args, offline, sampling, server, work, torch_thread, say
-                )
+                offline_times, serving, pairs = _measure(args, offline, server, work, torch_thread)
         except RuntimeError as exc:
             say(f"kvserve bench serve: error: {exc}")
             return 1
 
-    res = _summarise(args, params, model_config.vocab_size, work, offline_times, serving, pairs)
+    res = _summarise(
+        args, model_config.num_params(), model_config.vocab_size, work, offline_times, serving,
+        pairs,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(asdict(res)))
     else:

@@ -49,22 +49,22 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ParamSpec
+from functools import partial
+from typing import TYPE_CHECKING
 
 from kvserve.bench.cpu import cpu_use, usable_cpus
 from kvserve.bench.launcher import Launcher, LaunchSettings
 from kvserve.bench.processes import Proc
-from kvserve.bench.results import Column, Section, Table, model_setup
+from kvserve.bench.results import Section, model_setup, table
 from kvserve.bench.sse_client import stream_workload
 from kvserve.bench.suite import SuiteContext
-from kvserve.bench.timelines import Latency, Timeline, Workload, diff, latency, random_workload
+from kvserve.bench.timelines import Latency, Timeline, Workload, diff, greedy, latency
 from kvserve.telemetry import definitions
 
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.model.config import ModelConfig
 
-P = ParamSpec("P")
 NAME = "serving_path"
 TITLE = "Serving path: gateway + server vs offline engine, 32 concurrent streams"
 DTYPE = "float32"
@@ -109,8 +109,6 @@ class Pass:
 
 def _offline_pass(engine: LLMEngine, work: Workload, streams: int, tag: str) -> Pass:
     """A closed loop of ``streams`` requests in flight until the workload is done."""
-    from kvserve import SamplingParams
-
     todo = iter(range(len(work.prompts)))
     shown: dict[str, list[float]] = {}  # request id → engine times of outputs with text
     timelines: list[Timeline] = []
@@ -120,8 +118,7 @@ def _offline_pass(engine: LLMEngine, work: Workload, streams: int, tag: str) -> 
     def add() -> None:
         i = next(todo, None)
         if i is not None:
-            params = SamplingParams(max_tokens=work.output_lens[i], temperature=0, ignore_eos=True)
-            engine.add_request(f"{tag}-{i}", work.prompts[i], params)
+            engine.add_request(f"{tag}-{i}", work.prompts[i], greedy(work.output_lens[i]))
 
     start = time.perf_counter()
     for _ in range(streams):
@@ -164,14 +161,12 @@ def _serving_pass(url: str, key: str, work: Workload, streams: int) -> Pass:
                 timelines, steady)  # fmt: skip
 
 
-def _with_cpu(
-    procs: list[Proc], pass_: Callable[P, Pass], *args: P.args, **kwargs: P.kwargs
-) -> Pass:
+def _with_cpu(procs: list[Proc], pass_: Callable[[], Pass]) -> Pass:
     """Run a pass and charge it the CPU time of each process over the whole call (a
     window slightly longer than the timed pass: the serving pass's tiny warm-up
     requests are in it)."""
     with cpu_use(procs) as use:
-        x = pass_(*args, **kwargs)
+        x = pass_()
     replica, gateway = use.children
     x.cpu, x.cpu_window = (use.own, replica, gateway, use.others or 0.0), use.wall
     return x
@@ -180,17 +175,13 @@ def _with_cpu(
 def run(ctx: SuiteContext) -> Section:
     import torch
 
-    from kvserve import LLM
     from kvserve.engine.cpu_threads import call_in_short_lived_thread
     from kvserve.model.config import ModelConfig
 
     model_dir = ctx.checkpoint("30m", tokenizer_vocab=True)
     config = ModelConfig.from_file(model_dir)
     streams = 4 if ctx.smoke else CONCURRENCY
-    if ctx.smoke:
-        work = random_workload(6, (4, 16), (4, 8), config.vocab_size, ctx.seed)
-    else:
-        work = random_workload(64, (16, 256), (16, 128), config.vocab_size, ctx.seed)
+    work = ctx.mixed_workload(64, config.vocab_size, smoke=(6, (4, 16), (4, 8)))
     warm = Workload(work.prompts[:streams], [WARMUP_TOKENS] * min(streams, len(work.prompts)))
     cpus = usable_cpus()
     threads = torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else max(1, cpus - 1)
@@ -208,18 +199,15 @@ def run(ctx: SuiteContext) -> Section:
             (rep,) = launcher.start_replicas(1, prefix_caching=False, threads=threads)
             gateway = launcher.start_gateway([rep.grpc_address], "prefix")
             url, key, procs = gateway.url, gateway.key, [rep.proc, gateway.proc]
-            llm = call_in_short_lived_thread(
-                lambda: LLM(str(model_dir), dtype=DTYPE, device=ctx.device, max_num_seqs=streams,
-                            seed=ctx.seed, enable_prefix_caching=False)
-            )  # fmt: skip
+            llm = call_in_short_lived_thread(ctx.llm, model_dir, dtype=DTYPE, max_num_seqs=streams)
             # Untimed: the first steps at each batch size, and the gRPC path's first calls.
             call_in_short_lived_thread(_offline_pass, llm.engine, warm, streams, "warm")
             if _serving_pass(url, key, warm, streams).failed:
                 raise RuntimeError("warm-up requests through the gateway failed")
             for r in range(1, ctx.rounds + 1):
-                off = _with_cpu(procs, call_in_short_lived_thread, _offline_pass, llm.engine,
-                                work, streams, f"r{r}")  # fmt: skip
-                srv = _with_cpu(procs, _serving_pass, url, key, work, streams)
+                offline = partial(_offline_pass, llm.engine, work, streams, f"r{r}")
+                off = _with_cpu(procs, partial(call_in_short_lived_thread, offline))
+                srv = _with_cpu(procs, partial(_serving_pass, url, key, work, streams))
                 for x in (off, srv):
                     x.round = r
                     passes.append(x)
@@ -253,40 +241,34 @@ def _section(ctx: SuiteContext, config: ModelConfig, work: Workload, streams: in
             la.ttft_p50_ms, la.ttft_p99_ms, la.tpot_p50_ms, la.tpot_p99_ms,
         ]  # fmt: skip
 
-    main = Table(
+    main = table(
         "Throughput and latency (best round of each side)",
-        [Column("path"), Column("round"), Column("requests ok"), Column("requests failed"),
-         Column("output tokens", "tokens"), Column("wall", "s"), Column("output", "tok/s"),
-         Column("requests", "req/s"), Column("TTFT p50, steady", "ms"),
-         Column("TTFT p99, steady", "ms"),
-         Column("TPOT p50", "ms"), Column("TPOT p99", "ms")],
-        [row("offline engine", off, lat["offline"]),
-         row("gateway + server", srv, lat["serving"])],
-    )  # fmt: skip
+        "path | round | requests ok | requests failed | output tokens (tokens) | wall (s) | "
+        "output (tok/s) | requests (req/s) | TTFT p50, steady (ms) | TTFT p99, steady (ms) | "
+        "TPOT p50 (ms) | TPOT p99 (ms)",
+        [row("offline engine", off, lat["offline"]), row("gateway + server", srv, lat["serving"])],
+    )
     ratio, cpu_ratio = srv.tok_s / off.tok_s, srv.cpu_per_token_ms / off.cpu_per_token_ms
     d_ttft = diff(lat["serving"].ttft_p50_ms, lat["offline"].ttft_p50_ms)
     d_tpot = diff(lat["serving"].tpot_p50_ms, lat["offline"].tpot_p50_ms)
-    compare = Table(
+    compare = table(
         "Serving path vs offline engine (best rounds)",
-        [Column("output throughput, serving / offline", "×"),
-         Column("TTFT p50, serving − offline", "ms"),
-         Column("TPOT p50, serving − offline", "ms"),
-         Column("CPU per output token, serving / offline", "×")],
+        "output throughput, serving / offline (×) | TTFT p50, serving − offline (ms) | "
+        "TPOT p50, serving − offline (ms) | CPU per output token, serving / offline (×)",
         [[round(ratio, 3), d_ttft, d_tpot, round(cpu_ratio, 3)]],
-    )  # fmt: skip
+    )
     sides = (("offline engine", off), ("gateway + server", srv))
-    cpu = Table(
+    cpu = table(
         "CPU time over each side's best round",
-        [Column("path"), Column("this process", "CPU s"), Column("replica process", "CPU s"),
-         Column("gateway process", "CPU s"), Column("other processes", "CPU s"),
-         Column("window", "s"), Column("busy, this benchmark's processes", "CPUs"),
-         Column("CPU per output token", "ms")],
+        "path | this process (CPU s) | replica process (CPU s) | gateway process (CPU s) | "
+        "other processes (CPU s) | window (s) | busy, this benchmark's processes (CPUs) | "
+        "CPU per output token (ms)",
         [[label, *(round(c, 2) for c in x.cpu), round(x.cpu_window, 3), round(x.busy, 2),
           round(x.cpu_per_token_ms, 3)] for label, x in sides],
     )  # fmt: skip
-    rounds = Table(
+    rounds = table(
         "Every round",
-        [Column("round"), Column("path"), Column("wall", "s"), Column("output", "tok/s")],
+        "round | path | wall (s) | output (tok/s)",
         [[x.round, x.side, round(x.seconds, 3), round(x.tok_s, 1)] for x in passes],
     )
     setup = model_setup(config, DTYPE, ctx.device) | {

@@ -73,26 +73,30 @@ def ttfts(records: Sequence[ClientRecord]) -> list[float]:
     return [t for r in records if r.ok and (t := r.ttft) is not None]
 
 
+def itls(records: Sequence[ClientRecord]) -> list[float]:
+    """Every gap between consecutive text chunks of the requests that succeeded."""
+    return [gap for r in records if r.ok for gap in definitions.itls(r.chunk_times)]
+
+
+def text_chunks(records: Sequence[ClientRecord]) -> int:
+    """The chunks with text of the requests that succeeded."""
+    return sum(len(r.chunk_times) for r in records if r.ok)
+
+
 def completion_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """A streamed, greedy completion of exactly ``max_tokens`` tokens (``ignore_eos``)."""
-    return _greedy_stream(max_tokens, prompt=prompt)
+    return {"model": MODEL_NAME, "prompt": prompt, **_greedy_stream(max_tokens)}
 
 
 def chat_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     """A streamed, greedy chat completion of exactly ``max_tokens`` tokens."""
-    return _greedy_stream(max_tokens, messages=messages)
+    return {"model": MODEL_NAME, "messages": messages, **_greedy_stream(max_tokens)}
 
 
-def _greedy_stream(max_tokens: int, **request: Any) -> dict[str, Any]:
-    return {
-        "model": MODEL_NAME,
-        **request,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def _greedy_stream(max_tokens: int) -> dict[str, Any]:
+    usage = {"include_usage": True}
+    return {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": usage}  # fmt: skip
 
 
 class Connection:

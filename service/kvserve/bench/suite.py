@@ -27,15 +27,20 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvserve.bench.results import Section, SuiteResult, hardware
+from kvserve.bench.results import Section, SuiteResult, hardware, say
+from kvserve.bench.timelines import Workload, random_workload
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+    from kvserve.llm import LLM
+
+R = TypeVar("R")
 
 SECTIONS = (
     "engine_vs_transformers",
@@ -80,7 +85,7 @@ class SuiteContext:
     _checkpoints: dict[tuple[str, bool], Path] = field(default_factory=dict)
 
     def say(self, msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        say(msg)
 
     def shape(self, name: str) -> str:
         """The model shape a section asked for, or ``tiny`` in smoke mode."""
@@ -108,6 +113,39 @@ class SuiteContext:
                 **dims,
             )
         return self._checkpoints[key]
+
+    def llm(self, model_dir: Path, **settings: Any) -> LLM:
+        """An engine on this run's device and seed, in float32 and with prefix caching off
+        unless ``settings`` say otherwise (random prompts share nothing, and every round
+        must cost the engine the same)."""
+        from kvserve import LLM
+
+        defaults: dict[str, Any] = {"dtype": "float32", "device": self.device, "seed": self.seed}
+        return LLM(str(model_dir), **(defaults | {"enable_prefix_caching": False} | settings))
+
+    def mixed_workload(
+        self, num: int, vocab: int, smoke: tuple[int, tuple[int, int], tuple[int, int]]
+    ) -> Workload:
+        """``num`` random prompts of 16–256 tokens asking for 16–128 tokens each, or in
+        smoke mode the ``smoke`` (number, prompt lengths, output lengths)."""
+        n, prompt_len, output_len = smoke if self.smoke else (num, (16, 256), (16, 128))
+        return random_workload(n, prompt_len, output_len, vocab, self.seed)
+
+    def best_of(
+        self, runs: Mapping[str, Callable[[], R]], seconds: Callable[[R], float], label: str = ""
+    ) -> dict[str, R]:
+        """Every run ``rounds`` times, the runs alternating within each round (this
+        machine's speed drifts, and so falls on all alike), and each one's fastest."""
+        best: dict[str, R] = {}
+        width = max(map(len, runs))
+        for r in range(self.rounds):
+            for name, once in runs.items():
+                res = once()
+                took = seconds(res)
+                self.say(f"  {label}round {r + 1}/{self.rounds}: {name:<{width}} {took:7.2f} s")
+                if name not in best or took < seconds(best[name]):
+                    best[name] = res
+        return best
 
     def save_plot(self, name: str, draw: Callable[[Figure], None]) -> str | None:
         """Draw a figure with ``draw`` and save it as ``name`` (a .png) in the output
@@ -167,17 +205,11 @@ def run_sections(ctx: SuiteContext, names: Sequence[str]) -> list[Section]:
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (for the report)."""
-    parts = ["kvserve", "bench", "suite"]
-    if args.only:
-        parts += ["--only", *args.only]
-    if args.smoke:
-        parts.append("--smoke")
-    if args.device != "cpu":
-        parts += ["--device", args.device]
-    if args.rounds != 2:
-        parts += ["--rounds", str(args.rounds)]
-    if args.seed != 0:
-        parts += ["--seed", str(args.seed)]
+    parts = ["kvserve", "bench", "suite", *(["--only", *args.only] if args.only else [])]
+    parts += ["--smoke"] if args.smoke else []
+    for flag, value, default in (("--device", args.device, "cpu"), ("--rounds", args.rounds, 2),
+                                 ("--seed", args.seed, 0)):  # fmt: skip
+        parts += [flag, str(value)] if value != default else []
     return shlex.join([*parts, "--out", str(args.out)])
 
 

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 from kvserve.telemetry import definitions
 
 if TYPE_CHECKING:
+    from kvserve.llm import LLM
     from kvserve.outputs import RequestOutput
+    from kvserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -104,3 +106,28 @@ def random_workload(
         [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(num)
     ]
     return Workload(prompts, [rng.randint(*output_len) for _ in range(num)])
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy and exactly ``max_tokens`` tokens (``ignore_eos``): every benchmark request,
+    so that a request costs the same on every engine and in every round."""
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def timed_generate(
+    llm: LLM, work: Workload, group: int | None = None
+) -> tuple[float, list[Timeline]]:
+    """``LLM.generate`` over the workload, every request arriving at the start: in one call
+    (continuous batching), or in groups of ``group`` requests, each group started when the
+    one before has finished (static batching). Returns the wall seconds (engine clock) and
+    the requests' timelines."""
+    params = [greedy(n) for n in work.output_lens]
+    size = group or len(work.prompts)
+    t0 = llm.engine.clock()
+    timelines = []
+    for i in range(0, len(work.prompts), size):
+        outs = llm.generate(work.prompts[i : i + size], params[i : i + size], use_tqdm=False)
+        timelines += [from_output(o, arrival=t0) for o in outs]
+    return llm.engine.clock() - t0, timelines
