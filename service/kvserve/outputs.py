@@ -59,3 +59,16 @@ class RequestOutput:
     def client_id(self) -> str:
         """The id to show the client and put in logs: theirs, else the engine's."""
         return self.external_id if self.external_id is not None else self.request_id
+
+    def absorb(self, earlier: RequestOutput) -> RequestOutput:
+        """This output (the later one) also carrying ``earlier``'s deltas, as if the two
+        steps were one: the cumulative fields are already this output's.
+
+        What a consumer that fell behind gets: one output, whatever the number of steps it
+        missed, so its request holds O(output length) memory, not a copy of the output so
+        far per step.
+        """
+        for mine, theirs in zip(self.outputs, earlier.outputs, strict=True):
+            mine.delta_text = theirs.delta_text + mine.delta_text
+            mine.delta_token_ids = theirs.delta_token_ids + mine.delta_token_ids
+        return self

@@ -15,6 +15,7 @@ aborting the request that had it: neither may fail nor receive the other's outpu
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -34,10 +35,6 @@ log = logging.getLogger(__name__)
 # Tokenizing a prompt of more characters than this leaves the event loop: ~1 ms of work on
 # the loop is the most a request may cost the other streams and the health probes.
 OFFLOAD_CHARS = 16_384
-# Outputs a request may have waiting for its consumer (each holds the request's text and
-# logprobs so far): a client that stops reading is ended by the write-stall timeout
-# (kvserve.openai.stalls); this bounds what piles up before, or without one.
-MAX_PENDING_OUTPUTS = 4096
 TOKENIZER_THREADS = 2
 _T = TypeVar("_T")
 
@@ -78,11 +75,9 @@ class AsyncEngine:
         self,
         engine: LLMEngine,
         hooks: EngineHooks | None = None,
-        max_pending_outputs: int = MAX_PENDING_OUTPUTS,
     ) -> None:
         self.engine = engine
         self.hooks = hooks or EngineHooks()
-        self.max_pending_outputs = max_pending_outputs
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, OutputSink] = {}  # engine id → consumer
         self._external_ids: dict[str, str | None] = {}  # engine id → client id, in flight
@@ -181,8 +176,7 @@ class AsyncEngine:
         The caller must ``close()`` the stream (it aborts the request unless it finished),
         so a request whose response never starts does not run on.
         """
-        queue_: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        stream = RequestStream(self, req.request_id, queue_)
+        stream = RequestStream(self, req.request_id)
         self.add_request(req, stream.put)
         return stream
 
@@ -368,17 +362,18 @@ class RequestStream:
     ``async for out in stream``; ``ready()`` takes the outputs that have already arrived
     without waiting (a consumer that fell behind sends them together). ``close()`` is
     idempotent and aborts the request in the engine unless it finished.
+
+    Invariant: at most one unfinished output waits. An output that arrives while another
+    waits absorbs it (``RequestOutput.absorb``), so a client that stops reading holds one
+    output of its request's size, not one per step; the write-stall timeout
+    (kvserve.openai.stalls) ends such a client.
     """
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        request_id: str,
-        queue_: asyncio.Queue[RequestOutput | BaseException],
-    ) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
         self._engine = engine
         self.request_id = request_id
-        self._queue = queue_
+        self._waiting: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._arrived = asyncio.Event()
         self.finished = False
         self._closed = False
 
@@ -388,22 +383,25 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        return self._take(await self._queue.get())
+        while not self._waiting:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self._take(self._waiting.popleft())
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """The engine's next output (on the event loop). A consumer that fell the engine's
-        ``max_pending_outputs`` behind (a client that stopped reading) has its request
-        aborted: what it has waiting is all it gets, then the error."""
-        limit = self._engine.max_pending_outputs
-        if self._queue.qsize() >= limit and not isinstance(item, BaseException):
-            self._engine.release(self.request_id, abort=True)
-            item = RequestFailedError(f"the client fell {limit} outputs behind; request aborted")
-        self._queue.put_nowait(item)
+        """The engine's next output or the exception that ends the request (on the event
+        loop)."""
+        last = self._waiting[-1] if self._waiting else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            self._waiting[-1] = item.absorb(last)
+        else:
+            self._waiting.append(item)
+        self._arrived.set()
 
     def ready(self) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
-        while not self.finished and not self._queue.empty():
-            outs.append(self._take(self._queue.get_nowait()))
+        while not self.finished and self._waiting:
+            outs.append(self._take(self._waiting.popleft()))
         return outs
 
     def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
