@@ -313,13 +313,17 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]]) -> None:
     objects = rendered["all-features-values.yaml"]
     gateway = find(objects, "NetworkPolicy", GATEWAY)["spec"]
     assert gateway["policyTypes"] == ["Ingress", "Egress"]
-    (ingress,) = gateway["ingress"]
+    ingress, metrics = gateway["ingress"]  # gateway.metricsPort is set there
     assert ingress["ports"] == [{"port": "http", "protocol": "TCP"}]
     test_peer = {"app.kubernetes.io/component": "test", "app.kubernetes.io/instance": RELEASE}
     assert any(
         test_peer.items() <= p.get("podSelector", {}).get("matchLabels", {}).items()
         for p in ingress["from"]
     ), "the helm test job must be allowed in"
+    # Prometheus (metricsFrom) to the metrics port; the API's peers only to the API.
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    assert [p["namespaceSelector"]["matchLabels"] for p in metrics["from"]] == [monitoring]
     egress_ports = [p["port"] for rule in gateway["egress"] for p in rule["ports"]]
     assert egress_ports == [53, 53, 443, 6443, "grpc"]
     cidrs = [
@@ -516,7 +520,9 @@ def test_gateway_config_and_keys_load_in_the_gateway(
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert mounts[args.config]["subPath"] == "gateway.yaml"
     assert config.listen.host == "0.0.0.0"
-    assert config.listen.port == c["ports"][0]["containerPort"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert config.listen.port == ports["http"]
+    assert config.listen.metrics_port == ports.get("metrics")
     keys_dir = str(Path(config.keys_file).parent)
     assert mounts[keys_dir]["name"] == "keys" and "subPath" not in mounts[keys_dir]
     assert Path(config.keys_file).name == "keys.yaml"
@@ -548,6 +554,57 @@ def test_a_config_change_rolls_the_gateway_pods(chart: Path) -> None:
     assert checksum("gateway.config.retry.max_attempts=3") != checksum()
     # Keys are hot-reloaded: changing where they come from is not a config change.
     assert checksum("gateway.keys.source=generate") == checksum()
+
+
+def test_the_gateway_metrics_port_moves_every_scrape_target(chart: Path) -> None:
+    """gateway.metricsPort: the config's listen.metrics_port, a container port, a ClusterIP
+    Service of its own (never the API's Service) and the ServiceMonitor and annotation on
+    it; without it, /metrics stays on the API's port."""
+
+    def gateway_objects(*sets: str) -> dict[str, Any]:
+        objects = render(
+            chart, "default-values.yaml", sets=("metrics.serviceMonitor.enabled=true", *sets)
+        )
+        deployment = find(objects, "Deployment", GATEWAY)
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        config = yaml.safe_load(find(objects, "ConfigMap", GATEWAY)["data"]["gateway.yaml"])
+        return {
+            "listen": config["listen"],
+            "ports": {p["name"]: p["containerPort"] for p in container["ports"]},
+            "annotation": deployment["spec"]["template"]["metadata"]["annotations"][
+                "prometheus.io/port"
+            ],
+            "services": {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"},
+            "monitor": find(objects, "ServiceMonitor", GATEWAY)["spec"],
+        }
+
+    default = gateway_objects()
+    assert default["listen"] == {"host": "0.0.0.0", "port": 8080}
+    assert default["ports"] == {"http": 8080} and default["annotation"] == "8080"
+    assert f"{GATEWAY}-metrics" not in default["services"]
+    assert default["monitor"]["endpoints"][0]["port"] == "http"
+
+    apart = gateway_objects("gateway.metricsPort=9090", "gateway.service.type=LoadBalancer")
+    assert apart["listen"] == {"host": "0.0.0.0", "port": 8080, "metrics_port": 9090}
+    assert apart["ports"] == {"http": 8080, "metrics": 9090} and apart["annotation"] == "9090"
+    api = apart["services"][GATEWAY]["spec"]
+    assert [p["name"] for p in api["ports"]] == ["http"], "the LoadBalancer must not carry it"
+    metrics = apart["services"][f"{GATEWAY}-metrics"]
+    assert metrics["spec"]["type"] == "ClusterIP"
+    assert metrics["spec"]["ports"] == [
+        {
+            "name": "metrics",
+            "port": 9090,
+            "targetPort": "metrics",
+            "protocol": "TCP",
+            "appProtocol": "http",
+        }
+    ]
+    assert metrics["spec"]["selector"] == api["selector"]
+    assert apart["monitor"]["endpoints"][0]["port"] == "metrics"
+    selector = apart["monitor"]["selector"]["matchLabels"]
+    assert selector.items() <= metrics["metadata"]["labels"].items()
+    assert not selector.items() <= apart["services"][GATEWAY]["metadata"]["labels"].items()
 
 
 def test_gateway_config_values_schema_follows_the_gateway() -> None:
@@ -722,6 +779,7 @@ SCHEMA_REJECTIONS = [
     ("inferenceModels[0].name=Bad_Name", ["/inferenceModels/0"]),
     ("metrics.serviceMonitor.interval=30", ["/metrics/serviceMonitor/interval"]),
     ("gateway.pdb.minAvailable=half", ["/gateway/pdb/minAvailable"]),
+    ("gateway.metricsPort=0", ["/gateway/metricsPort"]),
 ]
 
 
@@ -748,6 +806,10 @@ TEMPLATE_FAILURES = [
         "minReplicas (5) must not exceed maxReplicas (3)",
     ),
     (("operator.serviceAccount.create=false",), "operator.serviceAccount.name is required"),
+    (
+        ("gateway.metricsPort=8080",),
+        "gateway.metricsPort (8080) must differ from gateway.port",
+    ),
 ]
 
 

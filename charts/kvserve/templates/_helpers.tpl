@@ -26,6 +26,11 @@
 {{- printf "%s-gateway" (include "kvserve.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The Service of the gateway's metrics port (gateway.metricsPort). */}}
+{{- define "kvserve.gateway.metricsFullname" -}}
+{{- printf "%s-metrics" (include "kvserve.gateway.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "kvserve.operator.serviceAccountName" -}}
 {{- if .Values.operator.serviceAccount.create -}}
 {{- default (include "kvserve.operator.fullname" .) .Values.operator.serviceAccount.name -}}
@@ -133,7 +138,14 @@ app.kubernetes.io/managed-by: kvserve-operator
      the fields the chart owns (listen, keys_file, discovery). */}}
 {{- define "kvserve.gateway.config" -}}
 {{- $config := deepCopy .Values.gateway.config -}}
-{{- $_ := set $config "listen" (dict "host" "0.0.0.0" "port" (int .Values.gateway.port)) -}}
+{{- $listen := dict "host" "0.0.0.0" "port" (int .Values.gateway.port) -}}
+{{- with .Values.gateway.metricsPort -}}
+{{- if eq (int .) (int $.Values.gateway.port) -}}
+{{- fail (printf "gateway.metricsPort (%d) must differ from gateway.port: /metrics gets a port of its own" (int .)) -}}
+{{- end -}}
+{{- $_ := set $listen "metrics_port" (int .) -}}
+{{- end -}}
+{{- $_ := set $config "listen" $listen -}}
 {{- $_ := set $config "keys_file" "/etc/kvserve/keys/keys.yaml" -}}
 {{- if .Values.gateway.discovery.enabled -}}
 {{- $kubernetes := dict

@@ -26,13 +26,14 @@ from kvserve.gateway.keys import KeysFile
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.ratelimit import RateLimiter
 from kvserve.gateway.replicas import Fleet
-from kvserve.gateway.routes import gateway_router
+from kvserve.gateway.routes import gateway_router, scrape_metrics
 from kvserve.gateway.routing import make_router
 from kvserve.gateway.state import GatewayState
 from kvserve.gateway.tenancy import CacheSalts
 from kvserve.gateway.watch import ConfigWatcher
 from kvserve.openai.errors import install_error_handlers
 from kvserve.openai.middleware import RequestContextMiddleware
+from kvserve.telemetry.metrics_listener import MetricsListener
 from kvserve.telemetry.tracing import tracer_provider_from_env
 
 
@@ -49,7 +50,9 @@ def create_gateway_app(
     """The gateway app; replicas are connected and polled while it runs (lifespan).
 
     ``clock`` drives the rate limiters (inject a fake one in tests). ``salts`` defaults to
-    the secret in ``$KVSERVE_CACHE_SALT_SECRET`` (``kvserve.gateway.tenancy``).
+    the secret in ``$KVSERVE_CACHE_SALT_SECRET`` (``kvserve.gateway.tenancy``). With
+    ``listen.metrics_port``, ``/metrics`` is served there while the app runs, and not on
+    the API's port.
     """
     metrics = metrics or GatewayMetrics()
     fleet = Fleet()
@@ -77,8 +80,17 @@ def create_gateway_app(
         watcher=watcher,
     )
 
+    listen = config.listen
+    listener = None
+    if listen.metrics_port is not None:
+        listener = MetricsListener(
+            lambda: scrape_metrics(state), listen.host, listen.metrics_port, listen.http_limits
+        )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if listener is not None:
+            await listener.start()
         for name, model in config.models.items():
             if model.replicas:
                 addresses = [background.replica_address(url) for url in model.replicas]
@@ -98,6 +110,8 @@ def create_gateway_app(
                 task.cancel()
             await asyncio.gather(*state.tasks, return_exceptions=True)
             await fleet.close()
+            if listener is not None:
+                await listener.stop()
 
     # The gateway is the public entry: its API description is served only when the
     # config asks for it (docs/security.md).

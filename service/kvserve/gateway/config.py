@@ -71,6 +71,9 @@ class ListenConfig(StrictModel):
 
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8080, ge=1, le=65535)
+    # None: /metrics on ``port``. A port: /metrics only there (on ``host``), so that who
+    # may scrape and who may call the API can be told apart (docs/security.md).
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
     # Longer than the idle timeout of the load balancer in front (60 s on most): if the
     # gateway closed idle connections first, the balancer would reuse a closed one and
     # answer 502. uvicorn's own default is 5 s.
@@ -86,6 +89,16 @@ class ListenConfig(StrictModel):
         return HttpLimits(
             self.max_header_bytes, self.header_timeout_seconds, self.body_timeout_seconds
         )
+
+    @field_validator("metrics_port")
+    @classmethod
+    def _metrics_port_is_its_own(cls, port: int | None, info: ValidationInfo) -> int | None:
+        if port is not None and port == info.data.get("port"):  # ``port`` is checked first
+            raise ValueError(
+                f"{port} is also listen.port: give /metrics a port of its own, or leave "
+                "metrics_port out"
+            )
+        return port
 
 
 def _replica_url(url: str) -> str:
@@ -204,6 +217,13 @@ class GatewayConfig(StrictModel):
                     "(or discovery.kubernetes)"
                 )
         return self
+
+    def with_listen(self, **overrides: object) -> GatewayConfig:
+        """This config with ``listen`` fields replaced (the command line's ``--host``,
+        ``--port``, ``--metrics-port``), checked as the file's are: raises
+        ``ValidationError``, whose locations are ``listen``'s field names."""
+        listen = ListenConfig.model_validate({**self.listen.model_dump(), **overrides})
+        return self.model_copy(update={"listen": listen})
 
     def model_settings(self, name: str) -> ModelConfig:
         """The model's entry, or the defaults for a model found by discovery."""

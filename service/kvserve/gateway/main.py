@@ -11,6 +11,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="gateway YAML (docs/gateway-config.md); required to serve")
     p.add_argument("--host", help="override listen.host")
     p.add_argument("--port", type=int, help="override listen.port")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="override listen.metrics_port: serve /metrics on this port instead of the API's",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--new-key",
@@ -20,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.gateway.files import ConfigError
+    from pydantic import ValidationError
+
+    from kvserve.gateway.files import ConfigError, validation_problems
     from kvserve.gateway.keys import new_key
     from kvserve.gateway.watch import ConfigWatcher
 
@@ -45,9 +52,14 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.heap import freeze_startup_heap
     from kvserve.openai.http_limits import protocol_with
 
-    config = watcher.config
-    host = args.host or config.listen.host
-    port = args.port or config.listen.port
+    overrides = {"host": args.host, "port": args.port, "metrics_port": args.metrics_port}
+    try:
+        config = watcher.config.with_listen(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        for problem in validation_problems(exc, show_input=True):
+            print(f"kvserve gateway: error: listen.{problem}", file=sys.stderr)
+        return 2
+    host, port = config.listen.host, config.listen.port
     app = create_gateway_app(config, watcher.keys, watcher=watcher)
     for name, model in config.models.items():
         print(
@@ -62,8 +74,11 @@ def run(args: argparse.Namespace) -> int:
             f"{', '.join(k8s.namespaces) or 'all namespaces'}",
             file=sys.stderr,
         )
+    metrics_port = config.listen.metrics_port
     print(
-        f"gateway on http://{host}:{port} (OpenAI API under /v1); routing "
+        f"gateway on http://{host}:{port} (OpenAI API under /v1"
+        + ("" if metrics_port is None else f"; /metrics on port {metrics_port}")
+        + "); routing "
         f"{config.routing.policy}; {len(watcher.keys.keys)} API key(s) from "
         f"{config.keys_file}",
         file=sys.stderr,

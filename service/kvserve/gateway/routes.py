@@ -47,7 +47,15 @@ from kvserve.rpc.codec import Prompt, encode_request
 CHARS_PER_TOKEN = 4  # admission estimate of prompt tokens; settled to the real count later
 
 
+def scrape_metrics(state: GatewayState) -> tuple[bytes, str]:
+    """The exposition text, gauges refreshed from the fleet first, and its content type."""
+    state.update_gauges()
+    return state.metrics.render(), "text/plain; version=0.0.4"
+
+
 def gateway_router(state: GatewayState) -> APIRouter:
+    """The routes; ``/metrics`` only while it has no listener of its own
+    (``listen.metrics_port``)."""
     router = APIRouter()
 
     @router.get("/health")
@@ -64,10 +72,12 @@ def gateway_router(state: GatewayState) -> APIRouter:
             return JSONResponse(error_body(503, "no healthy replica to route to"), status_code=503)
         return JSONResponse({"status": "ready", "replicas": routable})
 
-    @router.get("/metrics")
-    async def metrics() -> Response:
-        state.update_gauges()
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+    if state.config.listen.metrics_port is None:
+
+        @router.get("/metrics")
+        async def metrics() -> Response:
+            body, content_type = scrape_metrics(state)
+            return Response(body, media_type=content_type)
 
     @router.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -81,7 +91,9 @@ def gateway_router(state: GatewayState) -> APIRouter:
         }
 
     @router.post(
-        "/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest)
+        "/v1/completions",
+        response_model=None,
+        openapi_extra=body_schema(CompletionRequest),
     )
     async def completions(request: Request) -> Response:
         tenant = _authenticate(state, request)
@@ -119,7 +131,9 @@ def _authenticate(state: GatewayState, request: Request) -> Tenant:
 
 
 def _checked_limit(
-    state: GatewayState, body: CompletionRequest | ChatCompletionRequest, ceiling: int | None
+    state: GatewayState,
+    body: CompletionRequest | ChatCompletionRequest,
+    ceiling: int | None,
 ) -> checks.TokenLimit:
     """The shared checks, then the model's ``max_tokens`` ceiling (400 ``invalid``)."""
     try:

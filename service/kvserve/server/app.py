@@ -13,6 +13,7 @@ from kvserve.engine.async_engine import AsyncEngine, EngineHooks
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import Request
 from kvserve.openai.errors import install_error_handlers
+from kvserve.openai.http_limits import HttpLimits
 from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT, RequestContextMiddleware
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.outputs import RequestOutput
@@ -20,6 +21,7 @@ from kvserve.sampling_params import StopLimits
 from kvserve.server.grpc_service import start_grpc_server
 from kvserve.server.routers import health, openai
 from kvserve.server.state import ServerState
+from kvserve.telemetry.metrics_listener import MetricsListener
 from kvserve.telemetry.prometheus import EngineMetrics
 from kvserve.telemetry.tracing import RequestTelemetry, tracer_provider_from_env
 
@@ -56,12 +58,17 @@ def create_app(
     metrics: EngineMetrics | None = None,
     tracer_provider: TracerProvider | None = None,
     grpc_address: tuple[str, int] | None = None,
+    metrics_address: tuple[str, int] | None = None,
+    http_limits: HttpLimits | None = None,
 ) -> FastAPI:
     """The app owns the engine thread: it starts with the app and stops with it.
 
     ``tracer_provider`` defaults to OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set.
     ``grpc_address`` (host, port) also serves the gRPC API on the same event loop; the
     bound port (useful with port 0) is then ``app.state.grpc_port``.
+    ``metrics_address`` (host, port) serves ``/metrics`` on a listener of its own, with
+    ``http_limits``, and the API port answers it 404 (docs/security.md); the bound port
+    is ``app.state.metrics_port``.
     """
     metrics = metrics or EngineMetrics(served_model_name)
     metrics.set_cache_info(engine.config.block_size, engine.num_kv_blocks)
@@ -87,13 +94,22 @@ def create_app(
         write_stall_timeout=write_stall_timeout,
     )
 
+    listener = None
+    if metrics_address is not None:
+        listener = MetricsListener(metrics.render, *metrics_address, http_limits)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if listener is not None:
+            app.state.metrics_port = await listener.start()
         async_engine.start()
         grpc_server = None
         if grpc_address is not None:
             grpc_server, app.state.grpc_port = await start_grpc_server(
-                async_engine, *grpc_address, telemetry=telemetry, stop_limits=stop_limits
+                async_engine,
+                *grpc_address,
+                telemetry=telemetry,
+                stop_limits=stop_limits,
             )
             log.info("gRPC API on %s:%d", grpc_address[0], app.state.grpc_port)
         try:
@@ -103,12 +119,17 @@ def create_app(
             if grpc_server is not None:
                 await grpc_server.stop(grace=1.0)
             await async_engine.stop()
+            # Last: Prometheus may read the figures until the engine has stopped.
+            if listener is not None:
+                await listener.stop()
 
     app = FastAPI(title="kvserve engine server", version="0.1.0", lifespan=lifespan)
     app.state.kvserve = state
     install_error_handlers(app)
     app.include_router(openai.router)
     app.include_router(health.router)
+    if listener is None:
+        app.include_router(health.metrics_router)
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=body_limit(max_body_bytes, engine),

@@ -24,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (for the gateway)")
     p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve /metrics on this port of --host instead of the HTTP port, which then "
+        "answers it 404 (default: on the HTTP port; docs/security.md)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument(
         "--max-header-bytes",
@@ -85,8 +91,13 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.telemetry.prometheus import EngineMetrics
 
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    problem = metrics_port_problem(args)
+    if problem is not None:  # before loading the model: a wrong flag fails fast
+        print(f"kvserve serve: error: {problem}", file=sys.stderr)
+        return 2
     if not args.model:
         from kvserve.demo_model import default_model_dir
 
@@ -116,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     grpc_address = None if args.no_grpc else (args.host, args.grpc_port)
+    metrics_address = None if args.metrics_port is None else (args.host, args.metrics_port)
+    limits = HttpLimits(args.max_header_bytes, args.header_timeout, args.body_timeout)
     app = create_app(
         engine,
         name,
@@ -125,14 +138,16 @@ def run(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         metrics=EngineMetrics(name),
         grpc_address=grpc_address,
+        metrics_address=metrics_address,
+        http_limits=limits,
     )
     print(
         f"serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)"
-        + ("" if args.no_grpc else f" and grpc://{args.host}:{args.grpc_port}"),
+        + ("" if args.no_grpc else f" and grpc://{args.host}:{args.grpc_port}")
+        + ("" if metrics_address is None else f", /metrics on port {args.metrics_port}"),
         file=sys.stderr,
         flush=True,
     )
-    limits = HttpLimits(args.max_header_bytes, args.header_timeout, args.body_timeout)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -144,3 +159,17 @@ def run(args: argparse.Namespace) -> int:
     freeze_startup_heap()
     DrainingServer(config, app.state.kvserve, args.drain_timeout).run()
     return 0
+
+
+def metrics_port_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--metrics-port`` cannot be used with the other ports, or None."""
+    port = args.metrics_port
+    if port is None:
+        return None
+    if not 1 <= port <= 65535:
+        return f"--metrics-port must be 1-65535, got {port}"
+    taken = {"--port": args.port} | ({} if args.no_grpc else {"--grpc-port": args.grpc_port})
+    for flag, other in taken.items():
+        if port == other:
+            return f"--metrics-port {port} is also {flag}: give /metrics a port of its own"
+    return None

@@ -1,4 +1,8 @@
-"""Liveness, readiness and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics.
+
+``metrics_router`` is apart: with ``--metrics-port``, ``/metrics`` has a listener of its
+own (``kvserve.telemetry.metrics_listener``) and the API port does not route it.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +31,10 @@ async def ready(state: State) -> JSONResponse:
     return JSONResponse({"status": "ready", "model": state.served_model_name})
 
 
-@router.get("/metrics")
+metrics_router = APIRouter()
+
+
+@metrics_router.get("/metrics")
 async def metrics(state: State) -> Response:
     body, content_type = state.metrics.render()
     return Response(body, media_type=content_type)

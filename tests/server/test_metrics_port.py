@@ -1,0 +1,109 @@
+"""``kvserve serve --metrics-port``: ``/metrics`` on a listener of its own, the API port
+without it, through a drain to the process's exit (docs/security.md)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.cli_server import start_cli_server
+from tests.support.engine_server import RunningServer
+from tests.support.net import free_port
+from tests.support.prometheus import metric
+from tests.support.waiting import wait_until
+
+ENGINE_FAMILIES = {
+    "kvserve_requests_finished",
+    "kvserve_time_to_first_token_seconds",
+    "kvserve_num_requests_running",
+    "kvserve_kv_cache_usage_ratio",
+    "kvserve_cache_config_info",
+}
+
+
+def families(text: str) -> set[str]:
+    return {family.name for family in text_string_to_metric_families(text)}
+
+
+def test_without_a_metrics_port_the_api_port_serves_metrics(server: RunningServer) -> None:
+    with server.client() as client:
+        r = client.get("/metrics")
+    assert r.status_code == 200, r.text
+    assert families(r.text) >= ENGINE_FAMILIES
+
+
+@pytest.mark.slow
+def test_the_metrics_port_serves_metrics_through_the_drain(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    metrics_port = free_port()
+    proc, url, _port = start_cli_server(
+        checkpoint_dir("llama"), "--metrics-port", str(metrics_port), "--drain-timeout", "60"
+    )
+    metrics_url = f"http://127.0.0.1:{metrics_port}"
+    try:
+        r = httpx.get(f"{metrics_url}/metrics")
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/plain")
+        assert families(r.text) >= ENGINE_FAMILIES
+        assert httpx.head(f"{metrics_url}/metrics").status_code == 200
+        # Only /metrics there; and the API port answers it as a path it does not have.
+        assert httpx.get(f"{metrics_url}/v1/models").status_code == 404
+        assert httpx.post(f"{metrics_url}/metrics").status_code == 405
+        api = httpx.get(f"{url}/metrics")
+        assert api.status_code == 404
+        assert api.json()["error"]["message"] == "Not Found"
+
+        body = {"model": "m", "prompt": "count me", "max_tokens": 2, "temperature": 0}
+        body |= {"ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert metric(metrics_url, "kvserve_requests_finished_total", finished_reason="length") == 1
+
+        # SIGTERM mid-stream: the drain runs, and Prometheus can still watch it.
+        stream = {**body, "prompt": "drain me", "max_tokens": 900, "stream": True}
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{url}/v1/completions", json=stream) as r,
+        ):
+            lines = r.iter_lines()
+            seen = 0
+            while seen < 2:  # mid-stream
+                seen += next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503)
+            assert metric(metrics_url, "kvserve_num_requests_running") == 1
+        # The client left: its request is aborted, which ends the drain (however fast
+        # this machine generates), and the process exits.
+        assert proc.wait(timeout=60) == 0
+        # The listener stopped with the server.
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{metrics_url}/metrics")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--port", "8123", "--metrics-port", "8123"], "--metrics-port 8123 is also --port"),
+        (["--grpc-port", "8124", "--metrics-port", "8124"], "is also --grpc-port"),
+        (["--metrics-port", "70000"], "--metrics-port must be 1-65535, got 70000"),
+    ],
+)
+def test_a_metrics_port_that_cannot_work_fails_before_loading(
+    flags: list[str], expected: str
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve", "serve", *flags, "--model", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr, out.stderr
+    assert "loading" not in out.stderr
