@@ -18,6 +18,7 @@ def test_every_phase_runs_and_is_reported(checkpoint_dir: Callable[[str], Path])
             sys.executable, "-m", "kvserve", "bench", "attacks",
             "--model", str(checkpoint_dir("llama")), "--attackers", "1",
             "--victim-tokens", "8", "--victim-streams", "1", "--flood-mb", "1",
+            "--stalled-streams", "2", "--stalled-tokens", "8",
         ],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -26,5 +27,6 @@ def test_every_phase_runs_and_is_reported(checkpoint_dir: Callable[[str], Path])
     for phase in ("baseline", "load", "stops", "huge"):
         assert f"\n{phase} " in out, out
     assert "x ITL (target <= 1.2)" in out and "/health p99" in out
+    assert "streams that stop reading (8 tokens, top_logprobs 20): peak RSS" in out
     assert "header floods: peak RSS" in out
     assert "a head sent a byte a second: 'HTTP/1.1 408 Request Timeout'" in out, out

@@ -7,19 +7,26 @@ do one thing each, side by side in one run (docs/security.md):
 - ``load``: requests with no stop strings (the control for ``stops``);
 - ``stops``: the same requests with 16 stop strings of 256 characters (the limits);
 - ``huge``: 3.8 MB prompts posted in a loop;
-- then four connections each sending 32 MB of one unterminated header line (the
-  replica's peak RSS before and after), and one head sent a byte a second (when it is
-  answered).
+- then streams that stop reading (chats of 450 tokens with ``top_logprobs`` 20, on
+  sockets with a small receive buffer), held until the replica has generated all their
+  tokens, and four connections each sending 32 MB of one unterminated header line (the
+  replica's peak RSS before and after each), and one head sent a byte a second (when it
+  is answered).
 
-The attackers share this machine's CPUs with the replica: on a small machine the
-``huge`` phase measures their own cost as well as the replica's.
+Where there are two CPUs or more, the replica runs on CPUs of its own and every client
+(victim, prober, attackers) on the others, the attackers at the lowest priority: as in
+production, where the clients are other machines, the figures are what the attacks cost
+the replica, not what the attackers' own loops cost a shared CPU. On one CPU nothing is
+placed, and the ``huge`` phase also measures the attackers' own cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import tempfile
@@ -31,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from kvserve.bench.cpu import running_on, split_cpus
 from kvserve.bench.launcher import Launcher, LaunchSettings
 from kvserve.bench.processes import Proc
 from kvserve.bench.sse_client import MODEL_NAME
@@ -48,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--victim-tokens", type=int, default=150, help="tokens per victim stream")
     p.add_argument("--victim-streams", type=int, default=3, help="victim streams per phase")
     p.add_argument("--flood-mb", type=int, default=32, help="MB of header per flood connection")
+    p.add_argument("--stalled-streams", type=int, default=60, help="streams that stop reading")
+    p.add_argument(
+        "--stalled-tokens", type=int, default=450, help="tokens of each stream that stops reading"
+    )
 
 
 @dataclass
@@ -75,16 +87,19 @@ def _victim_itl(url: str, tokens: int) -> float:
 
 
 def _attack(url: str, kind: str, stop: Any) -> None:  # in an attacker process
+    os.nice(19)  # the victim and the prober, on the same CPUs, come first
     body: dict[str, Any] = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 100}
     body["ignore_eos"] = True
     if kind == "stops":
         body["stop"] = STOPS
     elif kind == "huge":
         body = {"model": MODEL_NAME, "prompt": "word " * HUGE_PROMPT_WORDS, "max_tokens": 2}
+    content = json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
     with httpx.Client(timeout=300) as c:
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError):  # a refused huge body: closed
-                c.post(url + "/v1/completions", json=body)
+                c.post(url + "/v1/completions", content=content, headers=headers)
 
 
 def _phase(url: str, kind: str | None, args: argparse.Namespace) -> Phase:
@@ -130,6 +145,49 @@ def _peak_mb(proc: Proc) -> float:
     return peak / 2**20
 
 
+def _unfinished_requests(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = ("kvserve_num_requests_running", "kvserve_num_requests_waiting")
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name in names
+        for sample in family.samples
+    )
+
+
+def _stalled_streams(url: str, port: int, streams: int, tokens: int) -> None:
+    """Open ``streams`` chats that never read their answer; return once the replica has
+    generated every token (their outputs wait), then close them."""
+    body = {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hotels in Kyoto"}],
+        "max_tokens": tokens, "ignore_eos": True, "stream": True,
+        "logprobs": True, "top_logprobs": 20,
+    }  # fmt: skip
+    content = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(content)}\r\n\r\n"
+    ).encode()
+    socks = []
+    try:
+        for _ in range(streams):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # stalls soon
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(head + content)
+            socks.append(sock)
+        deadline = time.monotonic() + 600
+        time.sleep(1.0)  # the requests reach the engine (the poll below is the sync point)
+        while _unfinished_requests(url) > 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _header_flood(port: int, megabytes: int) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         try:
@@ -162,15 +220,21 @@ def run(args: argparse.Namespace) -> int:
 
         args.model = str(default_model_dir())
     settings = LaunchSettings(model=args.model, dtype=args.dtype)
+    # The replica on CPUs of its own, the clients on the others (see the module's doc).
+    placement = split_cpus(True)
+    replica_cpus, client_cpus = placement.others, placement.gateway
     with (
         tempfile.TemporaryDirectory(prefix="kvserve-attacks-") as tmp,
         Launcher(settings, Path(tmp)) as launcher,
+        running_on(client_cpus),
     ):
-        (replica,) = launcher.start_replicas(1, grpc=False)
+        (replica,) = launcher.start_replicas(1, grpc=False, cpus=replica_cpus)
         url = replica.http_url
         port = int(url.rsplit(":", 1)[1])
         _victim_itl(url, 8)  # warm-up
         phases = [_phase(url, kind, args) for kind in (None, "load", "stops", "huge")]
+        unread = _peak_mb(replica.proc)
+        _stalled_streams(url, port, args.stalled_streams, args.stalled_tokens)
         before = _peak_mb(replica.proc)
         floods = [
             threading.Thread(target=_header_flood, args=(port, args.flood_mb)) for _ in range(4)
@@ -182,6 +246,13 @@ def run(args: argparse.Namespace) -> int:
         after = _peak_mb(replica.proc)
         dribble_s, dribble_status = _dribbled_head_seconds(port)
     by = {p.name: p for p in phases}
+    if client_cpus is None or replica_cpus is None:
+        print("placement: none (one CPU): the attackers' own work shares the replica's CPU")
+    else:
+        print(
+            f"placement: the replica on CPU {','.join(map(str, sorted(replica_cpus)))}, the "
+            f"clients on CPU {','.join(map(str, sorted(client_cpus)))} (attackers at nice 19)"
+        )
     print(f"{'phase':<10}{'ITL p50 ms':>12}{'/health p99 ms':>16}")
     for p in phases:
         print(f"{p.name:<10}{p.itl_p50_ms:>12.2f}{p.health_p99_ms:>16.1f}")
@@ -192,6 +263,12 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"huge vs baseline: {by['huge'].itl_p50_ms / by['baseline'].itl_p50_ms:.2f}x ITL "
         f"(target <= 1.2), /health p99 {by['huge'].health_p99_ms:.1f} ms (target <= 50)"
+    )
+    print(
+        f"{args.stalled_streams} streams that stop reading ({args.stalled_tokens} tokens, "
+        f"top_logprobs 20): peak RSS {unread:.1f} -> {before:.1f} MB "
+        f"(+{before - unread:.1f}; {(before - unread) * 1024 / args.stalled_streams:.0f} kB "
+        "a stream)"
     )
     print(
         f"4 x {args.flood_mb} MB header floods: peak RSS {before:.1f} -> {after:.1f} MB "
