@@ -45,6 +45,8 @@ OPERATOR_OWNED_FLAGS: tuple[str, ...] = (
     "--grpc-port",
     "--no-grpc",
     "--drain-timeout",
+    # The autoscaler and the PodMonitor read /metrics on the HTTP port.
+    "--metrics-port",
 )
 
 # The Kubernetes resource.Quantity syntax (as in controller-gen's CRDs).
