@@ -7,10 +7,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvserve.llm import LLM
     from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 # Imported on first use: tools that only need the pure parts (the operator, `kvserve
 # calc`, `kvserve model pull`) must not pay for importing torch, or need it installed.
@@ -20,6 +27,7 @@ _LAZY = {
     "RequestMetrics": "kvserve.outputs",
     "RequestOutput": "kvserve.outputs",
     "SamplingParams": "kvserve.sampling_params",
+    "StructuredOutputsParams": "kvserve.sampling_params",
 }
 
 

@@ -16,7 +16,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-Message = dict[str, str]
+Message = dict[str, Any]
 
 PROGRESS_BAR_MIN_PROMPTS = 32
 
@@ -55,7 +55,10 @@ class LLM:
         """Generate for every prompt; outputs come back in input order.
 
         ``prompts``: a string, a list of token ids, or a list of either.
-        ``sampling_params``: one for all prompts, or one per prompt.
+        ``sampling_params``: one for all prompts, or one per prompt. A request whose
+        structured-outputs grammar fails inside the engine (it was validated when added,
+        so this should not happen) ends alone with finish reason "abort"; the engine logs
+        why.
         """
         batch = _as_prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
@@ -82,14 +85,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        """Apply the tokenizer's chat template to one conversation or a list of them.
+
+        ``tools``: OpenAI-style function tools (``{"type": "function", "function": {...}}``)
+        that the template renders; messages may carry ``tool_calls`` (their ``arguments``
+        a dict, as Hugging Face templates take them) and ``tool`` results. The outputs
+        are the raw text: reading calls out of it is the server's (``--tool-call-parser``).
+        """
         conversations: list[list[Message]] = (
             [messages]  # type: ignore[list-item]
             if messages and isinstance(messages[0], dict)
             else messages  # type: ignore[assignment]
         )
-        prompts: list[Prompt] = [self.engine.chat_prompt(conv) for conv in conversations]
+        prompts: list[Prompt] = [self.engine.chat_prompt(conv, tools) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
@@ -103,6 +113,9 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         try:
             while self.engine.has_unfinished_requests() and len(done) < len(ids):
+                if not self.engine.has_work():  # only requests whose grammar compiles
+                    self.engine.wait_for_grammar()
+                    continue
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out

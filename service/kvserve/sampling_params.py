@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.errors import InvalidRequestError
 
@@ -15,6 +16,66 @@ INT32_MIN = -(2**31)
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64
 
 
+STRUCTURED_OUTPUTS_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output, with vLLM's names (docs/engine.md, structured outputs).
+
+    Exactly one of ``json`` / ``json_object`` / ``regex`` / ``choice`` / ``grammar`` is set
+    (checked here; whether the schema, regex or grammar compiles is checked by
+    ``kvserve.structured.validate``, which needs the tokenizer). The engine applies the
+    constraint from the first output token; when the constraint allows nothing but EOS
+    the request ends with finish reason ``stop``.
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (object or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark grammar in llguidance's syntax (may embed %json {...})
+
+    def __post_init__(self) -> None:
+        chosen = [kind for kind in STRUCTURED_OUTPUTS_KINDS if self._is_set(kind)]
+        if len(chosen) != 1:
+            found = ", ".join(chosen) if chosen else "none"
+            raise InvalidRequestError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUTS_KINDS)}; got {found}",
+                "structured_outputs",
+            )
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise InvalidRequestError(
+                    "structured_outputs.choice must be a non-empty list of strings",
+                    "structured_outputs",
+                )
+            # A list is not hashable; a frozen value with a tuple inside would be, but the
+            # contract's type is a list, so keep it and copy it so callers cannot mutate it.
+            object.__setattr__(self, "choice", list(self.choice))
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequestError(
+                    f"structured_outputs.{kind} must be a string", "structured_outputs"
+                )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestError(
+                "structured_outputs.json must be a JSON schema (an object or its JSON text)",
+                "structured_outputs",
+            )
+
+    def _is_set(self, kind: str) -> bool:
+        value = getattr(self, kind)
+        return value is True if kind == "json_object" else value is not None
+
+    @property
+    def kind(self) -> str:
+        """Which one of the five is set."""
+        return next(k for k in STRUCTURED_OUTPUTS_KINDS if self._is_set(k))
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request and when to stop.
@@ -22,7 +83,9 @@ class SamplingParams:
     ``temperature=0`` is greedy decoding. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``seed`` makes sampling reproducible for this request whatever else is in the
     batch. ``logprobs=N`` returns the sampled token's log-probability and the top N
-    alternatives, computed from the model's raw distribution (before penalties/temperature).
+    alternatives, computed from the model's raw distribution (before penalties/temperature
+    and before a structured-outputs mask). ``structured_outputs`` constrains the output to
+    a JSON schema, regex, choice or grammar (``StructuredOutputsParams``).
     """
 
     max_tokens: int = 16
@@ -39,6 +102,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +145,12 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidRequestError(
+                "structured_outputs must be a StructuredOutputsParams", "structured_outputs"
+            )
         if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise InvalidRequestError(
                 f"stop_token_ids must be token ids in [0, {INT32_MAX}]", "stop_token_ids"

@@ -23,7 +23,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvserve.engine.llm_engine import EngineStats, LLMEngine, content_chars
 from kvserve.engine.request import Request
@@ -57,6 +57,10 @@ class _Abort:
     request_id: str
 
 
+class _Wake:
+    """A grammar a request waits for is compiled: step again."""
+
+
 # Receives a request's outputs on the event loop (see ``AsyncEngine.add_request``).
 OutputSink = Callable[[RequestOutput | BaseException], None]
 
@@ -78,7 +82,7 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self.hooks = hooks or EngineHooks()
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Wake | None] = queue.SimpleQueue()
         self._streams: dict[str, OutputSink] = {}  # engine id → consumer
         self._external_ids: dict[str, str | None] = {}  # engine id → client id, in flight
         self._next_id = itertools.count()
@@ -87,6 +91,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None
+        engine.on_grammar_ready = lambda: self._commands.put(_Wake())
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -141,11 +146,13 @@ class AsyncEngine:
             return await self._off_loop(self.engine.tokenize, prompt)
         return prompt
 
-    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """``LLMEngine.chat_prompt``, off the event loop for a long conversation."""
-        if content_chars(messages) <= OFFLOAD_CHARS:
-            return self.engine.chat_prompt(messages)
-        return await self._off_loop(self.engine.chat_prompt, messages)
+        if content_chars(messages, tools) <= OFFLOAD_CHARS:
+            return self.engine.chat_prompt(messages, tools)
+        return await self._off_loop(lambda m: self.engine.chat_prompt(m, tools), messages)
 
     async def _off_loop(self, fn: Callable[[_T], list[int]], arg: _T) -> list[int]:
         if self._tokenizers is None:
@@ -239,8 +246,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.engine.has_unfinished_requests()
-                # Block only when there is nothing to step.
+                # Block only when there is nothing to step (requests that wait for their
+                # grammar are not: its compile wakes the thread with a _Wake).
+                idle = not self.engine.has_work()
                 first = self._commands.get() if idle else None
                 commands = [first] if first is not None or idle else []
                 while True:
@@ -252,7 +260,7 @@ class AsyncEngine:
                     self._abort_all()
                     return
                 self._apply(c for c in commands if c is not None)
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_work():
                     self._step()
         except BaseException as exc:
             log.exception("engine thread died")
@@ -294,6 +302,14 @@ class AsyncEngine:
                 self._deliver(req.request_id, RequestFailedError(f"engine error: {exc}"))
             self._report_stats()
             return
+        failures = self.engine.take_failures()
+        if failures:  # requests that failed alone (a grammar): an error, not an output
+            failed = {req.request_id for req, _ in failures}
+            outputs = [out for out in outputs if out.request_id not in failed]
+            for req, why in failures:
+                if self.hooks.on_failed is not None:
+                    self.hooks.on_failed(req)
+                self._deliver(req.request_id, RequestFailedError(why))
         self._publish(outputs)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:

@@ -3,11 +3,17 @@
 ``LLM`` (offline) and the server's async engine both drive this class. One ``step()``
 schedules a batch, runs one forward pass, samples, detokenizes, applies stop rules and
 frees the blocks of finished requests.
+
+A request with structured outputs waits, outside the scheduler, until its grammar is
+compiled (in the compiler's threads, while the others keep stepping); then it is queued
+like any other. So every request the scheduler holds can run.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,12 +27,15 @@ from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, blocks_for
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.request import Request
+from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.errors import InvalidRequestError
 from kvserve.model.config import ModelConfig
 from kvserve.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.engine_side import StructuredOutputs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,6 +101,17 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.last_schedule: SchedulerOutput | None = None  # for stats and tests
+        # Structured outputs: made on the first constrained request.
+        self._structured: StructuredOutputs | None = None
+        # Requests enqueued while their grammar compiles, in arrival order.
+        self.awaiting_grammar: dict[str, Request] = {}
+        # Called (from a compiler thread) when a grammar an enqueued request waits for is
+        # ready: the async engine wakes its thread with it.
+        self.on_grammar_ready: Callable[[], None] | None = None
+        # Requests that failed alone (their grammar), with why: finished "abort" in
+        # step()'s outputs; the async engine takes them (``take_failures``) and fails
+        # their streams instead.
+        self.failures: list[tuple[Request, str]] = []
 
     # ---- sizing ----------------------------------------------------------------------
     def _size_kv_pool(self) -> int:
@@ -135,17 +155,25 @@ class LLMEngine:
         self.enqueue(req)
         return req
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template, ending with
-        the assistant's generation prompt (one definition for every API)."""
+        the assistant's generation prompt (one definition for every API).
+
+        ``messages`` and ``tools`` are in the shapes Hugging Face templates take (OpenAI's,
+        with a tool call's ``arguments`` as a mapping: ``kvserve/openai/messages.py``).
+        """
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise InvalidRequestError(
                 "this model has no chat template; send a plain prompt (/v1/completions)",
                 "messages",
             )
-        self._check_prompt_chars(content_chars(messages), "messages")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        self._check_prompt_chars(content_chars(messages, tools), "messages")
+        text = tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
         return list(tok.encode(text, add_special_tokens=False))
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -237,14 +265,74 @@ class LLMEngine:
             )
         if params.seed is not None:
             req.generator = self.runner.sampler.request_generator(params.seed)
+        if params.structured_outputs is not None:
+            # Validates (InvalidRequestError) and starts the compile in the background.
+            req.grammar = self.structured.matcher(params.structured_outputs)
         return req
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The engine's structured outputs (InvalidRequestError without a tokenizer)."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured outputs need the model's tokenizer", "structured_outputs"
+                )
+            self._structured = StructuredOutputs(
+                self.tokenizer, self.model_config.vocab_size, frozenset(self.eos_token_ids)
+            )
+        return self._structured
 
     def enqueue(self, req: Request) -> None:
         """Queue a request made by ``build_request``."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.scheduler.add_request(req)
+        if req.grammar is None:
+            self.scheduler.add_request(req)
+            return
+        # Queued by the next step() once compiled (at once if the compile is cached).
+        self.awaiting_grammar[req.request_id] = req
+        req.grammar.compiled.add_done_callback(self._grammar_ready)
+
+    def _grammar_ready(self, _future: object) -> None:  # in a compiler thread
+        if self.on_grammar_ready is not None:
+            self.on_grammar_ready()
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar is ready; those whose grammar failed to
+        compile fail alone (their outputs are returned)."""
+        failed = []
+        ready = [r for r in self.awaiting_grammar.values() if r.grammar and r.grammar.ready]
+        for req in ready:
+            assert req.grammar is not None
+            try:
+                req.grammar.start()
+            except Exception as exc:
+                failed.append(self._fail(req, f"structured outputs: {exc}"))
+                continue
+            del self.awaiting_grammar[req.request_id]
+            self.scheduler.add_request(req)
+        return failed
+
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """End ``req`` alone, with "abort"; its output, for this step's outputs."""
+        log.warning("request %s failed: %s", req.request_id, why)
+        self.failures.append((req, why))
+        self._finish(req, "abort")
+        return self._output(req, "", [])
+
+    def take_failures(self) -> list[tuple[Request, str]]:
+        """Requests that failed alone since the last call, and why."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def wait_for_grammar(self, timeout: float | None = None) -> None:
+        """Block until a grammar an enqueued request waits for is ready (or ``timeout``):
+        for a caller with nothing else to step."""
+        futures = [r.grammar.compiled for r in self.awaiting_grammar.values() if r.grammar]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Remove requests wherever they are and free their blocks; unknown ids are ignored."""
@@ -258,12 +346,20 @@ class LLMEngine:
         return outs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar)
+
+    def has_work(self) -> bool:
+        """``step()`` would do something: a request to schedule, or a compiled grammar
+        whose request is still to be queued. (Only requests waiting for their grammar: no
+        work until one is ready; see ``on_grammar_ready`` and ``wait_for_grammar``.)"""
+        return self.scheduler.num_unfinished > 0 or any(
+            r.grammar is not None and r.grammar.ready for r in self.awaiting_grammar.values()
+        )
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.awaiting_grammar),
             kv_cache_usage=self.kv.usage,
             num_kv_blocks=self.num_kv_blocks,
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
@@ -273,15 +369,15 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._admit_compiled() if self.awaiting_grammar else []
         sched = self.last_schedule = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return outputs
         tables = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in sched.scheduled}
         sampled_reqs, sampled = self.runner.execute(sched.scheduled, tables)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
         now = self.clock()
-        outputs = []
         for req, token, logprob in zip(
             sampled_reqs, sampled.token_ids, sampled.logprobs, strict=True
         ):
@@ -292,10 +388,15 @@ class LLMEngine:
             if req.logprobs is not None and logprob is not None:
                 req.logprobs.append(logprob)
             reason: FinishReason | None = None
+            if req.grammar is not None and not req.grammar.accept(token):
+                outputs.append(self._fail(req, f"structured outputs: {req.grammar.error}"))
+                continue
             if token in req.eos_token_ids:
                 reason = "stop"
             elif token in req.params.stop_token_ids:
                 reason, req.stop_reason = "stop", token
+            elif req.grammar is not None and req.grammar.finished:
+                reason = "stop"  # the grammar allows nothing more (docs/engine.md)
             elif (
                 req.num_output_tokens >= req.params.max_tokens
                 or req.num_tokens >= self.max_model_len
@@ -318,7 +419,10 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
         req.metrics.finished_time = self.clock()
-        self.scheduler.finish(req)
+        if self.awaiting_grammar.pop(req.request_id, None) is not None:
+            req.status = RequestStatus.FINISHED  # never reached the scheduler
+        else:
+            self.scheduler.finish(req)
         del self.requests[req.request_id]
 
     def _output(self, req: Request, delta_text: str, delta_ids: list[int]) -> RequestOutput:
@@ -364,9 +468,17 @@ class LLMEngine:
             self.kv.free(probe)
 
 
-def content_chars(messages: list[dict[str, str]]) -> int:
-    """The characters of a conversation's contents (what its length is judged by)."""
-    return sum(len(str(m.get("content", ""))) for m in messages)
+def content_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+    """The characters of a conversation's text: contents, tool calls and tool schemas
+    (what its length is judged by)."""
+    chars = 0
+    for m in messages:
+        chars += len(str(m.get("content") or ""))
+        for call in m.get("tool_calls") or ():
+            chars += len(json.dumps(call, ensure_ascii=False))
+    if tools:
+        chars += len(json.dumps(tools, ensure_ascii=False))
+    return chars
 
 
 def _longest_token_chars(tokenizer: Any) -> int:

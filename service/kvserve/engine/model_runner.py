@@ -17,6 +17,7 @@ from kvserve.model.rope import RotaryEmbedding
 from kvserve.outputs import RequestMetrics
 from kvserve.sample.sampler import Sampler, SamplerOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.bitmask import TokenMasker
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0)
 
@@ -49,6 +50,7 @@ class ModelRunner:
         self.model = load_model(model_dir, config, dtype, device)
         self.rope = RotaryEmbedding(config, max_model_len, device)
         self.sampler = Sampler(device, seed)
+        self.token_masker = TokenMasker()  # structured outputs' masks (and their cost)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -74,8 +76,10 @@ class ModelRunner:
         hidden = self._forward(inp)
         if not inp.sample_requests:
             return [], SamplerOutput([], [])
+        # Filled on the CPU while a GPU still runs the forward pass launched above.
+        mask = self.token_masker.fill([r.grammar for r in inp.sample_requests])
         logits = self.model.compute_logits(hidden.index_select(0, inp.sample_indices))
-        return inp.sample_requests, self.sampler(logits, inp.sample_requests)
+        return inp.sample_requests, self.sampler(logits, inp.sample_requests, mask)
 
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: Sequence[int], block_ids: list[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from kvserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from kvserve.detokenizer import IncrementalDetokenizer
     from kvserve.sample.sampler import SeededNoise
+    from kvserve.structured.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +51,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     detokenizer: IncrementalDetokenizer | None = None
     generator: SeededNoise | None = None  # the noise of a seeded request
+    grammar: GrammarMatcher | None = None  # its structured-outputs constraint
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -6,6 +6,9 @@ requests in arrival order. A prompt longer than what is left of the budget is pr
 in chunks over several steps. When the KV pool runs dry, the most recently admitted
 running request is preempted: its blocks are freed and it goes back to the head of the
 queue, to be recomputed later (its cached blocks often survive and make that cheap).
+
+Every request handed to the scheduler can run now: a request with structured outputs is
+added only once its grammar is compiled (``LLMEngine`` holds it until then).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Pick the next token for every request in the batch at once.
 
-Order: penalties on the raw logits, then temperature, then top-k / top-p / min-p
-filters, then sampling. Sampling uses the exponential-race trick (argmax of p / q with
-q ~ Exp(1)), which draws from p exactly and lets a seeded request take its noise from
-its own generator: its tokens do not depend on what else is in the batch.
+Order: the structured-outputs mask (disallowed tokens to -inf), then penalties, then
+temperature, then top-k / top-p / min-p filters, then sampling. Sampling uses the
+exponential-race trick (argmax of p / q with q ~ Exp(1)), which draws from p exactly and
+lets a seeded request take its noise from its own generator: its tokens do not depend on
+what else is in the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from kvserve.engine.request import Request
 from kvserve.outputs import TokenLogprob
+from kvserve.structured.bitmask import TokenMask, apply_token_mask
 
 
 class SeededNoise:
@@ -61,13 +63,18 @@ class Sampler:
     def request_generator(self, seed: int) -> SeededNoise:
         return SeededNoise(seed, self.device)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """``logits``: float32 [len(requests), vocab]."""
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[Request], mask: TokenMask | None = None
+    ) -> SamplerOutput:
+        """``logits``: float32 [len(requests), vocab]; ``mask``: the allowed tokens of the
+        constrained rows (structured outputs), or None when no row is constrained."""
         params = [r.params for r in requests]
         raw = logits
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
 
+        if mask is not None:
+            logits = apply_token_mask(logits, mask)
         logits = self._apply_penalties(logits, requests)
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)

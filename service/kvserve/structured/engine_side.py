@@ -1,0 +1,40 @@
+"""What one engine needs for structured outputs: its tokenizer's grammar view, a compiler
+and a matcher per request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured.compiler import GrammarCompiler
+from kvserve.structured.grammar import grammar_of
+from kvserve.structured.matcher import GrammarMatcher
+from kvserve.structured.tokenizer import ll_tokenizer
+from kvserve.structured.validate import check_grammar
+
+
+class StructuredOutputs:
+    """An engine's structured outputs.
+
+    ``vocab_size`` is the width of the model's logits; ``eos_token_ids`` are the engine's
+    EOS ids (a grammar may end with any of them). Built on the first constrained request.
+    """
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self.compiler = GrammarCompiler(self.tokenizer)
+
+    def tokenizer(self) -> Any:
+        """llguidance's tokenizer for this engine (built on first use, then cached)."""
+        return ll_tokenizer(
+            self._hf_tokenizer, vocab_size=self._vocab_size, eos_token_ids=self._eos_token_ids
+        )
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """Validate ``params`` (InvalidRequestError, as ``validate``) and start its compile
+        in the background; the matcher is ready when the compile is."""
+        grammar = grammar_of(params)
+        check_grammar(params, grammar, self.tokenizer())
+        return GrammarMatcher(self.compiler.compile(grammar))
