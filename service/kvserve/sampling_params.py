@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvserve.errors import InvalidRequestError
 
@@ -35,8 +35,18 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None  # exactly one of these strings
     grammar: str | None = None  # a Lark grammar in llguidance's syntax (may embed %json {...})
+    # Not vLLM's: the constraint applies after a reasoning model's <think>...</think>
+    # block. "optional": the output may begin with one (Qwen3); "open": the prompt opened
+    # it, so the output begins inside it and must close it (DeepSeek-R1). Offline only
+    # for now: the engine server does not set it from --reasoning-parser yet.
+    think_block: Literal["optional", "open"] | None = None
 
     def __post_init__(self) -> None:
+        if self.think_block not in (None, "optional", "open"):
+            raise InvalidRequestError(
+                f"think_block must be 'optional' or 'open', got {self.think_block!r}",
+                "structured_outputs",
+            )
         chosen = [kind for kind in STRUCTURED_OUTPUTS_KINDS if self._is_set(kind)]
         if len(chosen) != 1:
             found = ", ".join(chosen) if chosen else "none"

@@ -441,3 +441,33 @@ def test_async_engine_steps_others_while_a_grammar_compiles(checkpoint_dir) -> N
             await aengine.stop()
 
     asyncio.run(main())
+
+
+def _accepts(llm: LLM, params: StructuredOutputsParams, text: str) -> bool:
+    tokenizer = llm.get_tokenizer()
+    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar_of(params), log_level=0)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    return bool(matcher.consume_tokens(tokens)) and matcher.is_accepting()
+
+
+THINK_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("kind", [{"json": THINK_SCHEMA}, {"regex": "(yes|no) [0-9]+"}])
+def test_a_think_block_comes_before_the_constraint(llm: LLM, kind: dict[str, Any]) -> None:
+    """With a reasoning model the constraint applies after its <think>...</think> block:
+    optional (Qwen3) or already open in the prompt (DeepSeek-R1)."""
+    answer = '{"a": 1}' if "json" in kind else "yes 12"
+    optional = StructuredOutputsParams(**kind, think_block="optional")
+    assert _accepts(llm, optional, f"<think>any {{text}} </thin> here</think>{answer}")
+    assert _accepts(llm, optional, answer)  # no reasoning at all
+    assert not _accepts(llm, optional, "<think>x</think>not the answer")
+    assert not _accepts(llm, optional, f"<think>x</think></think>{answer}")
+    opened = StructuredOutputsParams(**kind, think_block="open")
+    assert _accepts(llm, opened, f"first, the budget</think>{answer}")
+    assert not _accepts(llm, opened, answer)  # the open block must close first

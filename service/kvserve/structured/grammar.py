@@ -43,11 +43,35 @@ KIND_NAMES = {
 }
 
 
+# The reasoning block a think_block constraint lets through first: free text up to the
+# first "</think>" (a lazy match: the stop string ends it), then the constraint, which is
+# the second grammar of the pair, referred to by name.
+THINK_BLOCKS = {
+    "optional": 'start: think? @answer\nthink: "<think>" thought\n',
+    "open": "start: thought @answer\n",
+}
+THOUGHT = 'thought[stop="</think>"]: /(.|\\n)*/\n'
+
+
 def grammar_of(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for ``params``; InvalidRequestError (param
     ``structured_outputs``) for a schema that is not a JSON object or for input over
     ``MAX_GRAMMAR_CHARS``. Cheap (no compile): whether the grammar compiles is
     ``validate``'s question."""
+    answer = _answer_grammar(params)
+    if params.think_block is None:
+        return answer
+    # grammar_from_lark gives Lark text; the others a TopLevelGrammar's JSON.
+    answers = (
+        json.loads(answer)["grammars"]
+        if answer.lstrip().startswith("{")
+        else [{"lark_grammar": answer}]
+    )
+    first = {"name": "reasoning", "lark_grammar": THINK_BLOCKS[params.think_block] + THOUGHT}
+    return json.dumps({"grammars": [first, {**answers[0], "name": "answer"}, *answers[1:]]})
+
+
+def _answer_grammar(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind == "json":
         schema = _schema_object(params.json)
