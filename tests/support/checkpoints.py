@@ -28,6 +28,14 @@ CHECKPOINTS: dict[str, dict[str, object]] = {
     "qwen2": {"arch": "qwen2", "tie_word_embeddings": True},
     "qwen3": {"arch": "qwen3", "head_dim": 32, "num_heads": 4, "num_kv_heads": 2},
 }
+# A chat template that renders tools in the Hermes style (the tool-calling tests build it
+# themselves: it adds no architecture to compare).
+TOOLS_CHECKPOINT: dict[str, object] = {
+    "arch": "qwen3",
+    "head_dim": 32,
+    "tokenizer": "byte_level_tools",
+    "max_position_embeddings": 4096,  # tool schemas and turns make long byte-level prompts
+}
 # Briefly trained (peaked distributions, like a real model): for dtype comparisons.
 TRAINED_CHECKPOINTS: dict[str, dict[str, object]] = {
     "qwen3-trained": {"arch": "qwen3", "head_dim": 32, "train_steps": 200},

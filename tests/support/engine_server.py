@@ -13,6 +13,7 @@ from opentelemetry.trace import TracerProvider
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.openai.chat_output import ChatParsing
 from kvserve.server.app import create_app
 from kvserve.telemetry.prometheus import EngineMetrics
 from tests.support.net import free_port
@@ -38,6 +39,7 @@ def start_server(
     grpc: bool = False,
     max_body_bytes: int = 64 * 1024,
     write_stall_timeout: float = 30.0,
+    chat_parsing: ChatParsing | None = None,
     **engine_kw: object,
 ) -> RunningServer:
     cfg = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **engine_kw)  # type: ignore[arg-type]
@@ -50,6 +52,7 @@ def start_server(
         metrics=EngineMetrics(SERVED_MODEL),
         tracer_provider=tracer_provider,
         grpc_address=("127.0.0.1", 0) if grpc else None,
+        chat_parsing=chat_parsing,
     )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -13,9 +13,11 @@ import grpc
 
 from kvserve.gateway.call import UpstreamCall
 from kvserve.openai import format as fmt
+from kvserve.openai.chat_output import delta_chunks
 from kvserve.openai.errors import OpenAIError, error_body
+from kvserve.openai.format import ToolCallValue
 from kvserve.openai.sse import SSE_DONE, TextEvents, encode_event
-from kvserve.rpc.codec import DeltaLogprobs, decode_delta_logprobs
+from kvserve.rpc.codec import DeltaLogprobs, decode_chat_delta, decode_delta_logprobs
 
 
 async def sse(
@@ -43,7 +45,14 @@ async def sse(
             call.count(delta)
             text = delta.text
             lp = decode_delta_logprobs(delta)
-            if lp is None and not opening:
+            if delta.reasoning or delta.tool_calls:  # a chat the replica's parsers read
+                logprobs = fmt.chat_logprobs(lp.entries, lp.token_text) if lp else None
+                events = delta_chunks(ids, decode_chat_delta(delta), logprobs, None, opening)
+                if events:
+                    yield b"".join(encode_event(e) for e in events)
+                    opening = False
+                    call.handed_over()
+            elif lp is None and not opening:
                 if text:
                     yield plain.text(text)
                     call.handed_over()
@@ -65,6 +74,8 @@ async def collect(
 ) -> dict[str, Any]:
     """The whole answer as one response body."""
     text: list[str] = []
+    reasoning: list[str] = []
+    tool_calls: list[ToolCallValue] = []
     entries: list[Any] = []
     texts: dict[int, str] = {}
     final: Any = None
@@ -75,7 +86,11 @@ async def collect(
                 delta = msg.delta
                 call.count(delta)
                 text.append(delta.text)
-                if delta.text:
+                if delta.reasoning or delta.tool_calls:
+                    parsed = decode_chat_delta(delta)
+                    reasoning.append(parsed.reasoning)
+                    tool_calls += parsed.tool_calls
+                if delta.text or delta.reasoning or delta.tool_calls:
                     call.handed_over()
                 lp = decode_delta_logprobs(delta)
                 if lp is not None:
@@ -99,8 +114,19 @@ async def collect(
             if chat
             else fmt.completion_logprobs(entries, token_text)
         )
-    build = fmt.chat_response if chat else fmt.completion_response
-    return build(ids, "".join(text), logprobs, final.finish_reason, _usage(final))
+    if not chat:
+        return fmt.completion_response(
+            ids, "".join(text), logprobs, final.finish_reason, _usage(final)
+        )
+    return fmt.chat_response(
+        ids,
+        "".join(text),
+        logprobs,
+        final.finish_reason,
+        _usage(final),
+        reasoning="".join(reasoning) or None,
+        tool_calls=tool_calls,
+    )
 
 
 def _chunk(

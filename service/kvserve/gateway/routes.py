@@ -40,8 +40,11 @@ from kvserve.openai import format as fmt
 from kvserve.openai.body import body_schema, parse_body
 from kvserve.openai.disconnect import until_disconnected
 from kvserve.openai.errors import OpenAIError, error_body
+from kvserve.openai.messages import template_messages, text_chars
 from kvserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.openai.sse import EventStreamResponse
+from kvserve.openai.structured import Constraint, requested_constraint
+from kvserve.openai.tools import ChatTools, chat_tools
 from kvserve.rpc.codec import Prompt, encode_request
 
 CHARS_PER_TOKEN = 4  # admission estimate of prompt tokens; settled to the real count later
@@ -91,19 +94,18 @@ def gateway_router(state: GatewayState) -> APIRouter:
         }
 
     @router.post(
-        "/v1/completions",
-        response_model=None,
-        openapi_extra=body_schema(CompletionRequest),
+        "/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest)
     )
     async def completions(request: Request) -> Response:
         tenant = _authenticate(state, request)
         body = await parse_body(request, CompletionRequest)
         try:
             prompt = checks.completion_prompt(body)
+            constraint = requested_constraint(body)
         except OpenAIError:
             state.metrics.rejections.labels("invalid").inc()
             raise
-        return await _serve(state, request, tenant, body, prompt)
+        return await _serve(state, request, tenant, body, prompt, constraint=constraint)
 
     @router.post(
         "/v1/chat/completions",
@@ -113,7 +115,16 @@ def gateway_router(state: GatewayState) -> APIRouter:
     async def chat(request: Request) -> Response:
         tenant = _authenticate(state, request)
         body = await parse_body(request, ChatCompletionRequest)
-        return await _serve(state, request, tenant, body, checks.chat_messages(body))
+        try:  # the model's output is read by the replica; here only the input is checked
+            messages = template_messages(body.messages)
+            tools = chat_tools(body)
+            constraint = requested_constraint(body)
+        except OpenAIError:
+            state.metrics.rejections.labels("invalid").inc()
+            raise
+        return await _serve(
+            state, request, tenant, body, messages, tools=tools, constraint=constraint
+        )
 
     return router
 
@@ -131,9 +142,7 @@ def _authenticate(state: GatewayState, request: Request) -> Tenant:
 
 
 def _checked_limit(
-    state: GatewayState,
-    body: CompletionRequest | ChatCompletionRequest,
-    ceiling: int | None,
+    state: GatewayState, body: CompletionRequest | ChatCompletionRequest, ceiling: int | None
 ) -> checks.TokenLimit:
     """The shared checks, then the model's ``max_tokens`` ceiling (400 ``invalid``)."""
     try:
@@ -158,6 +167,9 @@ async def _serve(
     tenant: Tenant,
     body: CompletionRequest | ChatCompletionRequest,
     prompt: Prompt,
+    *,
+    tools: ChatTools | None = None,
+    constraint: Constraint | None = None,
 ) -> Response:
     s = time.monotonic()
     rid: str = request.state.request_id
@@ -189,11 +201,13 @@ async def _serve(
         max_tokens_set=limit.value is not None,
         max_tokens_cap=ceiling,  # a chat without max_tokens gets no more than the ceiling
         cache_salt=cache_salt,
+        tools=tools,
+        constraint=constraint,
     )
 
     # Token reservation: the prompt estimate + the most the request may generate; settled
     # to the real usage at the end, an overrun charged as debt (kvserve.gateway.ratelimit).
-    prompt_estimate = _prompt_estimate(prompt)
+    prompt_estimate = _prompt_estimate(prompt, tools)
     most = _most_output_tokens(state, body.model, limit, ceiling, prompt_estimate)
     reserve = prompt_estimate + most
     try:
@@ -266,10 +280,13 @@ def _most_output_tokens(
     return min(bounds) if bounds else checks.DEFAULT_COMPLETION_MAX_TOKENS
 
 
-def _prompt_estimate(prompt: Prompt) -> int:
+def _prompt_estimate(prompt: Prompt, tools: ChatTools | None = None) -> int:
+    """Prompt tokens, estimated: a chat's text, tool calls and tool schemas by characters
+    (plus the template's few tokens per message)."""
     if isinstance(prompt, str):
         return math.ceil(len(prompt) / CHARS_PER_TOKEN)
     if prompt and isinstance(prompt[0], dict):
-        chars = sum(len(m["content"]) + 8 for m in prompt)  # type: ignore[index]
+        template_tools = tools.template_tools() if tools is not None else None
+        chars = text_chars(prompt, template_tools) + 8 * len(prompt)  # type: ignore[arg-type]
         return math.ceil(chars / CHARS_PER_TOKEN)
     return len(prompt)

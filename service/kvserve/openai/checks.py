@@ -44,11 +44,6 @@ def completion_prompt(body: CompletionRequest) -> str | list[int]:
     return body.prompt  # type: ignore[return-value]
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The conversation as the chat template takes it."""
-    return [m.model_dump(exclude_none=True) for m in body.messages]
-
-
 def token_limit(body: CompletionRequest | ChatCompletionRequest) -> TokenLimit:
     """The output-token limit: ``max_completion_tokens`` over ``max_tokens`` for a chat,
     ``max_tokens`` (default 16) for a completion; a limit below 1 is a 400."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.outputs import TokenLogprob
@@ -95,16 +96,63 @@ def completion_chunk(
     }
 
 
+@dataclass(frozen=True)
+class ToolCallValue:
+    """One complete tool call of an answer: ``arguments`` is its JSON text."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
 def chat_chunk(
     ids: dict[str, Any],
     text: str,
     logprobs: dict[str, Any] | None,
     finish_reason: str | None,
     first: bool,
+    reasoning: str = "",
 ) -> dict[str, Any]:
-    delta: dict[str, Any] = {"content": text}
+    """A chat delta with text (``content``) and/or ``reasoning_content``; a delta with
+    reasoning only has no ``content``."""
+    delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
+    if text or not reasoning:
+        delta["content"] = text
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    return _chat_chunk(ids, delta, logprobs, finish_reason)
+
+
+def tool_call_chunks(
+    ids: dict[str, Any], calls: Sequence[ToolCallValue], first: bool
+) -> list[dict[str, Any]]:
+    """OpenAI's streaming shape of complete calls: for each, a delta that opens it (index,
+    id, type, name, empty arguments), then one that appends its arguments."""
+    chunks = []
+    for call in calls:
+        opening: dict[str, Any] = {
+            "index": call.index,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        first = False
+        chunks.append(_chat_chunk(ids, {**delta, "tool_calls": [opening]}, None, None))
+        appended = {"index": call.index, "function": {"arguments": call.arguments}}
+        chunks.append(_chat_chunk(ids, {"tool_calls": [appended]}, None, None))
+    return chunks
+
+
+def _chat_chunk(
+    ids: dict[str, Any],
+    delta: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+) -> dict[str, Any]:
     return {
         **ids,
         "object": "chat.completion.chunk",
@@ -137,14 +185,31 @@ def chat_response(
     logprobs: dict[str, Any] | None,
     finish_reason: str | None,
     usage_: dict[str, Any],
+    reasoning: str | None = None,
+    tool_calls: Sequence[ToolCallValue] = (),
 ) -> dict[str, Any]:
+    """The whole answer. With tool calls and no text, ``content`` is null (OpenAI's);
+    ``reasoning_content`` is there when a reasoning parser is on."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["content"] = text or None
+        message["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in tool_calls
+        ]
     return {
         **ids,
         "object": "chat.completion",
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }

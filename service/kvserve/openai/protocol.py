@@ -3,11 +3,11 @@ onto ``SamplingParams``."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvserve.sampling_params import INT32_MAX, SamplingParams
+from kvserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -17,6 +17,18 @@ class StreamOptions(BaseModel):
 
 # vLLM's bound is "long enough to be unpredictable"; this one keeps a salt a key, not a body.
 MAX_CACHE_SALT_CHARS = 1024
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` request field; exactly one kind is set (checked when
+    it becomes ``StructuredOutputsParams``, in ``openai/structured.py``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class CommonRequest(BaseModel):
@@ -43,13 +55,20 @@ class CommonRequest(BaseModel):
     # blocks only from requests with the same salt. Behind the gateway, the tenant's own
     # salt is always applied as well (docs/architecture.md).
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's constraint on the output (one of json, json_object, regex, choice, grammar).
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def stop_list(self) -> list[str]:
         """``stop`` as a list (OpenAI takes one string or several)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -62,6 +81,7 @@ class CommonRequest(BaseModel):
             stop=self.stop_list,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            structured_outputs=structured,
         )
 
     @property
@@ -86,20 +106,101 @@ class CompletionRequest(CommonRequest):
         return prompt
 
 
+def _valid_unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text (lone surrogate at {exc.start})") from None
+    return value
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content. Any OpenAI part type parses; what this model
+    cannot take (images, audio, files) is refused by ``openai/messages.py`` with the
+    part's path as ``param``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+    @field_validator("text")
+    @classmethod
+    def _valid_text(cls, value: str | None) -> str | None:
+        return None if value is None else _valid_unicode(value)
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made, replayed in a conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    # Null only where OpenAI allows it (an assistant message with tool calls): checked in
+    # openai/messages.py, which names the message.
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    # What a client echoes back from an earlier response (the OpenAI SDK's message).
+    reasoning_content: str | None = None
+    refusal: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _valid_unicode(cls, value: str) -> str:
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"not valid Unicode text (lone surrogate at {exc.start})") from None
-        return value
+    def _valid_content(cls, value: str | list[ContentPart] | None) -> object:
+        return _valid_unicode(value) if isinstance(value, str) else value
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # OpenAI's rule for function names; it also keeps a name plain text in a grammar.
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (an object's)
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(CommonRequest):
@@ -108,3 +209,7 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True

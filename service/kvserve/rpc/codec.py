@@ -13,25 +13,30 @@ This module loads neither torch nor the engine: the gateway imports it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from kvserve.errors import InvalidRequestError
-from kvserve.openai.format import TokenText
+from kvserve.openai.chat_output import ChatDelta
+from kvserve.openai.format import TokenText, ToolCallValue
+from kvserve.openai.structured import Constraint
+from kvserve.openai.tools import ChatTools, ToolChoice, ToolChoiceMode, ToolSpec
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.rpc import engine_pb2 as pb
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.telemetry import definitions as d
 
 # Where a failed call's ``Error`` travels (a "-bin" key: gRPC carries its value as bytes).
 ERROR_METADATA_KEY = "kvserve-error-bin"
 
-# A prompt as the API carries it: text, token ids, or a conversation.
-Prompt = str | list[int] | list[dict[str, str]]
+# A prompt as the API carries it: text, token ids, or a conversation (its messages as
+# chat templates take them: kvserve/openai/messages.py).
+Prompt = str | list[int] | list[dict[str, Any]]
 
 # Optional request fields: set on the wire only when the client set them, so an unset one
 # keeps the engine's default (``SamplingParams``).
@@ -58,6 +63,8 @@ def encode_request(
     max_tokens_set: bool = True,
     max_tokens_cap: int | None = None,
     cache_salt: str | None = None,
+    tools: ChatTools | None = None,
+    constraint: Constraint | None = None,
 ) -> pb.GenerateRequest:
     """``GenerateRequest`` for ``prompt`` (text, token ids, or chat messages).
 
@@ -93,11 +100,148 @@ def encode_request(
     if isinstance(prompt, str):
         req.prompt_text = prompt
     elif prompt and isinstance(prompt[0], dict):
-        messages = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]  # type: ignore[index]
+        messages = [_message_to_proto(m) for m in prompt]  # type: ignore[arg-type]
         req.chat.CopyFrom(pb.ChatMessages(messages=messages))
     else:
         req.prompt_token_ids.CopyFrom(pb.TokenIds(ids=prompt))  # type: ignore[arg-type]
+    if tools is not None and tools.tools:
+        req.tools.extend(
+            pb.Tool(
+                name=t.name,
+                description=t.description,
+                parameters_json=json.dumps(t.parameters),
+                strict=t.strict,
+            )
+            for t in tools.tools
+        )
+        req.tool_choice.CopyFrom(
+            pb.ToolChoice(mode=tools.choice.mode, function=tools.choice.function or "")
+        )
+        req.parallel_tool_calls = tools.parallel
+    if constraint is not None:
+        req.structured_outputs.CopyFrom(_constraint_to_proto(constraint))
     return req
+
+
+def _message_to_proto(m: dict[str, Any]) -> pb.ChatMessage:
+    msg = pb.ChatMessage(role=m["role"])
+    for name in ("content", "tool_call_id", "name", "reasoning_content"):
+        if m.get(name) is not None:
+            setattr(msg, name, m[name])
+    msg.tool_calls.extend(
+        pb.ToolCall(
+            id=c["id"],
+            name=c["function"]["name"],
+            arguments=json.dumps(c["function"]["arguments"], ensure_ascii=False),
+        )
+        for c in m.get("tool_calls") or ()
+    )
+    return msg
+
+
+def _message_from_proto(m: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content if m.HasField("content") else ""}
+    for name in ("tool_call_id", "name", "reasoning_content"):
+        if m.HasField(name):
+            out[name] = getattr(m, name)
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": _arguments(c.arguments)},
+            }
+            for c in m.tool_calls
+        ]
+    return out
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("a tool call's arguments must be a JSON object", "messages")
+    return value
+
+
+def _constraint_to_proto(constraint: Constraint) -> pb.StructuredOutputs:
+    p = constraint.params
+    so = pb.StructuredOutputs(param=constraint.param)
+    if p.json is not None:
+        so.json_schema = p.json if isinstance(p.json, str) else json.dumps(p.json)
+    elif p.json_object:
+        so.json_object = True
+    elif p.regex is not None:
+        so.regex = p.regex
+    elif p.choice is not None:
+        so.choice.CopyFrom(pb.Choices(values=p.choice))
+    elif p.grammar is not None:
+        so.grammar = p.grammar
+    return so
+
+
+def decode_constraint(request: pb.GenerateRequest) -> Constraint | None:
+    """The output constraint, or None; InvalidRequestError naming the client's field."""
+    if not request.HasField("structured_outputs"):
+        return None
+    so = request.structured_outputs
+    param = so.param or "structured_outputs"
+    kind = so.WhichOneof("kind")
+    try:
+        if kind == "json_schema":
+            params = StructuredOutputsParams(json=so.json_schema)
+        elif kind == "json_object":
+            params = StructuredOutputsParams(json_object=True)
+        elif kind == "regex":
+            params = StructuredOutputsParams(regex=so.regex)
+        elif kind == "choice":
+            params = StructuredOutputsParams(choice=list(so.choice.values))
+        elif kind == "grammar":
+            params = StructuredOutputsParams(grammar=so.grammar)
+        else:
+            raise InvalidRequestError("structured_outputs sets no constraint", param)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(str(exc), param) from None
+    return Constraint(params, param)
+
+
+def decode_chat_tools(request: pb.GenerateRequest) -> ChatTools:
+    """The chat's tools and tool choice (the gateway checked names and choice; checked
+    again here, for any other client)."""
+    tools = []
+    for i, t in enumerate(request.tools):
+        try:
+            parameters = json.loads(t.parameters_json)
+        except ValueError:
+            parameters = None
+        if not isinstance(parameters, dict):
+            raise InvalidRequestError(
+                f"tools[{i}].function.parameters must be a JSON object",
+                f"tools[{i}].function.parameters",
+            )
+        description = t.description if t.HasField("description") else None
+        tools.append(ToolSpec(t.name, description, parameters, t.strict))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tool names must be unique", "tools")
+    mode = request.tool_choice.mode if request.HasField("tool_choice") else ""
+    if not mode:
+        choice = ToolChoice("auto" if tools else "none")
+    elif mode in ("none", "auto", "required", "function"):
+        choice = ToolChoice(cast(ToolChoiceMode, mode), request.tool_choice.function or None)
+    else:
+        raise InvalidRequestError(f"unknown tool_choice {mode!r}", "tool_choice")
+    if choice.mode == "function" and choice.function not in names:
+        raise InvalidRequestError(
+            f"tool_choice names the function {choice.function!r}, which is not among the tools",
+            "tool_choice",
+        )
+    if choice.mode == "required" and not tools:
+        raise InvalidRequestError('tool_choice "required" needs tools', "tool_choice")
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    return ChatTools(tuple(tools), choice, parallel)
 
 
 def decode_prompt(request: pb.GenerateRequest) -> Prompt:
@@ -111,7 +255,7 @@ def decode_prompt(request: pb.GenerateRequest) -> Prompt:
     if kind == "prompt_token_ids":
         return list(request.prompt_token_ids.ids)
     if kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        messages = [_message_from_proto(m) for m in request.chat.messages]
         if not messages:
             raise InvalidRequestError("chat.messages must not be empty", "chat")
         return messages
@@ -119,10 +263,14 @@ def decode_prompt(request: pb.GenerateRequest) -> Prompt:
 
 
 def decode_sampling_params(
-    request: pb.GenerateRequest, *, default_max_tokens: int | None = None
+    request: pb.GenerateRequest,
+    *,
+    default_max_tokens: int | None = None,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from a request; unset optional fields keep the engine's defaults
     (``default_max_tokens``, when given, stands in for an unset ``max_tokens``).
+    ``constraint``: the output constraint (``decode_constraint``, or a tool-call grammar).
 
     Raises InvalidRequestError (naming the field) for values the engine rejects.
     """
@@ -136,6 +284,7 @@ def decode_sampling_params(
         stop_token_ids=list(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
+        structured_outputs=constraint,
         **kwargs,
     )
 
@@ -163,24 +312,42 @@ def _logprobs_to_proto(entries: list[TokenLogprob], token_text: TokenText) -> li
 
 
 def encode_delta(
-    completion: CompletionOutput, num_sent: int, token_text: TokenText = str
+    completion: CompletionOutput,
+    num_sent: int,
+    token_text: TokenText = str,
+    parsed: ChatDelta | None = None,
 ) -> pb.Delta | None:
     """What this step added, or None if it added nothing.
 
     ``num_sent``: tokens already streamed (to pick this step's logprob entries).
+    ``parsed``: the step as the chat's parsers read it (its text is then the content).
     """
-    if not completion.delta_token_ids and not completion.delta_text:
+    if not completion.delta_token_ids and not completion.delta_text and not parsed:
         return None
-    delta = pb.Delta(token_ids=completion.delta_token_ids, text=completion.delta_text)
+    if parsed is None:
+        delta = pb.Delta(token_ids=completion.delta_token_ids, text=completion.delta_text)
+    else:
+        delta = pb.Delta(
+            token_ids=completion.delta_token_ids,
+            text=parsed.content,
+            reasoning=parsed.reasoning,
+            tool_calls=[
+                pb.ToolCallDelta(
+                    index=c.index, call=pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                )
+                for c in parsed.tool_calls
+            ],
+        )
     if completion.logprobs is not None:
         end = num_sent + len(completion.delta_token_ids)
         delta.logprobs.extend(_logprobs_to_proto(completion.logprobs[num_sent:end], token_text))
     return delta
 
 
-def encode_final(out: RequestOutput) -> pb.Final:
+def encode_final(out: RequestOutput, finish_reason: str | None = None) -> pb.Final:
     """The closing message: finish reason, usage, server-side timings.
 
+    ``finish_reason`` overrides the engine's (a chat parser's "tool_calls").
     ``s`` is the request's arrival at the engine; every figure comes from
     ``kvserve.telemetry.definitions``; an undefined figure is 0.
     """
@@ -188,7 +355,7 @@ def encode_final(out: RequestOutput) -> pb.Final:
     m = out.metrics
     s = m.arrival_time
     final = pb.Final(
-        finish_reason=completion.finish_reason or "abort",
+        finish_reason=finish_reason or completion.finish_reason or "abort",
         usage=pb.Usage(
             prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(completion.token_ids),
@@ -234,6 +401,18 @@ def decode_delta_logprobs(delta: pb.Delta) -> DeltaLogprobs | None:
         texts[lp.token_id] = lp.token
         texts.update(lp.top_tokens)
     return DeltaLogprobs(entries, texts)
+
+
+def decode_chat_delta(delta: pb.Delta) -> ChatDelta:
+    """A delta's content, reasoning and complete tool calls."""
+    return ChatDelta(
+        delta.text,
+        delta.reasoning,
+        [
+            ToolCallValue(c.index, c.call.id, c.call.name, c.call.arguments)
+            for c in delta.tool_calls
+        ],
+    )
 
 
 # ---- errors --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from opentelemetry.trace import TracerProvider
 from kvserve.engine.async_engine import AsyncEngine, EngineHooks
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.request import Request
+from kvserve.openai.chat_output import ChatParsing
 from kvserve.openai.errors import install_error_handlers
 from kvserve.openai.http_limits import HttpLimits
 from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT, RequestContextMiddleware
@@ -60,6 +61,7 @@ def create_app(
     grpc_address: tuple[str, int] | None = None,
     metrics_address: tuple[str, int] | None = None,
     http_limits: HttpLimits | None = None,
+    chat_parsing: ChatParsing | None = None,
 ) -> FastAPI:
     """The app owns the engine thread: it starts with the app and stops with it.
 
@@ -69,6 +71,8 @@ def create_app(
     ``metrics_address`` (host, port) serves ``/metrics`` on a listener of its own, with
     ``http_limits``, and the API port answers it 404 (docs/security.md); the bound port
     is ``app.state.metrics_port``.
+    ``chat_parsing``: how chat answers are read (tool calls, reasoning); by default the
+    tool-call format the model's chat template implies, and no reasoning parser.
     """
     metrics = metrics or EngineMetrics(served_model_name)
     metrics.set_cache_info(engine.config.block_size, engine.num_kv_blocks)
@@ -92,6 +96,8 @@ def create_app(
         telemetry=telemetry,
         stop_limits=stop_limits,
         write_stall_timeout=write_stall_timeout,
+        chat_parsing=chat_parsing
+        or ChatParsing.for_model(None, None, getattr(engine.tokenizer, "chat_template", None)),
     )
 
     listener = None
@@ -110,6 +116,7 @@ def create_app(
                 *grpc_address,
                 telemetry=telemetry,
                 stop_limits=stop_limits,
+                chat_parsing=state.chat_parsing,
             )
             log.info("gRPC API on %s:%d", grpc_address[0], app.state.grpc_port)
         try:

@@ -32,6 +32,7 @@ import grpc
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
+from kvserve.openai.chat_output import ChatOutputParser, ChatParsing
 from kvserve.openai.format import tokenizer_text
 from kvserve.outputs import RequestOutput
 from kvserve.rpc import codec
@@ -39,6 +40,7 @@ from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc
 from kvserve.rpc.listen import MIN_PING_INTERVAL_MS, bind, server_options
 from kvserve.sampling_params import StopLimits
+from kvserve.server.chat import prepare_chat, validate_constraint
 from kvserve.telemetry.tracing import RequestTelemetry
 
 log = logging.getLogger(__name__)
@@ -85,15 +87,18 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         engine: AsyncEngine,
         telemetry: RequestTelemetry | None = None,
         stop_limits: StopLimits | None = None,
+        chat_parsing: ChatParsing | None = None,
     ) -> None:
         self.engine = engine
         self.telemetry = telemetry
         self.stop_limits = stop_limits or StopLimits()
+        self.chat_parsing = chat_parsing or ChatParsing()
 
     async def build_request(
         self, request: pb.GenerateRequest, metadata: Callable[[], Mapping[str, str]]
-    ) -> Request:
-        """The engine request for ``request``; raises ``_Refused`` for bad input.
+    ) -> tuple[Request, ChatOutputParser | None]:
+        """The engine request for ``request`` and the reader of its answer (a chat's, when
+        the server reads tool calls or reasoning); raises ``_Refused`` for bad input.
 
         ``request.request_id`` is the client's id (the engine mints its own key; empty
         means none). ``metadata`` gives the call's (or the command's) trace context, read
@@ -103,16 +108,30 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         engine = self.engine.engine
         try:
             prompt = codec.decode_prompt(request)
+            constraint = codec.decode_constraint(request)
+            structured = constraint.params if constraint is not None else None
+            parser = None
             default_max_tokens = None
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                prompt = await self.engine.chat_prompt(prompt)  # type: ignore[arg-type]
+                chat = await prepare_chat(
+                    self.engine,
+                    self.chat_parsing,
+                    prompt,  # type: ignore[arg-type]
+                    codec.decode_chat_tools(request),
+                    constraint,
+                )
+                prompt, structured, parser = chat.prompt_ids, chat.constraint, chat.parser
                 # A chat without max_tokens gets as much as the context allows, or the
                 # gateway's cap if that is less.
                 default_max_tokens = engine.context_left(len(prompt))
                 cap = codec.decode_max_tokens_cap(request)
                 if cap is not None and cap >= 1:
                     default_max_tokens = min(default_max_tokens, cap)
-            params = codec.decode_sampling_params(request, default_max_tokens=default_max_tokens)
+            elif constraint is not None:
+                await validate_constraint(self.engine, constraint)
+            params = codec.decode_sampling_params(
+                request, default_max_tokens=default_max_tokens, constraint=structured
+            )
             self.stop_limits.check(params.stop)
             req = self.engine.make_request(
                 await self.engine.prepare(prompt),  # type: ignore[arg-type]
@@ -128,7 +147,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             self.telemetry.begin(
                 req.request_id, operation, params, metadata(), arrival, req.external_id
             )
-        return req
+        return req, parser
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -137,28 +156,28 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # cancellation (client gone, deadline) then always lands inside this coroutine,
         # where ``_closing`` closes the engine stream at once, which aborts the request.
         try:
-            req = await self.build_request(request, lambda: _call_metadata(context))
+            req, parser = await self.build_request(request, lambda: _call_metadata(context))
         except _Refused as exc:
             await _abort(context, exc)
 
-        num_sent = 0
+        started = _Started(req.request_id, parser=parser)
         token_text = tokenizer_text(self.engine.engine.tokenizer)
         last: RequestOutput | None = None
+        final: pb.Final | None = None
         try:
             async with _closing(self.engine.stream(req)) as outputs:
                 async for out in outputs:
                     last = out
-                    delta = codec.encode_delta(out.outputs[0], num_sent, token_text)
+                    delta, final = started.encode(out, token_text)
                     if delta is not None:
-                        num_sent += len(delta.token_ids)
                         await context.write(pb.GenerateResponse(delta=delta))
         except (EngineDeadError, RequestFailedError, ValueError) as exc:
             await _abort(context, _refusal(exc))
-        if last is None or not last.finished:
+        if last is None or not last.finished or final is None:
             await _abort(
                 context, _Refused(grpc.StatusCode.INTERNAL, "the engine stream ended early")
             )
-        await context.write(pb.GenerateResponse(final=codec.encode_final(last)))
+        await context.write(pb.GenerateResponse(final=final))
 
     async def GenerateMany(
         self,
@@ -203,10 +222,27 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
 @dataclass
 class _Started:
-    """A request started on a ``GenerateMany`` call."""
+    """A started request: what its outputs need to become messages."""
 
     request_id: str
     num_sent: int = 0  # output tokens already sent (to pick each delta's logprobs)
+    parser: ChatOutputParser | None = None  # reads a chat's reasoning and tool calls
+
+    def encode(
+        self, out: RequestOutput, token_text: Callable[[int], str]
+    ) -> tuple[pb.Delta | None, pb.Final | None]:
+        """The output's ``Delta`` (None if it added nothing) and, on the last, ``Final``."""
+        completion = out.outputs[0]
+        parsed, finish_reason = None, None
+        if self.parser is not None:
+            parsed, finish_reason = self.parser.step(
+                completion.delta_text, completion.finish_reason if out.finished else None
+            )
+        delta = codec.encode_delta(completion, self.num_sent, token_text, parsed)
+        if delta is not None:
+            self.num_sent += len(delta.token_ids)
+        final = codec.encode_final(out, finish_reason) if out.finished else None
+        return delta, final
 
 
 class _ManyCall:
@@ -263,8 +299,10 @@ class _ManyCall:
                 raise _Refused(
                     grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is in use by a running request"
                 )
-            req = await self.servicer.build_request(command.start, lambda: dict(command.metadata))
-            started = _Started(req.request_id)
+            req, parser = await self.servicer.build_request(
+                command.start, lambda: dict(command.metadata)
+            )
+            started = _Started(req.request_id, parser=parser)
             self.engine.add_request(req, functools.partial(self._on_output, tag, started))
         except Exception as exc:  # fails this request only; the call serves the others
             if not isinstance(exc, _Refused | EngineDeadError):
@@ -277,12 +315,11 @@ class _ManyCall:
         try:
             if isinstance(out, BaseException):
                 raise out
-            delta = codec.encode_delta(out.outputs[0], started.num_sent, self.token_text)
+            delta, final = started.encode(out, self.token_text)
             if delta is not None:
-                started.num_sent += len(delta.token_ids)
                 self._push(pb.TaggedOutput(tag=tag, delta=delta))
-            if out.finished:
-                self._push(pb.TaggedOutput(tag=tag, final=codec.encode_final(out)))
+            if final is not None:
+                self._push(pb.TaggedOutput(tag=tag, final=final))
                 self._end(tag, started, abort=False)
         except Exception as exc:  # the engine failed it, or turning it into messages did
             if out is not exc:
@@ -340,9 +377,10 @@ def add_engine_service(
     engine: AsyncEngine,
     telemetry: RequestTelemetry | None = None,
     stop_limits: StopLimits | None = None,
+    chat_parsing: ChatParsing | None = None,
 ) -> None:
     """Register the engine service on a grpc.aio server (running on the engine's loop)."""
-    servicer = EngineServicer(engine, telemetry, stop_limits)
+    servicer = EngineServicer(engine, telemetry, stop_limits, chat_parsing)
     pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
 
 
@@ -354,13 +392,14 @@ async def start_grpc_server(
     *,
     min_ping_interval_ms: int = MIN_PING_INTERVAL_MS,
     stop_limits: StopLimits | None = None,
+    chat_parsing: ChatParsing | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the engine service; ``port=0`` picks a free port.
 
     Returns the server and the bound port. Stop it with ``await server.stop(grace)``.
     """
     server = grpc.aio.server(options=server_options(min_ping_interval_ms))
-    add_engine_service(server, engine, telemetry, stop_limits)
+    add_engine_service(server, engine, telemetry, stop_limits, chat_parsing)
     bound = bind(server, host, port)
     await server.start()
     log.info("gRPC engine service listening on %s:%d", host, bound)

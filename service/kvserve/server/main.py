@@ -9,8 +9,11 @@ import time
 from pathlib import Path
 
 from kvserve import engine_options
+from kvserve.openai.chat_output import ChatParsing
 from kvserve.openai.http_limits import HttpLimits, protocol_with
+from kvserve.openai.reasoning import REASONING_PARSERS
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
+from kvserve.openai.tool_parsers import TOOL_CALL_PARSERS
 from kvserve.sampling_params import StopLimits
 
 
@@ -29,6 +32,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help="serve /metrics on this port of --host instead of the HTTP port, which then "
         "answers it 404 (default: on the HTTP port; docs/security.md)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls (vLLM's names; default: what the chat "
+        "template implies, if unambiguous)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split <think>...</think> into reasoning_content (default: none)",
     )
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument(
@@ -91,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.telemetry.prometheus import EngineMetrics
 
     logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     problem = metrics_port_problem(args)
     if problem is not None:  # before loading the model: a wrong flag fails fast
@@ -140,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
         grpc_address=grpc_address,
         metrics_address=metrics_address,
         http_limits=limits,
+        chat_parsing=ChatParsing.for_model(
+            args.tool_call_parser,
+            args.reasoning_parser,
+            getattr(engine.tokenizer, "chat_template", None),
+        ),
     )
     print(
         f"serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)"

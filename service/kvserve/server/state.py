@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.openai.chat_output import ChatParsing
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.sampling_params import StopLimits
 from kvserve.telemetry.prometheus import EngineMetrics
@@ -24,6 +25,8 @@ class ServerState:
     # A stream whose client has not read for this long is ended (kvserve.openai.stalls).
     write_stall_timeout: float = DEFAULT_WRITE_STALL_SECONDS
     admitting: bool = True  # false while draining: readiness fails, new requests get 503
+    # How a chat answer is read: tool calls and reasoning (--tool-call-parser, --reasoning-parser).
+    chat_parsing: ChatParsing = field(default_factory=ChatParsing)
 
     @property
     def tokenizer(self) -> Any:

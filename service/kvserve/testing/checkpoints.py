@@ -13,10 +13,15 @@ from typing import Any
 import torch
 
 from kvserve.testing.tokenizers import (
+    BYTE_LEVEL_TOOLS_CHAT_TEMPLATE,
     TRAINING_CORPUS,
     build_byte_fallback_tokenizer,
     build_byte_level_tokenizer,
 )
+
+# ``tokenizer=`` names: the byte-level BPE (with a plain chat template, or with one that
+# renders tools in the Hermes style), or the byte-fallback BPE.
+TOKENIZERS = ("byte_level", "byte_level_tools", "byte_fallback")
 
 ARCHITECTURES = {
     "llama": "LlamaConfig",
@@ -57,11 +62,14 @@ def build_random_checkpoint(
     import transformers
 
     path = Path(path)
-    tok = (
-        build_byte_level_tokenizer()
-        if tokenizer == "byte_level"
-        else build_byte_fallback_tokenizer()
-    )
+    if tokenizer == "byte_level":
+        tok = build_byte_level_tokenizer()
+    elif tokenizer == "byte_level_tools":
+        tok = build_byte_level_tokenizer(chat_template=BYTE_LEVEL_TOOLS_CHAT_TEMPLATE)
+    elif tokenizer == "byte_fallback":
+        tok = build_byte_fallback_tokenizer()
+    else:
+        raise ValueError(f"unknown tokenizer {tokenizer!r} (one of {', '.join(TOKENIZERS)})")
     config_cls = getattr(transformers, ARCHITECTURES[arch])
     kwargs: dict[str, Any] = dict(
         hidden_size=hidden_size,

@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerFast
 __all__ = [
     "BYTE_FALLBACK_CHAT_TEMPLATE",
     "BYTE_LEVEL_CHAT_TEMPLATE",
+    "BYTE_LEVEL_TOOLS_CHAT_TEMPLATE",
     "TRAINING_CORPUS",
     "build_byte_fallback_tokenizer",
     "build_byte_level_tokenizer",
@@ -75,6 +76,40 @@ BYTE_LEVEL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
+# The byte-level template with tools in the Hermes / Qwen2.5 style: the tools' JSON in the
+# system turn, an assistant's calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+# (the arguments a mapping rendered with tojson, as those templates do), tool results in a
+# user turn inside <tool_response>. Its "<tool_call>" makes the server pick the hermes parser.
+BYTE_LEVEL_TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|system|>\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- 'You may call these functions:\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{{- '</tools>\\nTo call one, answer <tool_call>\\n"
+    '{"name": <name>, "arguments": <JSON object>}\\n</tool_call>\' + eos_token + \'\\n\' }}'
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|system|>\\n' + messages[0]['content'] + eos_token + '\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- call['function']['arguments'] | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- eos_token + '\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>'"
+    " + eos_token + '\\n' }}"
+    "{%- elif message['role'] != 'system' or not loop.first %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+
 BYTE_FALLBACK_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -89,7 +124,9 @@ BYTE_FALLBACK_CHAT_TEMPLATE = (
 _BYTE_LEVEL_SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 
-def build_byte_level_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_byte_level_tokenizer(
+    vocab_size: int = 512, chat_template: str = BYTE_LEVEL_CHAT_TEMPLATE
+) -> PreTrainedTokenizerFast:
     """GPT-2 style byte-level BPE trained on :data:`TRAINING_CORPUS`.
 
     Special tokens ``<|bos|>``, ``<|eos|>``, ``<|pad|>`` have ids 0, 1, 2 (followed by the
@@ -111,7 +148,7 @@ def build_byte_level_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast
         pad_token="<|pad|>",
         additional_special_tokens=_BYTE_LEVEL_SPECIAL[3:],
         clean_up_tokenization_spaces=False,
-        chat_template=BYTE_LEVEL_CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=4096,
     )
 

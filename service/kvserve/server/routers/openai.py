@@ -15,11 +15,17 @@ from kvserve.errors import InvalidRequestError
 from kvserve.openai import checks
 from kvserve.openai import format as fmt
 from kvserve.openai.body import body_schema, parse_body
+from kvserve.openai.chat_output import delta_chunks
 from kvserve.openai.disconnect import until_disconnected
 from kvserve.openai.errors import OpenAIError, error_body
+from kvserve.openai.messages import template_messages
 from kvserve.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
 from kvserve.openai.sse import SSE_DONE, EventStreamResponse, TextEvents, encode_event
+from kvserve.openai.structured import requested_constraint
+from kvserve.openai.tools import chat_tools
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.server.chat import prepare_chat, validate_constraint
 from kvserve.server.state import ServerState, State, server_state
 
 router = APIRouter()
@@ -50,7 +56,15 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     prompt = checks.completion_prompt(body)
     limit = checks.token_limit(body).value
     assert limit is not None  # a completion's limit defaults to 16
-    req = await _make_request(state, request, body, prompt, limit, arrival)
+    constraint = requested_constraint(body)
+    if constraint is not None:
+        try:
+            await validate_constraint(state.engine, constraint)
+        except InvalidRequestError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from exc
+    req = await _make_request(
+        state, request, body, prompt, limit, arrival, constraint.params if constraint else None
+    )
     ids = fmt.response_ids(
         request.state.request_id, state.served_model_name, False, int(time.time())
     )
@@ -92,19 +106,25 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     state = server_state(request)
     _check_common(body, state)
     limit = checks.token_limit(body).value
+    messages = template_messages(body.messages)
+    tools = chat_tools(body)
+    constraint = requested_constraint(body)
     try:
-        prompt_ids = await state.engine.chat_prompt(checks.chat_messages(body))
+        chat = await prepare_chat(state.engine, state.chat_parsing, messages, tools, constraint)
     except InvalidRequestError as exc:
         raise OpenAIError(
             400, f"model {state.served_model_name!r}: {exc}", param=exc.param
         ) from exc
     if limit is None:  # as much as the context allows
-        limit = state.engine.engine.context_left(len(prompt_ids))
-    req = await _make_request(state, request, body, prompt_ids, limit, arrival)
+        limit = state.engine.engine.context_left(len(chat.prompt_ids))
+    req = await _make_request(
+        state, request, body, chat.prompt_ids, limit, arrival, chat.constraint
+    )
     ids = fmt.response_ids(
         request.state.request_id, state.served_model_name, True, int(time.time())
     )
     text_of = fmt.tokenizer_text(state.tokenizer)
+    parser = chat.parser
 
     if body.stream:
         first = True
@@ -113,16 +133,16 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
         def chunk(out: RequestOutput) -> bytes:
             nonlocal first
             c = out.outputs[0]
-            logprobs = _delta_logprobs(c)
+            entries = _delta_logprobs(c)
+            logprobs = fmt.chat_logprobs(entries, text_of) if entries is not None else None
+            if parser is not None:  # reasoning and tool calls read out of the text
+                delta, finish = parser.step(c.delta_text, c.finish_reason)
+                events = delta_chunks(ids, delta, logprobs, finish, first)
+                first = first and not events
+                return b"".join(encode_event(e) for e in events)
             if not first and logprobs is None and c.finish_reason is None:
                 return plain.text(c.delta_text)
-            event = fmt.chat_chunk(
-                ids,
-                c.delta_text,
-                fmt.chat_logprobs(logprobs, text_of) if logprobs is not None else None,
-                c.finish_reason,
-                first,
-            )
+            event = fmt.chat_chunk(ids, c.delta_text, logprobs, c.finish_reason, first)
             first = False
             return encode_event(event)
 
@@ -131,7 +151,20 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     out = await _run_to_end(request, state.engine, req)
     c = out.outputs[0]
     logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
-    return JSONResponse(fmt.chat_response(ids, c.text, logprobs, c.finish_reason, _usage(out)))
+    if parser is None:
+        return JSONResponse(fmt.chat_response(ids, c.text, logprobs, c.finish_reason, _usage(out)))
+    answer, finish = parser.step(c.text, c.finish_reason)
+    return JSONResponse(
+        fmt.chat_response(
+            ids,
+            answer.content,
+            logprobs,
+            finish,
+            _usage(out),
+            reasoning=answer.reasoning or None,
+            tool_calls=answer.tool_calls,
+        )
+    )
 
 
 # ---- shared pieces -------------------------------------------------------------------
@@ -156,11 +189,12 @@ async def _make_request(
     prompt: str | list[int],
     max_tokens: int,
     arrival: float,
+    constraint: StructuredOutputsParams | None,
 ) -> EngineRequest:
     """The engine request (the engine names it; ``x-request-id`` is kept as the client's)."""
     rid: str = request.state.request_id
     try:
-        params = body.sampling_params(max_tokens, checks.logprobs_count(body))
+        params = body.sampling_params(max_tokens, checks.logprobs_count(body), constraint)
         req = state.engine.make_request(
             await state.engine.prepare(prompt),
             params,
@@ -215,7 +249,9 @@ def _sse(
                 for last in (out, *outputs.ready()):
                     c = last.outputs[0]
                     if c.delta_text or c.finish_reason is not None or c.logprobs is not None:
-                        parts.append(chunk(last))
+                        event = chunk(last)
+                        if event:  # empty while a parser holds text back
+                            parts.append(event)
                 if parts and not outputs.finished:
                     yield b"".join(parts)
                     parts = []

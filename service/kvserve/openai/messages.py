@@ -1,0 +1,112 @@
+"""A chat request's messages as Hugging Face chat templates take them.
+
+Templates (Qwen2.5, Qwen3, Hermes, Llama 3.1, Mistral) read ``content`` as one string and
+an assistant's ``tool_calls[].function.arguments`` as a mapping: Qwen2.5's and Hermes'
+render it with ``tojson``, so a JSON string would come out quoted twice; Qwen3's accepts
+either. So text parts are joined into one string, and arguments are parsed here (a
+string that is not a JSON object is a 400 naming it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvserve.openai.errors import OpenAIError
+from kvserve.openai.protocol import ChatMessage, ContentPart
+
+Message = dict[str, Any]
+
+# Part types of OpenAI's API that carry something other than text.
+NON_TEXT_PARTS = ("image_url", "input_audio", "file", "image", "audio")
+
+
+def template_messages(messages: list[ChatMessage]) -> list[Message]:
+    """The conversation for ``apply_chat_template``; 400 naming the message (or part) that
+    this text-only model cannot take."""
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, m: ChatMessage) -> Message:
+    where = f"messages[{i}]"
+    out: Message = {"role": m.role}
+    if m.content is None:
+        if not (m.role == "assistant" and m.tool_calls):
+            raise OpenAIError(
+                400,
+                f"{where}.content is null: only an assistant message with tool_calls may "
+                "have no content",
+                param=f"{where}.content",
+            )
+        out["content"] = ""
+    elif isinstance(m.content, str):
+        out["content"] = m.content
+    else:
+        out["content"] = _text_of_parts(m.content, f"{where}.content")
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise OpenAIError(
+                400,
+                f"{where}: only assistant messages carry tool_calls",
+                param=f"{where}.tool_calls",
+            )
+        out["tool_calls"] = [
+            _tool_call(c.id, c.function.name, c.function.arguments, f"{where}.tool_calls[{j}]")
+            for j, c in enumerate(m.tool_calls)
+        ]
+    if m.role == "tool":
+        if not m.tool_call_id:
+            raise OpenAIError(
+                400,
+                f"{where}: a tool message needs the tool_call_id of the call it answers",
+                param=f"{where}.tool_call_id",
+            )
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None and m.role == "assistant":
+        out["reasoning_content"] = m.reasoning_content  # Qwen3's template reads it
+    return out
+
+
+def _text_of_parts(parts: list[ContentPart], where: str) -> str:
+    texts = []
+    for k, part in enumerate(parts):
+        param = f"{where}[{k}]"
+        if part.type == "text":
+            if part.text is None:
+                raise OpenAIError(400, f"{param}: a text part needs its text", param=param)
+            texts.append(part.text)
+        elif part.type in NON_TEXT_PARTS:
+            raise OpenAIError(
+                400,
+                f"{param} is an {part.type!r} part: this model takes text only",
+                param=param,
+            )
+        else:
+            raise OpenAIError(400, f"{param}: unknown content part type {part.type!r}", param=param)
+    return "\n".join(texts)
+
+
+def _tool_call(call_id: str, name: str, arguments: str, where: str) -> Message:
+    param = f"{where}.function.arguments"
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except ValueError as exc:
+        raise OpenAIError(400, f"{param} is not valid JSON: {exc}", param=param) from None
+    if not isinstance(parsed, dict):
+        raise OpenAIError(400, f"{param} must be a JSON object", param=param)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
+def text_chars(messages: list[Message], tools: list[Message] | None = None) -> int:
+    """Characters of a conversation's text, tool calls and tool schemas included: what
+    its prompt length is judged (and a gateway's token estimate made) by."""
+    chars = 0
+    for m in messages:
+        chars += len(str(m.get("content") or ""))
+        for call in m.get("tool_calls") or ():
+            chars += len(json.dumps(call, ensure_ascii=False))
+    if tools:
+        chars += len(json.dumps(tools, ensure_ascii=False))
+    return chars

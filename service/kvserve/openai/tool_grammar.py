@@ -1,0 +1,101 @@
+"""The grammar that forces a request's tool calls into its parser's format.
+
+Used when ``tool_choice`` is "required" or names a function, or a tool is ``strict``
+(``ChatTools.constrained``): the output is then constrained from its first token, so a
+call always parses and its arguments validate against the tool's schema, whatever the
+weights. The grammar is Lark text in llguidance's syntax, each call's JSON an embedded
+``%json`` schema; it travels as ``StructuredOutputsParams(grammar=...)``.
+
+Per format (``openai/tool_parsers.py``):
+
+* hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one call or,
+  with ``parallel_tool_calls`` (and no named function), several separated by a newline;
+* llama3_json: ``{"name": ..., "parameters": {...}}``, several separated by ``; ``;
+* mistral: ``[TOOL_CALLS]`` then a JSON list of calls (one item unless parallel).
+
+With ``tool_choice`` "auto" (a strict tool offered), the output may instead be plain
+text, which must not begin like a call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvserve.openai.tools import ChatTools, ToolSpec
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# llguidance's JSON options: one space after ":" and ",", none elsewhere. A call's JSON
+# then has one spelling, and a model cannot spend its tokens on whitespace.
+COMPACT_JSON: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "key_separator": ": ",
+    "item_separator": ", ",
+}
+
+
+def tool_call_grammar(parser: str, tools: ChatTools) -> str:
+    """Lark text (llguidance syntax) for the calls ``tools`` allows, in ``parser``'s format."""
+    choice = tools.choice
+    offered = [t for t in tools.tools if choice.mode != "function" or t.name == choice.function]
+    # In "auto", only strict tools promise schema-valid arguments; the others are held to
+    # a JSON object (the parser needs no more).
+    exact = choice.mode != "auto"
+    # A named function is called once; otherwise as many times as parallel_tool_calls lets.
+    parallel = tools.parallel and choice.mode != "function"
+    if parser == "mistral":
+        calls = _mistral(offered, exact, parallel)
+        text = r"/[^\[][\s\S]*/"
+    else:
+        args_key = "parameters" if parser == "llama3_json" else "arguments"
+        functions = [_call_schema(t, args_key, exact) for t in offered]
+        alternatives = " | ".join(f"fn_{i}" for i in range(len(functions)))
+        if parser == "hermes":
+            one = 'call: "<tool_call>\\n" fn "\\n</tool_call>"'
+            sep = '"\\n"'
+            text = r"/[^<][\s\S]*/"
+        else:
+            one = "call: fn"
+            sep = '"; "'
+            text = r"/[^{<\s][\s\S]*/"
+        rules = [f"calls: call ({sep} call)*" if parallel else "calls: call", one]
+        rules.append(f"fn: {alternatives}")
+        rules += [f"fn_{i}: %json {json.dumps(s)}" for i, s in enumerate(functions)]
+        calls = "\n".join(rules)
+    start = "start: calls | TEXT" if choice.mode == "auto" else "start: calls"
+    lines = [start, calls]
+    if choice.mode == "auto":
+        lines.append(f"TEXT: {text}")
+    return "\n".join(lines) + "\n"
+
+
+def _arguments_schema(tool: ToolSpec, exact: bool) -> dict[str, Any]:
+    return tool.parameters if exact or tool.strict else ANY_OBJECT
+
+
+def _call_schema(tool: ToolSpec, args_key: str, exact: bool) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": tool.name},
+            args_key: _arguments_schema(tool, exact),
+        },
+        "required": ["name", args_key],
+        "additionalProperties": False,
+        "x-guidance": COMPACT_JSON,
+    }
+
+
+def _mistral(offered: list[ToolSpec], exact: bool, parallel: bool) -> str:
+    items = [_call_schema(t, "arguments", exact) for t in offered]
+    for item in items:
+        del item["x-guidance"]  # the array's own applies to the whole
+    array: dict[str, Any] = {
+        "type": "array",
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+        "minItems": 1,
+        "x-guidance": COMPACT_JSON,
+    }
+    if not parallel:
+        array["maxItems"] = 1
+    return f'calls: "[TOOL_CALLS]" %json {json.dumps(array)}'

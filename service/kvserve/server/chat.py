@@ -1,0 +1,86 @@
+"""A chat request made ready for the engine: its prompt, its output constraint and the
+reader of its answer. One definition for the HTTP route and the gRPC servicer.
+
+Refusals are ``InvalidRequestError`` naming the client's field (``tools``,
+``tools[2].function.parameters``, ``response_format.json_schema.schema``, ...); each
+front end turns them into its own 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.errors import InvalidRequestError
+from kvserve.openai.chat_output import ChatOutputParser, ChatParsing
+from kvserve.openai.structured import Constraint
+from kvserve.openai.tool_grammar import tool_call_grammar
+from kvserve.openai.tools import ChatTools
+from kvserve.sampling_params import StructuredOutputsParams
+
+
+@dataclass
+class PreparedChat:
+    prompt_ids: list[int]
+    constraint: StructuredOutputsParams | None
+    parser: ChatOutputParser | None  # None: the answer is plain content
+
+
+async def prepare_chat(
+    engine: AsyncEngine,
+    parsing: ChatParsing,
+    messages: list[dict[str, Any]],
+    tools: ChatTools,
+    constraint: Constraint | None,
+) -> PreparedChat:
+    """Check the tools and the constraint, build the tool-call grammar if one is needed,
+    and render the prompt (a long one off the event loop)."""
+    if tools.calls_possible and parsing.tool_parser is None:
+        raise InvalidRequestError(
+            "this model has no tool-call parser: the server was started without "
+            "--tool-call-parser and its chat template names no known call format; send "
+            'tool_choice "none" to offer tools without reading calls',
+            "tools",
+        )
+    checks: list[tuple[StructuredOutputsParams, str]] = [
+        (StructuredOutputsParams(json=t.parameters), f"tools[{i}].function.parameters")
+        for i, t in enumerate(tools.tools)
+    ]
+    chosen: StructuredOutputsParams | None = None
+    if constraint is not None:
+        checks.append((constraint.params, constraint.param))
+        chosen = constraint.params
+    if tools.constrained:
+        assert parsing.tool_parser is not None
+        if constraint is not None:
+            raise InvalidRequestError(
+                f"{constraint.param} cannot be combined with tool_choice "
+                f'"{tools.choice.mode}" or strict tools (both constrain the output)',
+                constraint.param,
+            )
+        chosen = StructuredOutputsParams(grammar=tool_call_grammar(parsing.tool_parser, tools))
+        checks.append((chosen, "tools"))
+    if checks:
+        # Validation compiles (cached by content): off the event loop, like a long prompt.
+        await asyncio.to_thread(_validate_all, checks, engine.engine.tokenizer)
+    prompt_ids = await engine.chat_prompt(messages, tools.template_tools())
+    return PreparedChat(prompt_ids, chosen, parsing.parser(tools))
+
+
+def _validate_all(checks: list[tuple[StructuredOutputsParams, str]], tokenizer: Any) -> None:
+    from kvserve.structured import validate
+
+    for params, param in checks:
+        try:
+            validate(params, tokenizer)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{param}: {exc}", param) from None
+
+
+async def validate_constraint(engine: AsyncEngine, constraint: Constraint) -> None:
+    """A completion's constraint checked (``InvalidRequestError`` naming its field)."""
+    await asyncio.to_thread(
+        _validate_all, [(constraint.params, constraint.param)], engine.engine.tokenizer
+    )

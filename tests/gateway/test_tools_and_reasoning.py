@@ -1,0 +1,169 @@
+"""Tools, structured outputs and reasoning through the gateway: the gateway passes them to
+a replica over gRPC and formats what the replica's parsers read, parsing nothing itself.
+The official ``openai`` SDK is the client; the replica is a ``kvserve serve`` process with
+a random-weight model whose chat template renders tools in the Hermes style."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from kvserve.testing.checkpoints import build_random_checkpoint
+from tests.support.checkpoints import TOOLS_CHECKPOINT
+from tests.support.gateway import KEY_A, Gateway, start_gateway
+from tests.support.replicas import REPLICA_MODEL as MODEL
+from tests.support.replicas import Replica, start_replicas
+
+PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}
+]
+QUESTION: list[Any] = [{"role": "user", "content": "Weather in Oslo for three days?"}]
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    kwargs = dict(TOOLS_CHECKPOINT)
+    arch = str(kwargs.pop("arch"))
+    return build_random_checkpoint(tmp_path_factory.mktemp("tools"), arch, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tools_gateway(tools_model: Path) -> Iterator[Gateway]:
+    # The tool parser is detected from the template; reasoning is read as Qwen3's.
+    replicas: list[Replica] = start_replicas(tools_model, 1, "--reasoning-parser", "qwen3")
+    gw = start_gateway(replicas, max_tokens_ceiling=1000)
+    yield gw
+    gw.stop()
+    for rep in replicas:
+        rep.stop()
+
+
+def sdk(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=KEY_A, max_retries=0)
+
+
+def streamed_calls(client: openai.OpenAI, **request: Any) -> tuple[list[tuple[str, str]], str]:
+    calls: dict[int, list[str]] = {}
+    finish = ""
+    for chunk in client.chat.completions.create(stream=True, **request):
+        choice = chunk.choices[0]
+        for d in choice.delta.tool_calls or ():
+            if d.index not in calls:
+                assert d.id and d.function and d.function.name
+                calls[d.index] = [d.function.name, ""]
+            calls[d.index][1] += (d.function and d.function.arguments) or ""
+        finish = choice.finish_reason or finish
+    return [(name, args) for name, args in (calls[i] for i in sorted(calls))], finish
+
+
+def test_tool_calls_round_trip(tools_gateway: Gateway) -> None:
+    """A forced call, whole and streamed (they agree), then the call and its result sent
+    back as a conversation, answered as text."""
+    client = sdk(tools_gateway)
+    request: dict[str, Any] = dict(
+        model=MODEL,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        seed=4,
+        max_tokens=200,
+    )
+    choice = client.chat.completions.create(**request).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].function.arguments), PARAMETERS)
+    assert streamed_calls(client, **request) == (
+        [(calls[0].function.name, calls[0].function.arguments)],
+        "tool_calls",
+    )
+    conversation = [
+        *QUESTION,
+        choice.message,
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "snow, -3 C"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=conversation, tools=TOOLS, max_tokens=6, temperature=0
+    ).choices[0]
+    assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+
+
+class Forecast(BaseModel):
+    # Bounded values: a random-weight model's answer always fits in max_tokens.
+    city: Literal["Paris", "Oslo"]
+    days: int = Field(ge=1, le=7)
+
+
+def test_response_format_through_the_gateway(tools_gateway: Gateway) -> None:
+    client = sdk(tools_gateway)
+    answer = client.chat.completions.parse(
+        model=MODEL, messages=QUESTION, response_format=Forecast, max_tokens=300, seed=1
+    )
+    assert isinstance(answer.choices[0].message.parsed, Forecast)
+    with pytest.raises(openai.BadRequestError) as refused:  # found by the replica
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": 1}},
+            },
+        )
+    assert refused.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
+
+
+def test_reasoning_deltas_through_the_gateway(tools_gateway: Gateway) -> None:
+    client = sdk(tools_gateway)
+    request: dict[str, Any] = dict(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=100,
+        seed=2,
+        extra_body={"structured_outputs": {"regex": "<think>[a-z ]{5,30}</think>[a-z ]{1,12}"}},
+    )
+    whole = client.chat.completions.create(**request).choices[0].message
+    reasoning = whole.reasoning_content  # type: ignore[attr-defined]
+    assert reasoning and "think>" not in reasoning + (whole.content or "")
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **request)]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == whole.content
+    assert sum(bool(getattr(d, "reasoning_content", None)) for d in deltas) > 1
+
+
+def test_bad_input_is_refused_by_field(tools_gateway: Gateway) -> None:
+    client = sdk(tools_gateway)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),  # by the gateway
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice"),
+        (
+            {"tools": [{"type": "function",
+                        "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+            "tools[0].function.parameters",  # by the replica
+        ),
+    ]  # fmt: skip
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=QUESTION, **extra)
+        assert refused.value.body["param"] == param  # type: ignore[index]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=image)  # type: ignore[arg-type]
+    assert refused.value.body["param"] == "messages[0].content[0]"  # type: ignore[index]

@@ -1,0 +1,416 @@
+"""Content parts, tool calling, structured-output fields and reasoning on a real engine
+server, with the official ``openai`` SDK as the client.
+
+The model has random weights, so a call is only ever made when a grammar forces it
+(``tool_choice`` "required" or a named function); that is the contract under test: the
+call then always parses and its arguments validate. Its chat template renders tools in
+the Hermes style, so the server picks the hermes parser by itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from kvserve.openai.chat_output import ChatParsing
+from kvserve.testing.checkpoints import build_random_checkpoint
+from tests.support.checkpoints import TOOLS_CHECKPOINT
+from tests.support.engine_server import SERVED_MODEL as MODEL
+from tests.support.engine_server import RunningServer, start_server, stop_server
+
+WEATHER_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "metric": {"type": "boolean"},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The forecast for a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                # Bounded, so a random model's call always fits in max_tokens.
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+
+
+@pytest.fixture(scope="module")
+def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    kwargs = dict(TOOLS_CHECKPOINT)
+    arch = str(kwargs.pop("arch"))
+    path = build_random_checkpoint(tmp_path_factory.mktemp("tools"), arch, **kwargs)  # type: ignore[arg-type]
+    # The tool parser is left to detection (the template names <tool_call>).
+    srv = start_server(path, block_size=4, chat_parsing=_detected(path, "qwen3"))
+    yield srv
+    stop_server(srv)
+
+
+def _detected(path: Any, reasoning: str) -> ChatParsing:
+    from transformers import AutoTokenizer
+
+    template = AutoTokenizer.from_pretrained(str(path)).chat_template
+    parsing = ChatParsing.for_model(None, reasoning, template)
+    assert parsing.tool_parser == "hermes"
+    return parsing
+
+
+def sdk(srv: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+
+
+def refusal(srv: RunningServer, body: dict[str, Any]) -> dict[str, Any]:
+    with srv.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error: dict[str, Any] = r.json()["error"]
+    return error
+
+
+# ---- messages ------------------------------------------------------------------------
+def test_text_parts_are_the_same_prompt_as_a_string(tools_server: RunningServer) -> None:
+    client = sdk(tools_server)
+    as_parts = [
+        {"type": "text", "text": "What is the weather"},
+        {"type": "text", "text": "in Paris?"},
+    ]
+    answers = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": content}],  # type: ignore[misc,list-item]
+            max_tokens=6,
+            temperature=0,
+        )
+        for content in (as_parts, "What is the weather\nin Paris?")
+    ]
+    usages = [a.usage for a in answers]
+    assert usages[0] and usages[1] and usages[0].prompt_tokens == usages[1].prompt_tokens
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("part", "kind"),
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "image_url"),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "input_audio"),
+        ({"type": "file", "file": {"file_id": "file-1"}}, "file"),
+    ],
+)
+def test_non_text_parts_are_refused_by_path(
+    tools_server: RunningServer, part: dict[str, Any], kind: str
+) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]},
+    ]
+    error = refusal(tools_server, {"messages": messages})
+    assert error["param"] == "messages[1].content[1]"
+    assert kind in error["message"] and "text only" in error["message"]
+
+
+def test_null_content_only_for_an_assistant_with_tool_calls(tools_server: RunningServer) -> None:
+    error = refusal(tools_server, {"messages": [{"role": "user", "content": None}]})
+    assert error["param"] == "messages[0].content"
+    bad_args = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[1"}}
+            ],
+        },
+    ]
+    error = refusal(tools_server, {"messages": bad_args})
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments"
+    no_id = [*QUESTION, {"role": "tool", "content": "sunny"}]
+    assert refusal(tools_server, {"messages": no_id})["param"] == "messages[1].tool_call_id"
+
+
+# ---- bad tools ------------------------------------------------------------------------
+def test_bad_tool_requests_name_their_field(tools_server: RunningServer) -> None:
+    twice = {"messages": QUESTION, "tools": [TOOLS[0], TOOLS[0]]}
+    assert refusal(tools_server, twice)["param"] == "tools"
+    unknown = {
+        "messages": QUESTION,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_moon"}},
+    }
+    error = refusal(tools_server, unknown)
+    assert error["param"] == "tool_choice" and "get_moon" in error["message"]
+    required = {"messages": QUESTION, "tool_choice": "required"}
+    assert refusal(tools_server, required)["param"] == "tool_choice"
+    bad_schema = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": 3}},
+    }
+    body = {"messages": QUESTION, "tools": [TOOLS[0], bad_schema]}
+    assert refusal(tools_server, body)["param"] == "tools[1].function.parameters"
+
+
+def test_tools_for_a_model_without_a_tool_parser(server: RunningServer) -> None:
+    # The tests' plain checkpoint: its chat template names no call format.
+    error = refusal(server, {"messages": QUESTION, "tools": TOOLS})
+    assert error["param"] == "tools" and "--tool-call-parser" in error["message"]
+    with server.client() as c:  # offered but not to be called: rendered, no parser needed
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": QUESTION,
+                "tools": TOOLS,
+                "tool_choice": "none",
+                "max_tokens": 2,
+            },
+        )
+    assert r.status_code == 200, r.text
+
+
+# ---- tool calls --------------------------------------------------------------------------
+def _calls(message: Any) -> list[tuple[str, dict[str, Any]]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+def test_required_calls_always_parse_and_validate(tools_server: RunningServer) -> None:
+    client = sdk(tools_server)
+    for seed in range(6):
+        parallel = seed % 2 == 0
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,  # type: ignore[arg-type]
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=300,
+        )
+        choice = answer.choices[0]
+        assert choice.message.tool_calls, choice
+        if parallel:
+            # A random model may go on calling until max_tokens: the call cut short is
+            # then text, never a broken call.
+            assert choice.finish_reason in ("tool_calls", "length")
+        else:
+            assert choice.finish_reason == "tool_calls", choice
+            assert choice.message.content is None and len(choice.message.tool_calls) == 1
+        for call in choice.message.tool_calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_named_function_is_the_one_called(tools_server: RunningServer) -> None:
+    answer = sdk(tools_server).chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        seed=3,
+        max_tokens=300,
+    )
+    calls = _calls(answer.choices[0].message)
+    assert [name for name, _ in calls] == ["get_time"]
+    jsonschema.validate(calls[0][1], SCHEMAS["get_time"])
+
+
+def _streamed(client: openai.OpenAI, **request: Any) -> tuple[str, list[tuple[str, str]], str]:
+    """Content, calls (name, arguments) and finish reason of a streamed answer, put
+    together as an SDK user does; each call's first delta carries its id and name."""
+    content, calls, finish = "", {}, ""
+    for chunk in client.chat.completions.create(stream=True, **request):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or ():
+            if d.index not in calls:
+                assert d.id and d.id.startswith("call_") and d.type == "function"
+                assert d.function and d.function.name
+                calls[d.index] = [d.function.name, ""]
+            else:
+                assert d.id is None
+            calls[d.index][1] += (d.function and d.function.arguments) or ""
+        finish = choice.finish_reason or finish
+    return content, [(n, a) for n, a in (calls[i] for i in sorted(calls))], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_streaming_and_whole_answers_agree(tools_server: RunningServer, tool_choice: str) -> None:
+    client = sdk(tools_server)
+    request = dict(
+        model=MODEL,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        seed=11,
+        temperature=1.0,
+        max_tokens=120,
+    )
+    whole = client.chat.completions.create(**request).choices[0]  # type: ignore[call-overload]
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+    streamed = _streamed(client, **request)
+    assert streamed == (whole.message.content or "", calls, whole.finish_reason)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_loop_over_several_turns(tools_server: RunningServer, stream: bool) -> None:
+    """call → tool result → call → tool result → answer, the conversation growing as an
+    agent grows it (the SDK's own message objects sent back)."""
+    client = sdk(tools_server)
+    messages: list[Any] = list(QUESTION)
+    for turn in range(2):
+        request = dict(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            seed=turn,
+            max_tokens=150,
+        )
+        if stream:
+            _, calls, finish = _streamed(client, **request)
+            assert finish == "tool_calls"
+            assistant: Any = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{turn}_{i}",
+                        "type": "function",
+                        "function": {"name": n, "arguments": a},
+                    }
+                    for i, (n, a) in enumerate(calls)
+                ],
+            }
+            ids = [c["id"] for c in assistant["tool_calls"]]
+        else:
+            choice = client.chat.completions.create(**request).choices[0]  # type: ignore[call-overload]
+            assert choice.finish_reason == "tool_calls", choice
+            message = choice.message
+            assistant, ids = message, [c.id for c in message.tool_calls or ()]
+        assert ids
+        messages.append(assistant)
+        messages += [{"role": "tool", "tool_call_id": i, "content": "sunny, 21 C"} for i in ids]
+    final = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=8, temperature=0
+    ).choices[0]
+    assert final.finish_reason in ("stop", "length") and not final.message.tool_calls
+    assert isinstance(final.message.content, str)
+
+
+# ---- structured outputs ----------------------------------------------------------------
+class Forecast(BaseModel):
+    # Bounded values: a random-weight model's answer always fits in max_tokens.
+    city: Literal["Paris", "Oslo", "Rome"]
+    days: int = Field(ge=1, le=7)
+    rain: bool
+
+
+def test_parse_returns_a_pydantic_object(tools_server: RunningServer) -> None:
+    answer = sdk(tools_server).chat.completions.parse(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        response_format=Forecast,
+        max_tokens=400,
+        seed=0,
+    )
+    parsed = answer.choices[0].message.parsed
+    assert isinstance(parsed, Forecast)
+
+
+def test_bad_constraints_name_their_field(tools_server: RunningServer) -> None:
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+    error = refusal(tools_server, {"messages": QUESTION, "response_format": bad_schema})
+    assert error["param"] == "response_format.json_schema.schema"
+    bad_regex = {"messages": QUESTION, "structured_outputs": {"regex": "(unclosed"}}
+    assert refusal(tools_server, bad_regex)["param"] == "structured_outputs"
+    both = {"messages": QUESTION, "structured_outputs": {"regex": "a", "choice": ["a"]}}
+    assert refusal(tools_server, both)["param"] == "structured_outputs"
+    with tools_server.client() as c:
+        r = c.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "(x"}},
+        )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+
+
+def test_structured_outputs_on_completions(tools_server: RunningServer) -> None:
+    answer = sdk(tools_server).completions.create(
+        model=MODEL,
+        prompt="Pick one:",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert answer.choices[0].text in ("yes", "no")
+
+
+# ---- reasoning ---------------------------------------------------------------------------
+THINKING = "<think>[a-z ]{5,40}</think>[a-z ]{1,20}"
+
+
+def test_reasoning_is_split_from_the_answer(tools_server: RunningServer) -> None:
+    """The output is forced into a <think> block then an answer; "</think>" is several
+    tokens here, so the stream sees it cut across deltas."""
+    client = sdk(tools_server)
+    request: dict[str, Any] = dict(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=100,
+        seed=5,
+        extra_body={"structured_outputs": {"regex": THINKING}},
+    )
+    whole = client.chat.completions.create(**request).choices[0].message
+    reasoning = whole.reasoning_content  # type: ignore[attr-defined]
+    assert reasoning and "<think>" not in reasoning and "</think>" not in (whole.content or "")
+    raw = {k: v for k, v in request.items() if k != "extra_body"}
+    raw.update(request["extra_body"], stream=True)
+    with (  # the raw events: reasoning_content deltas
+        tools_server.client() as c,
+        c.stream("POST", "/v1/chat/completions", json=raw) as r,
+    ):
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
+    assert "".join(d.get("content", "") for d in deltas) == whole.content
+    assert sum("reasoning_content" in d for d in deltas) > 1  # streamed, not held to the end
+
+
+def test_answers_without_thinking_are_content(tools_server: RunningServer) -> None:
+    with httpx.Client(base_url=tools_server.url, timeout=60) as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": QUESTION,
+                "max_tokens": 20,
+                "structured_outputs": {"choice": ["plain answer"]},
+            },
+        )
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] == "plain answer" and "reasoning_content" not in message

@@ -1,0 +1,68 @@
+"""``LLM.chat(..., tools=...)`` and ``LLMEngine.chat_prompt``: tools and tool calls reach
+the chat template in the shapes Hugging Face templates take, and count toward the
+prompt's length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import InvalidRequestError
+from kvserve.testing.checkpoints import build_random_checkpoint
+from tests.support.checkpoints import TOOLS_CHECKPOINT
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    kwargs = dict(TOOLS_CHECKPOINT)
+    arch = str(kwargs.pop("arch"))
+    path: Path = build_random_checkpoint(tmp_path_factory.mktemp("tools"), arch, **kwargs)  # type: ignore[arg-type]
+    return LLM(path, dtype="float32", device="cpu")
+
+
+def test_tools_and_calls_are_rendered(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    text = tok.decode(llm.engine.chat_prompt(CONVERSATION, TOOLS))
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    # The arguments are a mapping, rendered as a JSON object (not a quoted string).
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert "<tools>" not in tok.decode(llm.engine.chat_prompt(CONVERSATION))
+    out = llm.chat(CONVERSATION, SamplingParams(max_tokens=3, temperature=0), tools=TOOLS)
+    assert len(out[0].prompt_token_ids) == len(llm.engine.chat_prompt(CONVERSATION, TOOLS))
+
+
+def test_tool_schemas_count_toward_the_prompt_length(llm: LLM) -> None:
+    limit = llm.engine.max_prompt_chars
+    assert limit is not None
+    huge = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": "x" * limit}}]  # type: ignore[dict-item]
+    with pytest.raises(InvalidRequestError, match="characters") as refused:
+        llm.engine.chat_prompt(CONVERSATION[:1], huge)
+    assert refused.value.param == "messages"
