@@ -11,6 +11,8 @@ Sections (--only picks some; each is a module of kvserve.bench):
   kv_memory               allocated KV slots vs tokens held over a mixed run
   serving_path            gateway + engine server processes vs the offline engine,
                           32 streams
+  structured              JSON-schema-constrained vs unconstrained throughput at
+                          concurrency 16, mask time per token, cold/cached compile
 
 Each section runs the sides it compares in the same run, alternating them for --rounds
 rounds (this machine's speed drifts) and keeping each side's best, on random
@@ -49,6 +51,7 @@ SECTIONS = (
     "roofline",
     "kv_memory",
     "serving_path",
+    "structured",
 )
 
 # Model shapes (random Llama checkpoints). vocab_size None = the test tokenizer's own
