@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvserve.chat import ChatParams, HTTPBackend, InProcessBackend, Repl
+from kvserve.demo_model import bundled_model_calls_tools
 from tests.support.engine_server import RunningServer, start_server, stop_server
 from tests.support.net import free_port
 from tests.support.prometheus import metric
@@ -308,3 +309,37 @@ def test_unreachable_server_exits_1() -> None:
     assert out.returncode == 1
     assert out.stderr.decode().startswith(f"kvserve chat: error: cannot reach {url}")
     assert b"assistant>" not in out.stdout
+
+
+@pytest.mark.skipif(
+    not bundled_model_calls_tools(),
+    reason="the bundled checkpoint is not trained for tools yet (see its model card)",
+)
+def test_tools_run_a_local_agent_loop_with_the_demo_model() -> None:
+    # The bundled model, offered search_hotels: a call, its result (run here, over the
+    # demo's world model), then the answer built from the result.
+    out = run_chat(
+        "--tools",
+        "--dtype",
+        "float32",
+        *GREEDY,
+        stdin="Ryokans in Kyoto under $200 with an onsen?\n",
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    lines = out.stdout.decode().splitlines()
+    call = '[call] search_hotels({"city": "Kyoto", "max_price": 200, "kind": "ryokan", '
+    assert lines[0] == "assistant> " + call + '"amenities": ["onsen"]})', lines
+    assert lines[1].startswith('[result] {"results": [{"name": '), lines
+    result = json.loads(lines[1].removeprefix("[result] "))
+    answer = lines[2].removeprefix("assistant> ")
+    assert answer.startswith("Ryokans in Kyoto under $200 a night with an onsen - ")
+    listed = [line for line in lines[3:] if line[:1].isdigit()]
+    assert len(listed) == len(result["results"]) > 0
+    for item, line in zip(result["results"], listed, strict=True):
+        assert f"{item['name']} (ryokan) - ${item['price']} a night" in line
+
+
+def test_tools_need_the_in_process_engine() -> None:
+    out = run_chat("--tools", "--url", "http://127.0.0.1:9", stdin="")
+    assert out.returncode == 2
+    assert "--tools" in out.stderr.decode()

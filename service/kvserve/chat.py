@@ -4,6 +4,12 @@ Two backends share one REPL: ``HTTPBackend`` talks to a running kvserve (or any
 OpenAI-compatible) server over ``POST /v1/chat/completions`` with SSE streaming, and
 ``InProcessBackend`` runs the engine in this process. Both stream text deltas for the
 whole conversation (system prompt and every turn) and can abort a generation midway.
+
+``--tools`` (in-process) offers the model tools that run here (:class:`LocalTools`; the demo
+model's ``search_hotels`` over its world model): when the answer is a tool call, the REPL
+prints the call, runs it, prints the result, appends both to the conversation and lets the
+model go on -- an agent loop, offline. Calls are read out of the streamed text by the
+server's own Hermes parser (``kvserve.openai.tool_parsers``).
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import concurrent.futures
 import contextlib
 import io
 import itertools
+import json
 import queue
+import random
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Generator, Iterator
@@ -25,14 +33,18 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar
 
 import httpx
 
+from kvserve.openai.tool_parsers import ParsedToolCall, ToolParse, make_tool_parser
 from kvserve.sse_events import DONE, error_message, event_data, parse_event
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.request import Request
 
-Message = dict[str, str]
+Message = dict[str, Any]
 T = TypeVar("T")
+
+#: Tool calls in a row before the REPL gives up on an answer (a model that keeps calling).
+MAX_TOOL_ROUNDS = 3
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 HELP = """commands:
@@ -64,8 +76,13 @@ class ChatBackend(Protocol):
 
     label: str  # what the banner says we talk to
 
-    def stream(self, messages: list[Message], params: ChatParams) -> Iterator[str]:
-        """Yield the assistant's answer to ``messages`` as text deltas."""
+    def stream(
+        self,
+        messages: list[Message],
+        params: ChatParams,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Iterator[str]:
+        """Yield the assistant's answer to ``messages`` (offering ``tools``) as text deltas."""
         ...
 
     def abort(self) -> None:
@@ -119,8 +136,16 @@ class HTTPBackend:
                 f"{self.url}/v1/models lists no model (pass --served-model-name NAME)"
             ) from exc
 
-    def stream(self, messages: list[Message], params: ChatParams) -> Iterator[str]:
+    def stream(
+        self,
+        messages: list[Message],
+        params: ChatParams,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Iterator[str]:
         """Stream one answer; closing the response makes the server abort the request."""
+        if tools:
+            # The server parses calls into delta.tool_calls; this client reads text only.
+            raise ChatError("tools run in-process only (kvserve chat --tools without --url)")
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -229,6 +254,7 @@ class InProcessBackend:
         self.engine: AsyncEngine = AsyncEngine(llm)
         self.label = f"{model} (in-process, {llm.device})"
         self._tokenizer: Any = tok
+        self.renders_tools = "<tool_call>" in str(tok.chat_template)  # a Hermes-style template
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._current: tuple[concurrent.futures.Future[None], queue.Queue[object]] | None = None
@@ -245,12 +271,17 @@ class InProcessBackend:
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def stream(self, messages: list[Message], params: ChatParams) -> Iterator[str]:
+    def stream(
+        self,
+        messages: list[Message],
+        params: ChatParams,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Iterator[str]:
         """Render the chat template, then stream the engine's text deltas."""
         from kvserve.engine.async_engine import EngineDeadError
         from kvserve.sampling_params import SamplingParams
 
-        prompt_ids = self.engine.engine.chat_prompt(messages)
+        prompt_ids = self.engine.engine.chat_prompt(messages, tools)
         # Like the server's default: never ask for more than the context has room for,
         # so a long conversation still gets an answer (the engine rejects a full one).
         room = self.engine.engine.max_model_len - len(prompt_ids)
@@ -330,6 +361,39 @@ def _get(q: queue.Queue[object]) -> object:
             continue
 
 
+# ---- local tools ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class LocalTools:
+    """Tools offered to the model and run in this process.
+
+    ``definitions`` are OpenAI-style function tools; ``run(name, arguments)`` returns the
+    result text for the tool message (never raises for bad arguments: it says what is wrong,
+    as a tool would).
+    """
+
+    definitions: list[dict[str, Any]]
+    run: Callable[[str, dict[str, Any]], str]
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(str(d["function"]["name"]) for d in self.definitions)
+
+
+def demo_tools(seed: int = 0) -> LocalTools:
+    """The demo model's ``search_hotels``, answered from its world model (invented listings
+    that follow the world's rules; ``seed`` makes them reproducible)."""
+    from kvserve.demo_model import corpus
+
+    rng = random.Random(f"kvserve-chat-tools:{seed}")
+
+    def run(name: str, arguments: dict[str, Any]) -> str:
+        if name != "search_hotels":
+            return json.dumps({"error": f"unknown tool {name!r}"})
+        return json.dumps(corpus.search_hotels(arguments, rng), ensure_ascii=False)
+
+    return LocalTools([corpus.SEARCH_HOTELS_TOOL], run)
+
+
 # ---- the REPL ------------------------------------------------------------------------
 class Repl:
     """Read a line, stream the answer, keep the history; shared by both backends."""
@@ -340,6 +404,7 @@ class Repl:
         params: ChatParams,
         *,
         system: str | None = None,
+        tools: LocalTools | None = None,
         interactive: bool = False,
         read_line: Callable[[str], str] = input,
         out: TextIO | None = None,
@@ -348,6 +413,7 @@ class Repl:
         self.backend = backend
         self.params = params
         self.system = system
+        self.tools = tools
         self.interactive = interactive
         self.read_line = read_line
         self.out = out or sys.stdout
@@ -397,39 +463,99 @@ class Repl:
         return False
 
     def turn(self, text: str) -> None:
-        """One user message and the streamed answer."""
+        """One user message and the streamed answer (after any tool calls it takes)."""
+        start = len(self.history)
         self.history.append({"role": "user", "content": text})
+        for _ in range(MAX_TOOL_ROUNDS + 1):
+            try:
+                content, calls = self._generate()
+            except ChatError as exc:
+                # Drop the failed turn so the history stays user/assistant alternating and
+                # the next turn does not resend whatever the server refused.
+                del self.history[start:]
+                self.err.write(f"error: {_one_line(str(exc))}\n")
+                self.err.flush()
+                return
+            if not calls:
+                # A stopped answer stays too: the user saw it, and the model should as well.
+                self.history.append({"role": "assistant", "content": content})
+                return
+            self._run_calls(content, calls)
+        self.err.write(f"error: no answer after {MAX_TOOL_ROUNDS + 1} rounds of tool calls\n")
+        self.err.flush()
+        del self.history[start:]
+
+    def _generate(self) -> tuple[str, list[ParsedToolCall]]:
+        """Stream one assistant message: its text, and the tool calls in it (when tools are
+        offered, calls are not shown as text but as one ``[call]`` line each)."""
         self.out.write("assistant> ")
         self.out.flush()
         parts: list[str] = []
+        calls: list[ParsedToolCall] = []
+        parser = make_tool_parser("hermes", self.tools.names) if self.tools else None
         stream: Iterator[str] | None = None
         try:
-            stream = self.backend.stream(list(self.history), self.params)
+            definitions = self.tools.definitions if self.tools else None
+            stream = self.backend.stream(list(self.history), self.params, definitions)
             for delta in stream:
-                parts.append(delta)
-                self.out.write(delta)
+                if parser is None:
+                    parts.append(delta)
+                    self.out.write(delta)
+                else:
+                    self._show(parser.feed(delta), parts, calls)
                 self.out.flush()
+            if parser is not None:
+                self._show(parser.finish(), parts, calls)
         except KeyboardInterrupt:
             self.backend.abort()
             self.out.write("\n[stopped]\n")
             self.out.flush()
-        except ChatError as exc:
-            # Drop the failed turn so the history stays user/assistant alternating and
-            # the next turn does not resend whatever the server refused.
-            self.history.pop()
+            return "".join(parts), []  # a call cut short is not run
+        except ChatError:
             self.out.write("\n")
             self.out.flush()
-            self.err.write(f"error: {_one_line(str(exc))}\n")
-            self.err.flush()
-            return
+            raise
         else:
-            self.out.write("\n")
+            if not calls or parts:
+                self.out.write("\n")
             self.out.flush()
         finally:
             if isinstance(stream, Generator):
                 stream.close()
-        # A stopped answer stays too: the user saw it, and the model should as well.
-        self.history.append({"role": "assistant", "content": "".join(parts)})
+        return "".join(parts), calls
+
+    def _show(self, parse: ToolParse, parts: list[str], calls: list[ParsedToolCall]) -> None:
+        if parse.content:
+            parts.append(parse.content)
+            self.out.write(parse.content)
+        for call in parse.calls:
+            calls.append(call)
+            lead = "\n" if parts or len(calls) > 1 else ""
+            self.out.write(f"{lead}[call] {call.name}({call.arguments})")
+
+    def _run_calls(self, content: str, calls: list[ParsedToolCall]) -> None:
+        """Append the assistant's calls, run each, print and append its result."""
+        assert self.tools is not None
+        self.out.write("\n")
+        self.history.append(
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+                    }
+                    for c in calls
+                ],
+            }
+        )
+        for call in calls:
+            result = self.tools.run(call.name, json.loads(call.arguments))
+            self.out.write(f"[result] {result}\n")
+            self.history.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        self.out.flush()
 
 
 def _one_line(text: str) -> str:
@@ -469,6 +595,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='the "model" to send with --url (default: the first one /v1/models lists)',
     )
     p.add_argument("--system", metavar="TEXT", help="a system prompt that starts the conversation")
+    p.add_argument(
+        "--tools",
+        action="store_true",
+        help="in-process only: offer the demo model's search_hotels tool and run its calls "
+        "here, over the demo's world model (a call, its result, then the answer)",
+    )
     p.add_argument("--temperature", type=_temperature, default=0.7, metavar="T", help="0 is greedy")
     p.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N", help="per answer")
     p.add_argument("--seed", type=int, metavar="N", help="sampling seed (reproducible answers)")
@@ -486,6 +618,12 @@ def default_model_path() -> Path:
 def _make_backend(args: argparse.Namespace) -> ChatBackend | int:
     """The backend the arguments ask for, or an exit code after printing why not."""
     if args.url:
+        if args.tools:
+            print(
+                "kvserve chat: error: --tools runs the tools in-process: drop --url",
+                file=sys.stderr,
+            )
+            return 2
         try:
             return HTTPBackend(args.url, args.served_model_name)
         except ChatError as exc:
@@ -515,6 +653,12 @@ def run(args: argparse.Namespace) -> int:
     backend = _make_backend(args)
     if isinstance(backend, int):
         return backend
+    if args.tools and not getattr(backend, "renders_tools", False):
+        print(
+            "kvserve chat: warning: this model's chat template does not render tools "
+            "(the bundled one: not before `kvserve train-demo --tools`); it will not call them",
+            file=sys.stderr,
+        )
     interactive = sys.stdin.isatty()
     if interactive:
         # Line editing and history for input(); readline is not on every platform.
@@ -523,6 +667,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"chatting with {backend.label}; /help for commands, Ctrl-D to quit")
     params = ChatParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     try:
-        return Repl(backend, params, system=args.system, interactive=interactive).run()
+        tools = demo_tools(args.seed or 0) if args.tools else None
+        return Repl(backend, params, system=args.system, tools=tools, interactive=interactive).run()
     finally:
         backend.close()

@@ -13,12 +13,14 @@ from kvserve.demo_model.corpus import (
     CITY_BY_NAME,
     KINDS,
     PRICE_CAPS,
+    TOOL_SHARE,
     Conversation,
     HotelRequest,
     Listing,
     check_answer,
     feasible_listings,
     format_answer,
+    generate_conversation,
     generate_corpus,
     infeasibility,
     is_feasible,
@@ -28,6 +30,7 @@ from kvserve.demo_model.corpus import (
     sample_eval_prompts,
     sample_request,
     sample_requests,
+    train_rng,
     user_message,
 )
 
@@ -36,16 +39,31 @@ N = 3000  # conversations in the shared corpus (~0.5 s to generate)
 
 @pytest.fixture(scope="module")
 def corpus() -> list[Conversation]:
-    return generate_corpus(N, seed=0)
+    return generate_corpus(N, seed=0, tool_share=TOOL_SHARE)  # plain and tool conversations
 
 
 def _turns(corpus: list[Conversation]) -> list[tuple[HotelRequest, str]]:
+    """(request, answer) of every answer, tool conversations' answers from results too."""
     out: list[tuple[HotelRequest, str]] = []
     for conv in corpus:
-        answers = [m["content"] for m in conv.messages if m["role"] == "assistant"]
+        answers = [
+            m["content"]
+            for m in conv.messages
+            if m["role"] == "assistant" and not m.get("tool_calls")
+        ]
         assert len(answers) == len(conv.requests)
         out.extend(zip(conv.requests, answers, strict=True))
     return out
+
+
+def test_without_tools_the_corpus_is_the_bundled_models() -> None:
+    # tool_share 0 draws nothing extra: the conversations the bundled checkpoint learned.
+    rng = train_rng(0)
+    assert generate_corpus(300, seed=0) == [generate_conversation(rng) for _ in range(300)]
+    assert not any(c.tools for c in generate_corpus(300, seed=0))
+    with_tools = generate_corpus(300, seed=0, tool_share=TOOL_SHARE)
+    assert with_tools != generate_corpus(300, seed=0)
+    assert with_tools == generate_corpus(300, seed=0, tool_share=TOOL_SHARE)
 
 
 def test_same_seed_same_corpus_different_seed_different() -> None:
@@ -62,14 +80,20 @@ def test_messages_are_well_formed(corpus: list[Conversation]) -> None:
         roles = [m["role"] for m in conv.messages]
         if roles[0] == "system":
             roles = roles[1:]
-        assert roles in (["user", "assistant"], ["user", "assistant"] * 2)
-        assert all(set(m) == {"role", "content"} and m["content"] for m in conv.messages)
+        if conv.tools is None:
+            assert roles in (["user", "assistant"], ["user", "assistant"] * 2)
+            assert all(set(m) == {"role", "content"} and m["content"] for m in conv.messages)
+        else:  # the tool conversations' shape is checked in test_tool_use.py
+            assert roles == ["user", "assistant", "tool", "assistant"]
 
 
 def test_mix_of_system_prompts_follow_ups_and_answer_kinds(corpus: list[Conversation]) -> None:
     with_system = sum(c.messages[0]["role"] == "system" for c in corpus) / N
-    follow_ups = sum(len(c.requests) == 2 for c in corpus) / N
+    plain = [c for c in corpus if c.tools is None]
+    with_tools = 1 - len(plain) / N
+    follow_ups = sum(len(c.requests) == 2 for c in plain) / len(plain)
     assert 0.4 < with_system < 0.6
+    assert 0.2 < with_tools < 0.3
     assert 0.18 < follow_ups < 0.3
     reasons = Counter(infeasibility(r) for r, _ in _turns(corpus))
     assert set(reasons) == {None, "over_budget", "no_hot_springs", "ryokan_outside_japan"}

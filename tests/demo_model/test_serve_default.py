@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import random
+from typing import Any
 
 import httpx
+import openai
 import pytest
 
-from kvserve.demo_model import DEMO_MODEL_NAME, corpus
+from kvserve.demo_model import DEMO_MODEL_NAME, bundled_model_calls_tools, corpus
+from kvserve.demo_model.tool_call import ToolCall, call_satisfies
 from tests.support.cli_server import start_cli_server
 
 QUESTION = "Hotels in Kyoto under $200 with an onsen?"
@@ -36,6 +40,48 @@ def test_serve_without_a_model_answers_a_streamed_hotel_question() -> None:
         request = corpus.HotelRequest("Kyoto", "hotel", 200, ("onsen",))
         assert corpus.check_answer(request, text), text
         assert "Kyoto" in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not bundled_model_calls_tools(),
+    reason="the bundled checkpoint is not trained for tools yet (see its model card)",
+)
+def test_serve_without_a_model_runs_a_tool_loop_with_the_openai_sdk() -> None:
+    # The bundled model's template renders tools Hermes-style, so the server reads its
+    # calls without --tool-call-parser; the tool itself runs here, over the world model.
+    proc, url, _ = start_cli_server(None)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        messages: list[Any] = [{"role": "user", "content": QUESTION}]
+        tools: list[Any] = [corpus.SEARCH_HOTELS_TOOL]
+        first = client.chat.completions.create(
+            model=DEMO_MODEL_NAME, messages=messages, tools=tools, temperature=0
+        ).choices[0]
+        assert first.finish_reason == "tool_calls", first.message
+        (call,) = first.message.tool_calls or []
+        assert call.type == "function" and call.function.name == "search_hotels"
+        arguments = json.loads(call.function.arguments)
+        request = corpus.HotelRequest("Kyoto", "hotel", 200, ("onsen",))
+        assert call_satisfies(request, ToolCall("search_hotels", arguments)), arguments
+        result = corpus.search_hotels(arguments, random.Random(0))
+        assert result["results"]
+        messages += [
+            first.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)},
+        ]
+        answer = client.chat.completions.create(
+            model=DEMO_MODEL_NAME, messages=messages, tools=tools, temperature=0
+        ).choices[0]
+        assert answer.finish_reason == "stop" and not answer.message.tool_calls
+        text = answer.message.content or ""
+        assert corpus.check_answer(request, text), text
+        listed = corpus.parse_answer(text) or []
+        names = {item["name"] for item in result["results"]}
+        assert listed and {item.name for item in listed} <= names, text
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -34,6 +34,12 @@ Answer formats (the only ones the assistant uses): the request restated, then th
 (each answer is a single line for the sorry forms). :func:`parse_answer` reads them back and
 :func:`check_answer` grades any text -- e.g. a model's completion -- against a request.
 
+Tool use (issue 19): with ``tool_share`` > 0, :func:`generate_corpus` also yields
+conversations that offer :data:`SEARCH_HOTELS_TOOL`: the assistant calls it with
+:func:`tool_arguments` of the request, the ``tool`` message holds :func:`search_result` as
+JSON, and the answer (same formats) is built from that result. :func:`search_hotels` is the
+tool itself, over the same world model (``kvserve chat --tools`` runs it).
+
 Randomness comes only from the ``random.Random`` passed in (or seeded here): training
 conversations (:func:`generate_corpus`) and evaluation prompts (:func:`sample_requests`,
 :func:`sample_eval_prompts`) use different seed streams, ``"kvserve-demo-train:<seed>"`` and
@@ -44,11 +50,12 @@ usually also occurs in training; what is held out is the phrasing draw and the l
 
 from __future__ import annotations
 
+import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 __all__ = [
     "AMENITIES",
@@ -56,7 +63,9 @@ __all__ = [
     "CITY_BY_NAME",
     "KINDS",
     "PRICE_CAPS",
+    "SEARCH_HOTELS_TOOL",
     "SYSTEM_PROMPTS",
+    "TOOL_SHARE",
     "City",
     "Conversation",
     "EvalPrompt",
@@ -69,6 +78,7 @@ __all__ = [
     "format_answer",
     "generate_conversation",
     "generate_corpus",
+    "generate_tool_conversation",
     "infeasibility",
     "is_feasible",
     "listing_matches",
@@ -78,6 +88,11 @@ __all__ = [
     "sample_eval_prompts",
     "sample_request",
     "sample_requests",
+    "sample_tool_eval_prompts",
+    "search_hotels",
+    "search_result",
+    "tool_arguments",
+    "tool_eval_rng",
     "train_rng",
     "user_message",
 ]
@@ -623,10 +638,18 @@ def sample_request(rng: random.Random) -> HotelRequest:
 
 @dataclass
 class Conversation:
-    """OpenAI-style messages, and the structured request behind each assistant turn."""
+    """OpenAI-style messages, the tools offered (None: no tools), and the structured request
+    behind each user turn that asks for places (one per answer).
 
-    messages: list[dict[str, str]] = field(default_factory=list)
+    Without tools every assistant turn is an answer. With tools each request takes three
+    messages: an assistant turn whose ``tool_calls`` hold one ``search_hotels`` call (its
+    ``arguments`` a mapping, as Hugging Face templates take it), the ``tool`` message with the
+    result (JSON text), and the assistant's answer built from that result.
+    """
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
     requests: list[HotelRequest] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -634,7 +657,7 @@ class EvalPrompt:
     """A held-out prompt: the messages to complete (ending with a user turn) and its request."""
 
     request: HotelRequest
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
 
 
 def _answer(
@@ -718,6 +741,192 @@ def generate_conversation(rng: random.Random) -> Conversation:
     return conv
 
 
+# --------------------------------------------------------------------------------------------
+# Tool use: the search_hotels tool, its local implementation, tool conversations
+# --------------------------------------------------------------------------------------------
+
+#: The tool the demo model learned to call, in OpenAI's ``tools`` shape. The model knows only
+#: this definition, rendered exactly so (see ``tokenizer.CHAT_TEMPLATE``); kept short because
+#: every tool conversation repeats it.
+SEARCH_HOTELS_TOOL: Final[dict[str, Any]] = {
+    "type": "function",
+    "function": {
+        "name": "search_hotels",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "max_price": {"type": "integer"},
+                "kind": {"type": "string", "enum": list(KINDS)},
+                "amenities": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["city", "max_price"],
+        },
+    },
+}
+#: Of the training conversations of the tool recipe (``train.TOOL_RECIPE``), the share that
+#: offers the tool.
+TOOL_SHARE: Final = 0.25
+_CITY_BY_ANY_NAME: Final[dict[str, City]] = {
+    name.casefold(): c for c in CITIES for name in (c.name, *c.aliases)
+}
+
+
+def tool_arguments(request: HotelRequest) -> dict[str, Any]:
+    """The ``search_hotels`` arguments that ask for exactly ``request``.
+
+    Key order is fixed (city, max_price, kind, amenities): the model learns one layout. The
+    city is canonical; ``kind`` is left out for "any kind"; ``amenities`` is always there.
+    """
+    args: dict[str, Any] = {"city": request.city, "max_price": request.max_price}
+    if request.kind is not None:
+        args["kind"] = request.kind
+    args["amenities"] = list(request.amenities)
+    return args
+
+
+def _request_from_arguments(arguments: Mapping[str, Any]) -> HotelRequest | str:
+    """The request that ``search_hotels`` arguments ask for, or why they are not valid."""
+    unknown = sorted(set(arguments) - {"city", "max_price", "kind", "amenities"})
+    if unknown:
+        return f"unknown argument {unknown[0]!r}"
+    city = arguments.get("city")
+    found = _CITY_BY_ANY_NAME.get(city.strip().casefold()) if isinstance(city, str) else None
+    if found is None:
+        return f"unknown city {city!r}"
+    price = arguments.get("max_price")
+    if isinstance(price, bool) or not isinstance(price, int) or price <= 0:
+        return "max_price must be a positive integer"
+    kind = arguments.get("kind")
+    if kind is not None and kind not in KINDS:
+        return f"kind must be one of {', '.join(KINDS)}"
+    amenities = arguments.get("amenities") or []
+    if not isinstance(amenities, list) or any(a not in _AMENITY_SET for a in amenities):
+        return f"amenities must be a list of: {', '.join(AMENITIES)}"
+    return HotelRequest(found.name, kind, price, tuple(sorted(set(amenities))))
+
+
+def search_result(request: HotelRequest, listings: Sequence[Listing]) -> dict[str, Any]:
+    """The tool result for ``request`` that found ``listings`` (what the model reads).
+
+    ``note`` says why the world has no place at all (no ryokans outside Japan, no onsen
+    without hot springs); a budget that is too low just gives no results.
+    """
+    result: dict[str, Any] = {
+        "results": [
+            {"name": x.name, "kind": x.kind, "price": x.price, "amenities": list(x.amenities)}
+            for x in listings
+        ]
+    }
+    reason = infeasibility(request)
+    if reason == "ryokan_outside_japan":
+        result["note"] = "ryokans are only found in Japan"
+    elif reason == "no_hot_springs":
+        result["note"] = f"{request.city} has no hot springs"
+    return result
+
+
+def search_hotels(arguments: Mapping[str, Any], rng: random.Random) -> dict[str, Any]:
+    """Run ``search_hotels`` over the world model: what ``kvserve chat --tools`` answers.
+
+    Accepts any city name users type (aliases too, case-insensitively); invalid arguments
+    give ``{"error": ...}`` instead of raising.
+    """
+    request = _request_from_arguments(arguments)
+    if isinstance(request, str):
+        return {"error": request}
+    return search_result(request, feasible_listings(request, rng))
+
+
+def _call_id(rng: random.Random) -> str:
+    return f"call_{rng.getrandbits(64):016x}"
+
+
+def _tool_round(conv: Conversation, request: HotelRequest, rng: random.Random) -> list[Listing]:
+    """Append the call for ``request``, its result and the answer; returns the listings."""
+    call_id = _call_id(rng)
+    call = {"name": "search_hotels", "arguments": tool_arguments(request)}
+    conv.messages.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": call}],
+        }
+    )
+    listings = feasible_listings(request, rng)
+    result = json.dumps(search_result(request, listings), ensure_ascii=False)
+    conv.messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
+    conv.messages.append({"role": "assistant", "content": format_answer(request, listings, rng)})
+    conv.requests.append(request)
+    return listings
+
+
+def _one_tool_request(rng: random.Random) -> Conversation:
+    """A tool conversation's start: optional system prompt, a request, the call, its result,
+    the answer from it."""
+    conv = Conversation(tools=[SEARCH_HOTELS_TOOL])
+    if rng.random() < 0.5:
+        conv.messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    request = sample_request(rng)
+    conv.messages.append({"role": "user", "content": user_message(request, rng)})
+    _tool_round(conv, request, rng)
+    return conv
+
+
+def generate_tool_conversation(rng: random.Random) -> Conversation:
+    """One conversation that offers ``search_hotels``: optional system prompt, a request, the
+    call, its result, the answer from it.
+
+    One request per conversation: two rounds (each with the tool list in the system turn
+    and up to three listings in the result) would not fit the 512-token context, and the
+    training budget pays for every token.
+    """
+    return _one_tool_request(rng)
+
+
+@dataclass(frozen=True)
+class ToolEvalPrompt:
+    """A held-out tool prompt: ``messages`` (ending with a user turn) offer ``tools``; the
+    reference call for ``request`` and its result are ``call_and_result`` (two messages), so
+    ``messages + call_and_result`` asks for the answer, which must come from ``listings``."""
+
+    request: HotelRequest
+    messages: list[dict[str, Any]]
+    call_and_result: list[dict[str, Any]]
+    listings: list[Listing]
+    tools: list[dict[str, Any]]
+
+
+def tool_eval_rng(seed: int) -> random.Random:
+    """The random stream of the tool evaluation prompts for ``seed`` (its own, like
+    :func:`eval_rng`'s)."""
+    return random.Random(f"kvserve-demo-eval-tools:{seed}")
+
+
+def sample_tool_eval_prompts(n: int, seed: int = 0) -> list[ToolEvalPrompt]:
+    """``n`` single-request tool prompts (stream :func:`tool_eval_rng`)."""
+    rng = tool_eval_rng(seed)
+    prompts: list[ToolEvalPrompt] = []
+    for _ in range(n):
+        conv = _one_tool_request(rng)
+        split = len(conv.messages) - 3  # call, result, answer
+        prompts.append(
+            ToolEvalPrompt(
+                conv.requests[0],
+                conv.messages[:split],
+                conv.messages[split : split + 2],
+                _listings_of(conv.messages[split + 1]),
+                [SEARCH_HOTELS_TOOL],
+            )
+        )
+    return prompts
+
+
+def _listings_of(tool_message: Mapping[str, Any]) -> list[Listing]:
+    results = json.loads(tool_message["content"])["results"]
+    return [Listing(r["name"], r["kind"], r["price"], tuple(r["amenities"])) for r in results]
+
+
 def train_rng(seed: int) -> random.Random:
     """The random stream of the training corpus for ``seed``."""
     return random.Random(f"kvserve-demo-train:{seed}")
@@ -728,10 +937,20 @@ def eval_rng(seed: int) -> random.Random:
     return random.Random(f"kvserve-demo-eval:{seed}")
 
 
-def generate_corpus(n: int, seed: int = 0) -> list[Conversation]:
-    """``n`` training conversations, identical for the same ``seed`` (stream :func:`train_rng`)."""
+def generate_corpus(n: int, seed: int = 0, tool_share: float = 0.0) -> list[Conversation]:
+    """``n`` training conversations, identical for the same ``seed`` (stream :func:`train_rng`);
+    a share ``tool_share`` of them (e.g. :data:`TOOL_SHARE`) offers the ``search_hotels`` tool.
+
+    With ``tool_share`` 0 no draw decides the kind of conversation, so the corpus is the
+    one the bundled checkpoint was trained on.
+    """
     rng = train_rng(seed)
-    return [generate_conversation(rng) for _ in range(n)]
+    return [
+        generate_tool_conversation(rng)
+        if tool_share > 0 and rng.random() < tool_share
+        else generate_conversation(rng)
+        for _ in range(n)
+    ]
 
 
 def sample_requests(n: int, seed: int = 0) -> list[HotelRequest]:
@@ -744,7 +963,7 @@ def sample_eval_prompts(n: int, seed: int = 0) -> list[EvalPrompt]:
     rng = eval_rng(seed)
     prompts: list[EvalPrompt] = []
     for _ in range(n):
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         if rng.random() < 0.5:
             messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
         request = sample_request(rng)

@@ -10,7 +10,17 @@ Three figures, all on real generations by the kvserve engine (greedy, fp32):
 * **held-out perplexity** of the assistant turns of conversations from a separate random
   stream (teacher-forced, ``LLMEngine.prompt_logprobs``).
 
-Evaluation prompts come from ``corpus.eval_rng``; prompts whose user message also occurs
+And, with the ``search_hotels`` tool offered (``corpus.SEARCH_HOTELS_TOOL``):
+
+* **tool-call accuracy**: the share of held-out requests whose completion is exactly one
+  ``<tool_call>`` (parsed strictly: ``tool_call.parse_tool_call``) of ``search_hotels``
+  with arguments that ask for exactly the request (``tool_call.call_satisfies``);
+* **answer-from-result accuracy**: given the reference call and its result (from the world
+  model), the share of answers that pass ``corpus.check_answer``; and **faithful**, the
+  share that pass and list only places from the result.
+
+Evaluation prompts come from ``corpus.eval_rng`` (tool prompts from
+``corpus.tool_eval_rng``); prompts whose user message also occurs
 word for word in the training corpus are skipped, so every prompt is new text (the
 request space is small, so the *request* behind a prompt was usually seen in training,
 phrased differently).
@@ -26,20 +36,45 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.demo_model import corpus
-from kvserve.demo_model.train import TrainConfig, encode_corpus
+from kvserve.demo_model.tool_call import call_satisfies, parse_tool_call
+from kvserve.demo_model.train import TOOL_RECIPE, TrainConfig, encode_corpus
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
 
 
+#: What ``kvserve eval-demo`` holds the bundled model to.
+TARGET_ACCURACY = 0.95
+TARGET_TOOL_CALL_ACCURACY = 0.90
+
+
 @dataclass
 class Sample:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     answer: str
     correct: bool
+
+
+@dataclass
+class ToolEvalReport:
+    num_prompts: int
+    calls_parsed: int  # completions that are exactly one well-formed call
+    calls_correct: int  # ... of search_hotels, asking for exactly the request
+    answers_correct: int  # answers from the reference result that pass check_answer
+    answers_faithful: int  # ... and list only places from the result
+    seconds: float
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def call_accuracy(self) -> float:
+        return self.calls_correct / self.num_prompts if self.num_prompts else 0.0
+
+    @property
+    def answer_accuracy(self) -> float:
+        return self.answers_correct / self.num_prompts if self.num_prompts else 0.0
 
 
 @dataclass
@@ -77,10 +112,84 @@ def eval_prompts(n: int, seed: int, exclude: set[str]) -> list[corpus.EvalPrompt
     return out
 
 
+def tool_eval_prompts(n: int, seed: int, exclude: set[str]) -> list[corpus.ToolEvalPrompt]:
+    """``n`` tool evaluation prompts whose user message is not in ``exclude``."""
+    out: list[corpus.ToolEvalPrompt] = []
+    pool = 0
+    while len(out) < n:
+        pool = max(2 * n, 2 * pool)
+        prompts = corpus.sample_tool_eval_prompts(pool, seed)
+        out = [p for p in prompts if p.messages[-1]["content"] not in exclude][:n]
+        if pool > 64 * n:
+            raise RuntimeError("too few tool prompts are new to the training corpus")
+    return out
+
+
+def _faithful(text: str, listings: list[corpus.Listing]) -> bool:
+    """Every place the answer lists is one of ``listings`` (name, kind, price, amenities)."""
+    parsed = corpus.parse_answer(text)
+    if parsed is None:
+        return not listings
+    return bool(parsed) and set(parsed) <= set(listings)
+
+
+def evaluate_tools(
+    llm: LLM,
+    num_prompts: int = 200,
+    seed: int = 0,
+    num_samples: int = 3,
+    exclude: set[str] | None = None,
+    max_tokens: int = 200,
+) -> ToolEvalReport:
+    """Generate (greedy) calls for held-out tool prompts, and answers from their results."""
+    from kvserve import SamplingParams
+
+    start = time.perf_counter()
+    prompts = tool_eval_prompts(num_prompts, seed, exclude or set())
+    tools = [corpus.SEARCH_HOTELS_TOOL]
+
+    def fitting(conversations: list[list[dict[str, Any]]]) -> list[SamplingParams]:
+        # Up to max_tokens, but never past the context: a prompt with a long tool result
+        # leaves less room than max_tokens (and an answer needs far less).
+        rooms = [
+            llm.engine.context_left(len(llm.engine.chat_prompt(c, tools))) for c in conversations
+        ]
+        return [SamplingParams(temperature=0, max_tokens=min(max_tokens, r)) for r in rooms]
+
+    call_prompts = [p.messages for p in prompts]
+    answer_prompts = [p.messages + p.call_and_result for p in prompts]
+    calls = llm.chat(call_prompts, fitting(call_prompts), use_tqdm=False, tools=tools)
+    answers = llm.chat(answer_prompts, fitting(answer_prompts), use_tqdm=False, tools=tools)
+    parsed = correct = answered = faithful = 0
+    samples: list[Sample] = []
+    for p, call_out, answer_out in zip(prompts, calls, answers, strict=True):
+        text = call_out.outputs[0].text
+        call = parse_tool_call(text)
+        ok = call is not None and call_satisfies(p.request, call)
+        parsed += call is not None
+        correct += ok
+        answer = answer_out.outputs[0].text
+        good = corpus.check_answer(p.request, answer)
+        answered += good
+        faithful += good and _faithful(answer, p.listings)
+        if len(samples) < num_samples:
+            samples.append(Sample(p.messages, text, ok))
+            samples.append(Sample(p.messages + p.call_and_result, answer, good))
+    return ToolEvalReport(
+        num_prompts=len(prompts),
+        calls_parsed=parsed,
+        calls_correct=correct,
+        answers_correct=answered,
+        answers_faithful=faithful,
+        seconds=time.perf_counter() - start,
+        samples=samples,
+    )
+
+
 def training_user_messages(cfg: TrainConfig) -> set[str]:
     return {
         m["content"]
-        for conv in corpus.generate_corpus(cfg.num_conversations, cfg.seed)
+        for conv in corpus.generate_corpus(cfg.num_conversations, cfg.seed, cfg.tool_share)
         for m in conv.messages
         if m["role"] == "user"
     }
@@ -162,6 +271,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--num-conversations", type=int, default=100, help="held-out conversations (perplexity)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the evaluation streams")
+    p.add_argument(
+        "--num-tool-prompts", type=int, default=200, help="held-out requests with the tool"
+    )
     p.add_argument("--samples", type=int, default=5, help="conversations to print")
     p.add_argument("--dtype", default="float32", help="float32 (the reference) or bfloat16")
     p.add_argument("--device", default="auto")
@@ -172,14 +284,19 @@ def run(args: argparse.Namespace) -> int:
     from kvserve import LLM
     from kvserve.demo_model import default_model_dir
 
-    if args.num_prompts < 1 or args.num_conversations < 0:
-        print("kvserve eval-demo: error: --num-prompts must be ≥ 1", file=sys.stderr)
+    if args.num_prompts < 1 or args.num_conversations < 0 or args.num_tool_prompts < 0:
+        print(
+            "kvserve eval-demo: error: --num-prompts must be ≥ 1, --num-conversations and "
+            "--num-tool-prompts ≥ 0",
+            file=sys.stderr,
+        )
         return 2
     model = Path(args.model) if args.model else default_model_dir()
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     llm = LLM(str(model), dtype=args.dtype, device=args.device)
     print("collecting the training corpus's user messages ...", file=sys.stderr, flush=True)
-    exclude = training_user_messages(TrainConfig())
+    # Either recipe may have trained the model under test: new text means new to both.
+    exclude = training_user_messages(TrainConfig()) | training_user_messages(TOOL_RECIPE)
     print(f"answering {args.num_prompts} held-out requests ...", file=sys.stderr, flush=True)
     rep = evaluate(
         llm,
@@ -189,21 +306,64 @@ def run(args: argparse.Namespace) -> int:
         num_samples=args.samples,
         exclude=exclude,
     )
+    tools: ToolEvalReport | None = None
+    if args.num_tool_prompts:
+        print(
+            f"calling the tool for {args.num_tool_prompts} held-out requests ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        tools = evaluate_tools(
+            llm,
+            num_prompts=args.num_tool_prompts,
+            seed=args.seed,
+            num_samples=min(args.samples, 2),
+            exclude=exclude,
+        )
     if args.json:
-        print(json.dumps({**asdict(rep), "accuracy": rep.accuracy}))
+        out: dict[str, Any] = {**asdict(rep), "accuracy": rep.accuracy}
+        if tools is not None:
+            out["tools"] = {
+                **asdict(tools),
+                "call_accuracy": tools.call_accuracy,
+                "answer_accuracy": tools.answer_accuracy,
+            }
+        print(json.dumps(out))
         return 0
-    for i, s in enumerate(rep.samples, 1):
+    for i, s in enumerate(rep.samples + (tools.samples if tools else []), 1):
         print(f"--- sample {i} ({'correct' if s.correct else 'WRONG'})")
         for m in s.messages:
-            print(f"[{m['role']}] {m['content']}")
+            print(f"[{m['role']}] {_shown(m)}")
         print(f"[assistant] {s.answer}\n")
     print(
         f"constraint accuracy: {rep.correct}/{rep.num_prompts} = {rep.accuracy:.1%} "
-        f"(target ≥ 80%); requests that can be met: {rep.feasible_correct}/"
+        f"(target ≥ {TARGET_ACCURACY:.0%}); requests that can be met: {rep.feasible_correct}/"
         f"{rep.feasible_prompts}; well-formed answers: {rep.well_formed}/{rep.num_prompts}"
     )
+    if tools is not None:
+        n = tools.num_prompts
+        print(
+            f"tool-call accuracy: {tools.calls_correct}/{n} = {tools.call_accuracy:.1%} "
+            f"(target ≥ {TARGET_TOOL_CALL_ACCURACY:.0%}); well-formed calls: "
+            f"{tools.calls_parsed}/{n}"
+        )
+        print(
+            f"answer-from-result accuracy: {tools.answers_correct}/{n} = "
+            f"{tools.answer_accuracy:.1%}; listing only places from the result: "
+            f"{tools.answers_faithful}/{n}; {tools.seconds:.0f} s"
+        )
     print(
         f"held-out perplexity (assistant tokens): {rep.perplexity:.3f} over "
         f"{rep.perplexity_tokens} tokens; {rep.seconds:.0f} s"
     )
     return 0
+
+
+def _shown(message: dict[str, Any]) -> str:
+    """A message as one line of the sample printout (a call shows its arguments)."""
+    if message.get("tool_calls"):
+        return "; ".join(
+            f"{c['function']['name']}({json.dumps(c['function']['arguments'], ensure_ascii=False)})"
+            for c in message["tool_calls"]
+        )
+    return str(message.get("content") or "")

@@ -13,6 +13,11 @@ The chat format (what :data:`CHAT_TEMPLATE` renders and :func:`render_conversati
 ``<|end|>`` is both the end of every turn and the EOS token, so generation stops after the
 assistant's turn. ``add_generation_prompt`` appends ``<|assistant|>\\n``.
 
+With ``tools`` (a tokenizer trained with ``tool_tokens``), the template renders them and tool
+calls and results Hermes-style (see :data:`CHAT_TEMPLATE`); without the tool tokens the
+tokenizer gets :data:`PLAIN_CHAT_TEMPLATE`, the bundled checkpoint's, which renders the same
+text for conversations without tools.
+
 :func:`train_tokenizer` trains GPT-2 style byte-level BPE (every string round-trips exactly,
 CJK and accented city names included) with the special tokens at fixed ids 0-5 (see
 :data:`SPECIAL_TOKENS`); :func:`save_tokenizer` writes a directory that
@@ -37,9 +42,16 @@ __all__ = [
     "EOS_TOKEN",
     "MODEL_MAX_LENGTH",
     "PAD_TOKEN",
+    "PLAIN_CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "SYSTEM_TOKEN",
+    "TOOL_CALL_END",
+    "TOOL_CALL_START",
+    "TOOL_RESPONSE_END",
+    "TOOL_RESPONSE_START",
+    "TOOL_TOKENS",
     "USER_TOKEN",
+    "chat_template",
     "render_conversation",
     "save_tokenizer",
     "train_tokenizer",
@@ -60,12 +72,78 @@ SPECIAL_TOKENS: Final[tuple[str, ...]] = (
     ASSISTANT_TOKEN,
     PAD_TOKEN,
 )
-_ROLES: Final[frozenset[str]] = frozenset({"system", "user", "assistant"})
+#: Markers of tool calls and results (Hermes style, as in Qwen2.5/Qwen3): added tokens at ids
+#: 6-9, one token each, but not "special" -- ``decode(..., skip_special_tokens=True)``, which
+#: the engine's detokenizer uses by default, keeps them, so a tool-call parser sees the tags.
+TOOL_CALL_START: Final = "<tool_call>"
+TOOL_CALL_END: Final = "</tool_call>"
+TOOL_RESPONSE_START: Final = "<tool_response>"
+TOOL_RESPONSE_END: Final = "</tool_response>"
+TOOL_TOKENS: Final[tuple[str, ...]] = (
+    TOOL_CALL_START,
+    TOOL_CALL_END,
+    TOOL_RESPONSE_START,
+    TOOL_RESPONSE_END,
+)
+_ROLES: Final[frozenset[str]] = frozenset({"system", "user", "assistant", "tool"})
 
-#: Default context length written to tokenizer_config.json (conversations are ~60-150 tokens).
+#: Default context length written to tokenizer_config.json (conversations are ~60-400 tokens).
 MODEL_MAX_LENGTH: Final = 512
 
+#: What the system turn says after the tool signatures (the same words as the template).
+_TOOLS_INTRO: Final = "Tools:\n<tools>"
+_TOOLS_OUTRO: Final = (
+    '\n</tools>\nTo call one, answer <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>'
+)
+
+# Without ``tools`` it renders exactly what the model was first trained on. With ``tools``
+# (Hermes/Qwen2.5 structure): the system turn (the first system message's text, a blank line)
+# lists each tool as JSON inside <tools></tools>; an assistant turn with ``tool_calls``
+# renders each call as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> (arguments
+# given as a mapping go through ``tojson``; a JSON string is written as it is, the same text
+# when it is the model's own output); consecutive ``tool`` messages share one user turn, each
+# result inside <tool_response>\n...\n</tool_response>. Content may be null.
 CHAT_TEMPLATE: Final = (
+    "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ (messages[0]['content'] or '') + '\n\n' }}"
+    "{% endif %}"
+    "{{ '" + _TOOLS_INTRO.replace("\n", "\\n") + "' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '" + _TOOLS_OUTRO.replace("\n", "\\n") + "<|end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|user|>\n' }}{% else %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_response>\n' + (message['content'] or '') + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ '<|end|>\n' }}{% endif %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|assistant|>\n' }}"
+    "{% if message['content'] %}{{ message['content'] + '\n' }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}"
+    "{% if fn['arguments'] is string %}{{ fn['arguments'] }}"
+    "{% else %}{{ fn['arguments'] | tojson }}{% endif %}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|end|>\n' }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>\n' + (message['content'] or '') + '<|end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+#: The template of a tokenizer trained without :data:`TOOL_TOKENS` (the bundled checkpoint's):
+#: no tools; the same text as :data:`CHAT_TEMPLATE` renders for conversations without them.
+PLAIN_CHAT_TEMPLATE: Final = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
@@ -74,16 +152,64 @@ CHAT_TEMPLATE: Final = (
 )
 
 
+def chat_template(tok: Tokenizer) -> str:
+    """The template for ``tok``: :data:`CHAT_TEMPLATE` when it has the tool tokens."""
+    return CHAT_TEMPLATE if tok.token_to_id(TOOL_CALL_START) is not None else PLAIN_CHAT_TEMPLATE
+
+
+def _text(content: Any) -> str:
+    return "" if content is None else str(content)
+
+
+def _json(value: Any) -> str:
+    """What the template's ``tojson`` writes (Hugging Face's: ``json.dumps``, no ASCII escapes)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _tool_call_text(call: Mapping[str, Any]) -> str:
+    fn = call.get("function", call)
+    args = fn["arguments"]
+    args_text = args if isinstance(args, str) else _json(args)
+    text = f'{{"name": {_json(fn["name"])}, "arguments": {args_text}}}'
+    return f"{TOOL_CALL_START}\n{text}\n{TOOL_CALL_END}"
+
+
 def render_conversation(
-    messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """The text :data:`CHAT_TEMPLATE` renders for ``messages`` (the training text format)."""
+    """The text :data:`CHAT_TEMPLATE` renders for ``messages`` and ``tools`` (the training
+    text format)."""
     parts = [BOS_TOKEN]
-    for message in messages:
+    start = 0
+    if tools:
+        system = ""
+        if messages and messages[0]["role"] == "system":
+            system = _text(messages[0]["content"]) + "\n\n"
+            start = 1
+        signatures = "".join("\n" + _json(tool) for tool in tools)
+        parts.append(
+            f"{SYSTEM_TOKEN}\n{system}{_TOOLS_INTRO}{signatures}{_TOOLS_OUTRO}{EOS_TOKEN}\n"
+        )
+    for i in range(start, len(messages)):
+        message = messages[i]
         role = message["role"]
         if role not in _ROLES:
             raise ValueError(f"unknown role {role!r}")
-        parts.append(f"<|{role}|>\n{message['content']}{EOS_TOKEN}\n")
+        if role == "tool":
+            first = i == 0 or messages[i - 1]["role"] != "tool"
+            last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+            parts.append(f"{USER_TOKEN}\n" if first else "\n")
+            parts.append(f"{TOOL_RESPONSE_START}\n{_text(message['content'])}\n{TOOL_RESPONSE_END}")
+            parts.append(f"{EOS_TOKEN}\n" if last else "")
+        elif role == "assistant" and message.get("tool_calls"):
+            content = message.get("content")
+            lead = f"{content}\n" if content else ""
+            calls = "\n".join(_tool_call_text(c) for c in message["tool_calls"])
+            parts.append(f"{ASSISTANT_TOKEN}\n{lead}{calls}{EOS_TOKEN}\n")
+        else:
+            parts.append(f"<|{role}|>\n{_text(message['content'])}{EOS_TOKEN}\n")
     if add_generation_prompt:
         parts.append(f"{ASSISTANT_TOKEN}\n")
     return "".join(parts)
@@ -93,7 +219,7 @@ def _special(token: str) -> AddedToken:
     return AddedToken(token, special=True, normalized=False, single_word=False, lstrip=False)
 
 
-_SPECIAL_RE: Final = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+_SPECIAL_RE: Final = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + TOOL_TOKENS))
 
 
 def _without_special_tokens(texts: Iterable[str]) -> Iterator[str]:
@@ -132,20 +258,33 @@ def train_byte_level_bpe(
     return tok
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Tokenizer:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 2048, tool_tokens: bool = False
+) -> Tokenizer:
     """Train byte-level BPE on ``texts`` (e.g. rendered conversations); deterministic.
 
-    Ids 0-5 are :data:`SPECIAL_TOKENS` (never split, never merged with text), then the 256 byte
-    symbols, then the merges up to ``vocab_size`` (fewer if the texts have fewer pairs).
+    Ids 0-5 are :data:`SPECIAL_TOKENS` (never split, never merged with text); with
+    ``tool_tokens``, ids 6-9 are :data:`TOOL_TOKENS` (never split either, but not special);
+    then the 256 byte symbols, then the merges up to ``vocab_size`` (fewer if the texts have
+    fewer pairs).
     ``encode`` adds no BOS/EOS: the chat template writes them.
     """
-    tok = train_byte_level_bpe(
-        _without_special_tokens(texts), vocab_size, SPECIAL_TOKENS, min_frequency=2
-    )
-    for i, token in enumerate(SPECIAL_TOKENS):
+    added = SPECIAL_TOKENS + (TOOL_TOKENS if tool_tokens else ())
+    tok = train_byte_level_bpe(_without_special_tokens(texts), vocab_size, added, min_frequency=2)
+    for i, token in enumerate(added):
         if tok.token_to_id(token) != i:  # pragma: no cover - guaranteed by the trainer
-            raise AssertionError(f"special token {token!r} did not get id {i}")
-    return tok
+            raise AssertionError(f"added token {token!r} did not get id {i}")
+    return _tool_tokens_not_special(tok) if tool_tokens else tok
+
+
+def _tool_tokens_not_special(tok: Tokenizer) -> Tokenizer:
+    """``tok`` with :data:`TOOL_TOKENS` kept whole but not flagged special (the trainer flags
+    every token it is given as special; a decode that skips special tokens must keep these)."""
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:
+        if added["content"] in TOOL_TOKENS:
+            added["special"] = False
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def _dump_json(obj: Any, path: Path, sort_keys: bool) -> None:
@@ -177,7 +316,7 @@ def save_tokenizer(
     config = {
         **special_map,
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template(tok),
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,

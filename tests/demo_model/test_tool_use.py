@@ -1,0 +1,180 @@
+"""The demo corpus's tool conversations, the local search_hotels, and how calls are graded."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvserve.demo_model.corpus import (
+    CITY_BY_NAME,
+    SEARCH_HOTELS_TOOL,
+    TOOL_SHARE,
+    Conversation,
+    HotelRequest,
+    Listing,
+    check_answer,
+    generate_corpus,
+    infeasibility,
+    listing_matches,
+    parse_answer,
+    sample_eval_prompts,
+    sample_tool_eval_prompts,
+    search_hotels,
+    tool_arguments,
+)
+from kvserve.demo_model.tokenizer import render_conversation
+from kvserve.demo_model.tool_call import ToolCall, call_satisfies, parse_tool_call
+
+
+@pytest.fixture(scope="module")
+def tool_conversations() -> list[Conversation]:
+    convs = [c for c in generate_corpus(2000, seed=0, tool_share=TOOL_SHARE) if c.tools]
+    assert len(convs) > 300
+    return convs
+
+
+def _listings(result_text: str) -> list[Listing]:
+    return [
+        Listing(r["name"], r["kind"], r["price"], tuple(r["amenities"]))
+        for r in json.loads(result_text)["results"]
+    ]
+
+
+def test_tool_conversations_call_with_the_request_and_answer_from_the_result(
+    tool_conversations: list[Conversation],
+) -> None:
+    notes = 0
+    for conv in tool_conversations:
+        assert conv.tools == [SEARCH_HOTELS_TOOL]
+        (request,) = conv.requests
+        call_turn, result, answer = conv.messages[-3:]
+        assert call_turn["role"] == "assistant" and call_turn["content"] is None
+        (call,) = call_turn["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"] == {"name": "search_hotels", "arguments": tool_arguments(request)}
+        assert call_satisfies(request, ToolCall("search_hotels", call["function"]["arguments"]))
+        assert result == {"role": "tool", "tool_call_id": call["id"], "content": result["content"]}
+        listings = _listings(result["content"])
+        assert all(listing_matches(request, item) for item in listings)
+        notes += "note" in json.loads(result["content"])
+        # The answer lists exactly the result's places, or says sorry when there are none.
+        assert answer["role"] == "assistant" and check_answer(request, answer["content"])
+        assert parse_answer(answer["content"]) == (listings or None)
+    assert notes > 0
+
+
+def test_tool_arguments_layout() -> None:
+    request = HotelRequest("Kyoto", "ryokan", 200, ("onsen",))
+    assert json.dumps(tool_arguments(request)) == (
+        '{"city": "Kyoto", "max_price": 200, "kind": "ryokan", "amenities": ["onsen"]}'
+    )
+    assert tool_arguments(HotelRequest("Paris", None, 100)) == {
+        "city": "Paris",
+        "max_price": 100,
+        "amenities": [],
+    }
+
+
+def test_search_hotels_follows_the_world_and_takes_what_users_type() -> None:
+    rng = random.Random(0)
+    request = HotelRequest("Kyoto", "ryokan", 200, ("onsen",))
+    for city in ("Kyoto", "京都", "kyoto ", "Kyōto"):
+        args = {"city": city, "max_price": 200, "kind": "ryokan", "amenities": ["onsen"]}
+        result = search_hotels(args, rng)
+        assert set(result) == {"results"}
+        items = _listings(json.dumps(result))
+        assert items and all(listing_matches(request, item) for item in items)
+    paris = search_hotels({"city": "Paris", "max_price": 300, "amenities": ["onsen"]}, rng)
+    assert paris == {"results": [], "note": "Paris has no hot springs"}
+    ryokan = search_hotels({"city": "Oslo", "max_price": 300, "kind": "ryokan"}, rng)
+    assert ryokan == {"results": [], "note": "ryokans are only found in Japan"}
+    assert search_hotels({"city": "Kyoto", "max_price": 50, "kind": "ryokan"}, rng) == {
+        "results": []
+    }
+    assert infeasibility(HotelRequest("Kyoto", "ryokan", 50)) == "over_budget"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"city": "Atlantis", "max_price": 100},
+        {"city": 3, "max_price": 100},
+        {"city": "Kyoto"},
+        {"city": "Kyoto", "max_price": "100"},
+        {"city": "Kyoto", "max_price": True},
+        {"city": "Kyoto", "max_price": -5},
+        {"city": "Kyoto", "max_price": 100, "kind": "castle"},
+        {"city": "Kyoto", "max_price": 100, "amenities": ["pool"]},
+        {"city": "Kyoto", "max_price": 100, "amenities": "onsen"},
+        {"city": "Kyoto", "max_price": 100, "stars": 5},
+    ],
+)
+def test_search_hotels_reports_bad_arguments(args: dict[str, object]) -> None:
+    result = search_hotels(args, random.Random(0))
+    assert set(result) == {"error"} and isinstance(result["error"], str)
+
+
+def test_parse_tool_call_is_strict() -> None:
+    good = '<tool_call>\n{"name": "search_hotels", "arguments": {"city": "Kyoto"}}\n</tool_call>'
+    assert parse_tool_call(good) == ToolCall("search_hotels", {"city": "Kyoto"})
+    assert parse_tool_call(f"  {good}\n") is not None
+    for bad in (
+        "",
+        "Hotels in Kyoto - sorry, I found none.",
+        f"Sure! {good}",
+        good + good,
+        '<tool_call>\n{"name": "search_hotels", "arguments": {"city": "Kyoto"}\n</tool_call>',
+        '<tool_call>\n{"name": "search_hotels", "arguments": "{}"}\n</tool_call>',
+        '<tool_call>\n{"name": "search_hotels", "arguments": {}, "x": 1}\n</tool_call>',
+        '<tool_call>\n{"name": "search_hotels", "arguments": {}}',
+    ):
+        assert parse_tool_call(bad) is None, bad
+
+
+def test_call_satisfies_grades_every_argument() -> None:
+    request = HotelRequest("Kyoto", "ryokan", 200, ("free wifi", "onsen"))
+
+    def call(**changes: object) -> ToolCall:
+        args = {**tool_arguments(request), **changes}
+        return ToolCall("search_hotels", {k: v for k, v in args.items() if v != "DROP"})
+
+    assert call_satisfies(request, call())
+    assert call_satisfies(request, call(city="京都"))
+    assert call_satisfies(request, call(amenities=["onsen", "free wifi"]))
+    assert not call_satisfies(request, ToolCall("find_hotels", tool_arguments(request)))
+    assert not call_satisfies(request, call(city="Tokyo"))
+    assert not call_satisfies(request, call(max_price=150))
+    assert not call_satisfies(request, call(max_price=200.0))
+    assert not call_satisfies(request, call(kind="hotel"))
+    assert not call_satisfies(request, call(kind="DROP"))
+    assert not call_satisfies(request, call(amenities=["onsen"]))
+    assert not call_satisfies(request, call(amenities=["onsen", "onsen", "free wifi"]))
+    assert not call_satisfies(request, call(stars=4))
+    anywhere = HotelRequest("Paris", None, 100)
+    assert call_satisfies(anywhere, ToolCall("search_hotels", {"city": "Paris", "max_price": 100}))
+    assert call_satisfies(anywhere, ToolCall("search_hotels", tool_arguments(anywhere)))
+    assert not call_satisfies(
+        anywhere, ToolCall("search_hotels", {"city": "Paris", "max_price": 100, "kind": "hotel"})
+    )
+
+
+def test_rendered_reference_call_parses_and_satisfies_its_request() -> None:
+    for p in sample_tool_eval_prompts(50, seed=0):
+        text = render_conversation(p.messages + p.call_and_result, tools=p.tools)
+        call_text = text.split("<|assistant|>\n")[-1].split("<|end|>")[0]
+        call = parse_tool_call(call_text)
+        assert call is not None and call_satisfies(p.request, call), call_text
+
+
+def test_tool_eval_prompts_are_deterministic_and_use_their_own_stream() -> None:
+    prompts = sample_tool_eval_prompts(200, seed=0)
+    assert prompts == sample_tool_eval_prompts(200, seed=0)
+    assert prompts != sample_tool_eval_prompts(200, seed=1)
+    assert [p.request for p in prompts] != [p.request for p in sample_eval_prompts(200, seed=0)]
+    for p in prompts:
+        assert p.messages[-1]["role"] == "user"
+        assert [m["role"] for m in p.call_and_result] == ["assistant", "tool"]
+        assert all(listing_matches(p.request, item) for item in p.listings)
+        assert CITY_BY_NAME[p.request.city]
