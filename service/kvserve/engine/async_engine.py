@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 # Tokenizing a prompt of more characters than this leaves the event loop: ~1 ms of work on
 # the loop is the most a request may cost the other streams and the health probes.
 OFFLOAD_CHARS = 16_384
+# Outputs a request's stream keeps apart for a consumer that fell behind (they leave as
+# one SSE event each, as the engine stepped); beyond this, each new output absorbs the
+# last one, so a client that stops reading holds O(its length) memory, not a copy of
+# the output so far per step.
+MERGE_AFTER = 64
 TOKENIZER_THREADS = 2
 _T = TypeVar("_T")
 
@@ -379,9 +384,10 @@ class RequestStream:
     without waiting (a consumer that fell behind sends them together). ``close()`` is
     idempotent and aborts the request in the engine unless it finished.
 
-    Invariant: at most one unfinished output waits. An output that arrives while another
-    waits absorbs it (``RequestOutput.absorb``), so a client that stops reading holds one
-    output of its request's size, not one per step; the write-stall timeout
+    Invariant: at most ``MERGE_AFTER`` outputs wait (and the exception that ends the
+    request). An output that arrives when that many wait absorbs the last one
+    (``RequestOutput.absorb``), so a client that stops reading holds a bounded number of
+    outputs, the last one growing with its text; the write-stall timeout
     (kvserve.openai.stalls) ends such a client.
     """
 
@@ -407,7 +413,7 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         """The engine's next output or the exception that ends the request (on the event
         loop)."""
-        last = self._waiting[-1] if self._waiting else None
+        last = self._waiting[-1] if len(self._waiting) >= MERGE_AFTER else None
         if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
             self._waiting[-1] = item.absorb(last)
         else:
