@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from kvserve.testing.checkpoints import build_random_checkpoint
 from tests.support.checkpoints import TOOLS_CHECKPOINT
-from tests.support.gateway import KEY_A, Gateway, start_gateway
+from tests.support.gateway import KEY_A, KEY_LIMITED, Gateway, start_gateway
 from tests.support.replicas import REPLICA_MODEL as MODEL
 from tests.support.replicas import Replica, start_replicas
 
@@ -167,3 +167,24 @@ def test_bad_input_is_refused_by_field(tools_gateway: Gateway) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=image)  # type: ignore[arg-type]
     assert refused.value.body["param"] == "messages[0].content[0]"  # type: ignore[index]
+
+
+def test_tool_schemas_count_in_the_token_estimate(tools_gateway: Gateway) -> None:
+    """A tenant's token budget (400 a minute here) is charged for the tools the template
+    renders, not only for the messages: the same tiny chat is admitted without a long
+    tool and refused, before any replica sees it, with one."""
+    limited = openai.OpenAI(base_url=f"{tools_gateway.url}/v1", api_key=KEY_LIMITED, max_retries=0)
+    chat: dict[str, Any] = dict(model=MODEL, messages=QUESTION, max_tokens=1)
+    limited.chat.completions.create(**chat)  # ~20 tokens: admitted
+    long_tool = {
+        "type": "function",
+        "function": {
+            "name": "describe",
+            "description": "a tool with a long description " * 150,  # ~4,700 characters
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    with pytest.raises(openai.BadRequestError) as refused:
+        limited.chat.completions.create(**chat, tools=[long_tool], tool_choice="none")
+    message = refused.value.body["message"]  # type: ignore[index]
+    assert refused.value.status_code == 400 and "tokens" in message, message
