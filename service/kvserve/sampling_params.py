@@ -37,8 +37,8 @@ class StructuredOutputsParams:
     grammar: str | None = None  # a Lark grammar in llguidance's syntax (may embed %json {...})
     # Not vLLM's: the constraint applies after a reasoning model's <think>...</think>
     # block. "optional": the output may begin with one (Qwen3); "open": the prompt opened
-    # it, so the output begins inside it and must close it (DeepSeek-R1). Offline only
-    # for now: the engine server does not set it from --reasoning-parser yet.
+    # it, so the output begins inside it and must close it (DeepSeek-R1). The engine
+    # server sets it from --reasoning-parser for schemas and tool calls.
     think_block: Literal["optional", "open"] | None = None
 
     def __post_init__(self) -> None:

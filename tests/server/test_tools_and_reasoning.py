@@ -63,17 +63,30 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris this week?
 
 
 @pytest.fixture(scope="module")
-def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     kwargs = dict(TOOLS_CHECKPOINT)
     arch = str(kwargs.pop("arch"))
-    path = build_random_checkpoint(tmp_path_factory.mktemp("tools"), arch, **kwargs)  # type: ignore[arg-type]
-    # The tool parser is left to detection (the template names <tool_call>).
-    srv = start_server(path, block_size=4, chat_parsing=_detected(path, "qwen3"))
+    return build_random_checkpoint(tmp_path_factory.mktemp("tools"), arch, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tools_server(tools_model: Any) -> Iterator[RunningServer]:
+    # The tool parser is left to detection (the template names <tool_call>). No reasoning
+    # parser: with one, a constraint lets a think block of free text come first, which a
+    # random-weight model may not close.
+    srv = start_server(tools_model, block_size=4, chat_parsing=_detected(tools_model, None))
     yield srv
     stop_server(srv)
 
 
-def _detected(path: Any, reasoning: str) -> ChatParsing:
+@pytest.fixture(scope="module")
+def reasoning_server(tools_model: Any) -> Iterator[RunningServer]:
+    srv = start_server(tools_model, block_size=4, chat_parsing=_detected(tools_model, "qwen3"))
+    yield srv
+    stop_server(srv)
+
+
+def _detected(path: Any, reasoning: str | None) -> ChatParsing:
     from transformers import AutoTokenizer
 
     template = AutoTokenizer.from_pretrained(str(path)).chat_template
@@ -374,10 +387,10 @@ def test_structured_outputs_on_completions(tools_server: RunningServer) -> None:
 THINKING = "<think>[a-z ]{5,40}</think>[a-z ]{1,20}"
 
 
-def test_reasoning_is_split_from_the_answer(tools_server: RunningServer) -> None:
+def test_reasoning_is_split_from_the_answer(reasoning_server: RunningServer) -> None:
     """The output is forced into a <think> block then an answer; "</think>" is several
     tokens here, so the stream sees it cut across deltas."""
-    client = sdk(tools_server)
+    client = sdk(reasoning_server)
     request: dict[str, Any] = dict(
         model=MODEL,
         messages=QUESTION,
@@ -391,7 +404,7 @@ def test_reasoning_is_split_from_the_answer(tools_server: RunningServer) -> None
     raw = {k: v for k, v in request.items() if k != "extra_body"}
     raw.update(request["extra_body"], stream=True)
     with (  # the raw events: reasoning_content deltas
-        tools_server.client() as c,
+        reasoning_server.client() as c,
         c.stream("POST", "/v1/chat/completions", json=raw) as r,
     ):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -401,8 +414,8 @@ def test_reasoning_is_split_from_the_answer(tools_server: RunningServer) -> None
     assert sum("reasoning_content" in d for d in deltas) > 1  # streamed, not held to the end
 
 
-def test_answers_without_thinking_are_content(tools_server: RunningServer) -> None:
-    with httpx.Client(base_url=tools_server.url, timeout=60) as c:
+def test_answers_without_thinking_are_content(reasoning_server: RunningServer) -> None:
+    with httpx.Client(base_url=reasoning_server.url, timeout=60) as c:
         r = c.post(
             "/v1/chat/completions",
             json={
@@ -414,3 +427,37 @@ def test_answers_without_thinking_are_content(tools_server: RunningServer) -> No
         )
     message = r.json()["choices"][0]["message"]
     assert message["content"] == "plain answer" and "reasoning_content" not in message
+
+
+def test_a_schema_applies_after_the_think_block(reasoning_server: RunningServer) -> None:
+    """With a reasoning parser, response_format constrains the answer, after an optional
+    <think> block: the model may reason first (the grammar of the pair is tested in
+    tests/engine/test_structured_outputs.py), and whatever answer it gives validates."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    thought: list[bool] = []
+    for seed in range(6):
+        choice = (
+            sdk(reasoning_server)
+            .chat.completions.create(
+                model=MODEL,
+                messages=QUESTION,
+                max_tokens=60,
+                seed=seed,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "city", "schema": schema},
+                },
+            )
+            .choices[0]
+        )
+        content = choice.message.content
+        thought.append(bool(getattr(choice.message, "reasoning_content", None)))
+        if choice.finish_reason == "stop":  # the answer was given: it validates
+            jsonschema.validate(json.loads(content or ""), schema)
+    # Without the think block a JSON answer must begin with "{": no request could reason.
+    assert any(thought), thought

@@ -26,6 +26,12 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_START, THINK_END = "<think>", "</think>"
 
 
+def opens_in_prompt(name: str) -> bool:
+    """Whether the parser's models begin their output inside the think block (their chat
+    template opened it), rather than maybe opening one."""
+    return name == "deepseek_r1"
+
+
 @dataclass
 class ReasoningSplit:
     reasoning: str = ""
@@ -39,7 +45,7 @@ class ReasoningParser:
         if name not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r} (one of {REASONING_PARSERS})")
         # deepseek_r1 starts inside the block; qwen3 decides from the output's start.
-        self.implicit_start = name == "deepseek_r1"
+        self.implicit_start = opens_in_prompt(name)
         self.state = "start"  # start → reasoning → content
         self.buffer = ""
 

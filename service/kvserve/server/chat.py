@@ -9,12 +9,13 @@ front end turns them into its own 400.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatOutputParser, ChatParsing
+from kvserve.openai.reasoning import opens_in_prompt
 from kvserve.openai.structured import Constraint
 from kvserve.openai.tool_grammar import tool_call_grammar
 from kvserve.openai.tools import ChatTools
@@ -62,6 +63,16 @@ async def prepare_chat(
             )
         chosen = StructuredOutputsParams(grammar=tool_call_grammar(parsing.tool_parser, tools))
         checks.append((chosen, "tools"))
+    # A schema or a tool call describes the answer, which a reasoning model gives after its
+    # think block; a regex, choice or grammar describes the whole output (a client may
+    # write the block into it).
+    answer_only = tools.constrained or (
+        constraint is not None and constraint.params.kind in ("json", "json_object")
+    )
+    if chosen is not None and parsing.reasoning_parser is not None and answer_only:
+        opened = opens_in_prompt(parsing.reasoning_parser)
+        chosen = replace(chosen, think_block="open" if opened else "optional")
+        checks.append((chosen, constraint.param if constraint is not None else "tools"))
     if checks:
         # Validation compiles (cached by content): off the event loop, like a long prompt.
         await asyncio.to_thread(_validate_all, checks, engine.engine.tokenizer)
