@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvserve.engine.llm_engine import EngineStats, LLMEngine, content_chars
+from kvserve.conversation import text_chars
+from kvserve.engine.llm_engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -155,7 +156,7 @@ class AsyncEngine:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """``LLMEngine.chat_prompt``, off the event loop for a long conversation."""
-        if content_chars(messages, tools) <= OFFLOAD_CHARS:
+        if text_chars(messages, tools) <= OFFLOAD_CHARS:
             return self.engine.chat_prompt(messages, tools)
         return await self._off_loop(lambda m: self.engine.chat_prompt(m, tools), messages)
 

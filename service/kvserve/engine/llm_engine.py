@@ -24,6 +24,7 @@ import torch
 
 from kvserve.capacity import num_kv_blocks
 from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, blocks_for
+from kvserve.conversation import text_chars
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.model_runner import ModelRunner
@@ -170,7 +171,7 @@ class LLMEngine:
                 "this model has no chat template; send a plain prompt (/v1/completions)",
                 "messages",
             )
-        self._check_prompt_chars(content_chars(messages, tools), "messages")
+        self._check_prompt_chars(text_chars(messages, tools), "messages")
         text = tok.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True
         )
@@ -466,19 +467,6 @@ class LLMEngine:
             return self.runner.prompt_logprobs(token_ids, self.kv.block_ids(probe.request_id))
         finally:
             self.kv.free(probe)
-
-
-def content_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
-    """The characters of a conversation's text: contents, tool calls and tool schemas
-    (what its length is judged by)."""
-    chars = 0
-    for m in messages:
-        chars += len(str(m.get("content") or ""))
-        for call in m.get("tool_calls") or ():
-            chars += len(json.dumps(call, ensure_ascii=False))
-    if tools:
-        chars += len(json.dumps(tools, ensure_ascii=False))
-    return chars
 
 
 def _longest_token_chars(tokenizer: Any) -> int:

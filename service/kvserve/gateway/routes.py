@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
+from kvserve.conversation import text_chars
 from kvserve.errors import InvalidRequestError
 from kvserve.gateway import relay
 from kvserve.gateway.auth import AuthError, Tenant
@@ -40,7 +41,7 @@ from kvserve.openai import format as fmt
 from kvserve.openai.body import body_schema, parse_body
 from kvserve.openai.disconnect import until_disconnected
 from kvserve.openai.errors import OpenAIError, error_body
-from kvserve.openai.messages import template_messages, text_chars
+from kvserve.openai.messages import template_messages
 from kvserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.openai.sse import EventStreamResponse
 from kvserve.openai.structured import Constraint, requested_constraint

@@ -97,16 +97,3 @@ def _tool_call(call_id: str, name: str, arguments: str, where: str) -> Message:
     if not isinstance(parsed, dict):
         raise OpenAIError(400, f"{param} must be a JSON object", param=param)
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
-
-
-def text_chars(messages: list[Message], tools: list[Message] | None = None) -> int:
-    """Characters of a conversation's text, tool calls and tool schemas included: what
-    its prompt length is judged (and a gateway's token estimate made) by."""
-    chars = 0
-    for m in messages:
-        chars += len(str(m.get("content") or ""))
-        for call in m.get("tool_calls") or ():
-            chars += len(json.dumps(call, ensure_ascii=False))
-    if tools:
-        chars += len(json.dumps(tools, ensure_ascii=False))
-    return chars

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.errors import InvalidRequestError
@@ -49,10 +49,7 @@ async def prepare_chat(
         (StructuredOutputsParams(json=t.parameters), f"tools[{i}].function.parameters")
         for i, t in enumerate(tools.tools)
     ]
-    chosen: StructuredOutputsParams | None = None
-    if constraint is not None:
-        checks.append((constraint.params, constraint.param))
-        chosen = constraint.params
+    chosen: Constraint | None = constraint
     if tools.constrained:
         assert parsing.tool_parser is not None
         if constraint is not None:
@@ -61,37 +58,37 @@ async def prepare_chat(
                 f'"{tools.choice.mode}" or strict tools (both constrain the output)',
                 constraint.param,
             )
-        chosen = StructuredOutputsParams(grammar=tool_call_grammar(parsing.tool_parser, tools))
-        checks.append((chosen, "tools"))
+        grammar = tool_call_grammar(parsing.tool_parser, tools)
+        chosen = Constraint(StructuredOutputsParams(grammar=grammar), "tools")
     # A schema or a tool call describes the answer, which a reasoning model gives after its
     # think block; a regex, choice or grammar describes the whole output (a client may
     # write the block into it).
     answer_only = tools.constrained or (
-        constraint is not None and constraint.params.kind in ("json", "json_object")
+        chosen is not None and chosen.params.kind in ("json", "json_object")
     )
     if chosen is not None and parsing.reasoning_parser is not None and answer_only:
         opened = opens_in_prompt(parsing.reasoning_parser)
-        chosen = replace(chosen, think_block="open" if opened else "optional")
-        checks.append((chosen, constraint.param if constraint is not None else "tools"))
+        think_block: Literal["open", "optional"] = "open" if opened else "optional"
+        chosen = Constraint(replace(chosen.params, think_block=think_block), chosen.param)
+    if chosen is not None:
+        checks.append((chosen.params, chosen.param))
     if checks:
-        # Validation compiles (cached by content): off the event loop, like a long prompt.
-        await asyncio.to_thread(_validate_all, checks, engine.engine.tokenizer)
+        # Checking compiles (cached by content): off the event loop, like a long prompt.
+        await asyncio.to_thread(_check_all, engine, checks)
     prompt_ids = await engine.chat_prompt(messages, tools.template_tools())
-    return PreparedChat(prompt_ids, chosen, parsing.parser(tools))
+    return PreparedChat(prompt_ids, chosen.params if chosen else None, parsing.parser(tools))
 
 
-def _validate_all(checks: list[tuple[StructuredOutputsParams, str]], tokenizer: Any) -> None:
-    from kvserve.structured import validate
-
+def _check_all(engine: AsyncEngine, checks: list[tuple[StructuredOutputsParams, str]]) -> None:
+    """Each constraint checked with the engine's own tokenizer, so that the engine's check
+    when the request is made is a cache hit (not a compile on the event loop)."""
     for params, param in checks:
         try:
-            validate(params, tokenizer)
+            engine.engine.structured.grammar(params)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{param}: {exc}", param) from None
 
 
 async def validate_constraint(engine: AsyncEngine, constraint: Constraint) -> None:
     """A completion's constraint checked (``InvalidRequestError`` naming its field)."""
-    await asyncio.to_thread(
-        _validate_all, [(constraint.params, constraint.param)], engine.engine.tokenizer
-    )
+    await asyncio.to_thread(_check_all, engine, [(constraint.params, constraint.param)])

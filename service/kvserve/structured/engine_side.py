@@ -32,9 +32,16 @@ class StructuredOutputs:
             self._hf_tokenizer, vocab_size=self._vocab_size, eos_token_ids=self._eos_token_ids
         )
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        """Validate ``params`` (InvalidRequestError, as ``validate``) and start its compile
-        in the background; the matcher is ready when the compile is."""
+    def grammar(self, params: StructuredOutputsParams) -> str:
+        """``params``' grammar text, checked for this engine's tokenizer
+        (InvalidRequestError, as ``validate``). The verdict is cached by that tokenizer and
+        the text, so a front end that checks a request off its event loop makes the
+        engine's own check, in ``matcher``, a cache hit."""
         grammar = grammar_of(params)
         check_grammar(params, grammar, self.tokenizer())
-        return GrammarMatcher(self.compiler.compile(grammar))
+        return grammar
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """Check ``params`` and start its compile in the background; the matcher is ready
+        when the compile is."""
+        return GrammarMatcher(self.compiler.compile(self.grammar(params)))
