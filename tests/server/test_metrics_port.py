@@ -3,7 +3,6 @@ without it, through a drain to the process's exit (docs/security.md)."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 
@@ -11,11 +10,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.cli_server import start_cli_server
+from tests.support.cli_server import sigterm_mid_stream, start_cli_server
 from tests.support.engine_server import RunningServer
 from tests.support.net import free_port
 from tests.support.prometheus import metric
-from tests.support.waiting import wait_until
 
 ENGINE_FAMILIES = {
     "kvserve_requests_finished",
@@ -69,11 +67,7 @@ def test_the_metrics_port_serves_metrics_through_the_drain(checkpoint_dir) -> No
             client.stream("POST", f"{url}/v1/completions", json=stream) as r,
         ):
             lines = r.iter_lines()
-            seen = 0
-            while seen < 2:  # mid-stream
-                seen += next(lines).startswith("data: ")
-            proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503)
+            sigterm_mid_stream(proc, url, lines)
             assert metric(metrics_url, "kvserve_num_requests_running") == 1
         # The client left: its request is aborted, which ends the drain (however fast
         # this machine generates), and the process exits.

@@ -10,8 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.cli_server import start_cli_server
-from tests.support.waiting import wait_until
+from tests.support.cli_server import sigterm_mid_stream, start_cli_server
 
 
 @pytest.mark.slow
@@ -33,11 +32,7 @@ def test_sigterm_drains_then_exits_zero(checkpoint_dir) -> None:  # type: ignore
             client.stream("POST", f"{url}/v1/completions", json=body) as r,
         ):
             lines = r.iter_lines()
-            seen = 0
-            while seen < 2:  # mid-stream
-                seen += next(lines).startswith("data: ")
-            proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503)
+            sigterm_mid_stream(proc, url, lines)
             refused = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "new"})
             assert refused.status_code == 503
             assert refused.json()["error"]["type"] == "service_unavailable"
@@ -102,10 +97,7 @@ def test_a_second_signal_ends_the_drain_quietly(checkpoint_dir) -> None:  # type
             client.stream("POST", f"{url}/v1/completions", json=body) as r,
         ):
             lines = r.iter_lines()
-            while not next(lines).startswith("data: "):
-                pass  # mid-stream
-            proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503)
+            sigterm_mid_stream(proc, url, lines)
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -41,3 +43,13 @@ def start_cli_server(
 
     wait_until(ready, timeout=120)
     return proc, url, port
+
+
+def sigterm_mid_stream(proc: LoggedProcess, url: str, lines: Iterator[str]) -> None:
+    """Once a stream (``lines``, its SSE lines) has sent two events: SIGTERM the server,
+    then wait until it stops admitting (its drain has begun)."""
+    seen = 0
+    while seen < 2:
+        seen += next(lines).startswith("data: ")
+    proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503)
