@@ -34,13 +34,16 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvserve.demo_model import corpus
 from kvserve.demo_model.tool_call import call_satisfies, parse_tool_call
 from kvserve.demo_model.train import TOOL_RECIPE, TrainConfig, encode_corpus
+
+PromptT = TypeVar("PromptT", corpus.EvalPrompt, corpus.ToolEvalPrompt)
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
@@ -101,27 +104,26 @@ def heldout_rng(seed: int) -> random.Random:
 
 def eval_prompts(n: int, seed: int, exclude: set[str]) -> list[corpus.EvalPrompt]:
     """``n`` evaluation prompts whose user message is not in ``exclude``."""
-    out: list[corpus.EvalPrompt] = []
-    pool = 0
-    while len(out) < n:
-        pool = max(2 * n, 2 * pool)
-        prompts = corpus.sample_eval_prompts(pool, seed)
-        out = [p for p in prompts if p.messages[-1]["content"] not in exclude][:n]
-        if pool > 64 * n:
-            raise RuntimeError("too few evaluation prompts are new to the training corpus")
-    return out
+    return _new_prompts(corpus.sample_eval_prompts, n, seed, exclude)
 
 
 def tool_eval_prompts(n: int, seed: int, exclude: set[str]) -> list[corpus.ToolEvalPrompt]:
     """``n`` tool evaluation prompts whose user message is not in ``exclude``."""
-    out: list[corpus.ToolEvalPrompt] = []
+    return _new_prompts(corpus.sample_tool_eval_prompts, n, seed, exclude)
+
+
+def _new_prompts(
+    sample: Callable[[int, int], Sequence[PromptT]], n: int, seed: int, exclude: set[str]
+) -> list[PromptT]:
+    """The first ``n`` of ``sample``'s prompts (drawing more as needed) whose user message
+    is not in ``exclude``."""
+    out: list[PromptT] = []
     pool = 0
     while len(out) < n:
         pool = max(2 * n, 2 * pool)
-        prompts = corpus.sample_tool_eval_prompts(pool, seed)
-        out = [p for p in prompts if p.messages[-1]["content"] not in exclude][:n]
+        out = [p for p in sample(pool, seed) if p.messages[-1]["content"] not in exclude][:n]
         if pool > 64 * n:
-            raise RuntimeError("too few tool prompts are new to the training corpus")
+            raise RuntimeError("too few evaluation prompts are new to the training corpus")
     return out
 
 
