@@ -38,12 +38,18 @@ from typing import Any
 
 import httpx
 
-from kvserve.bench.cpu import running_on, split_cpus
-from kvserve.bench.launcher import Launcher, LaunchSettings
+from kvserve.bench.cpu import cpu_list, running_on, split_cpus
+from kvserve.bench.launcher import Launcher, LaunchSettings, metric_samples
 from kvserve.bench.processes import Proc
-from kvserve.bench.sse_client import MODEL_NAME
+from kvserve.bench.sse_client import (
+    COMPLETIONS,
+    MODEL_NAME,
+    Connection,
+    completion_body,
+    run_on_uvloop,
+)
 from kvserve.config import DTYPES
-from kvserve.sse_events import DONE, event_data
+from kvserve.telemetry import definitions
 
 STOPS = [f"{i:02d}" + "q" * 254 for i in range(16)]
 HUGE_PROMPT_WORDS = 760_000  # "word " × this ≈ 3.8 MB
@@ -71,19 +77,14 @@ class Phase:
 
 def _victim_itl(url: str, tokens: int) -> float:
     """ITL p50 (ms) of one greedy stream of ``tokens`` tokens."""
-    body = {"model": MODEL_NAME, "prompt": "Plan a trip to", "max_tokens": tokens}
-    body |= {"ignore_eos": True, "stream": True, "temperature": 0}
-    gaps, last = [], None
-    with httpx.Client(timeout=300) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            data = event_data(line)
-            if data is None or data == DONE:
-                continue
-            now = time.perf_counter()
-            if last is not None:
-                gaps.append(now - last)
-            last = now
-    return statistics.median(gaps) * 1000
+    conn = Connection(url)
+    try:
+        rec = run_on_uvloop(conn.stream(COMPLETIONS, completion_body("Plan a trip to", tokens)))
+    finally:
+        conn.close()
+    if not rec.ok:
+        raise RuntimeError(f"the victim's stream failed: {rec.error}")
+    return statistics.median(definitions.itls(rec.chunk_times)) * 1000
 
 
 def _attack(url: str, kind: str, stop: Any) -> None:  # in an attacker process
@@ -108,11 +109,12 @@ def _phase(url: str, kind: str | None, args: argparse.Namespace) -> Phase:
 
     def probe() -> None:
         with httpx.Client(timeout=60) as c:
-            while not stop.is_set():
+            while True:  # at least one probe, however short the phase
                 start = time.perf_counter()
                 c.get(url + "/health")
                 latencies.append((time.perf_counter() - start) * 1000)
-                time.sleep(0.02)
+                if stop.wait(0.02):
+                    return
 
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
@@ -146,16 +148,8 @@ def _peak_mb(proc: Proc) -> float:
 
 
 def _unfinished_requests(url: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
     names = ("kvserve_num_requests_running", "kvserve_num_requests_waiting")
-    text = httpx.get(url + "/metrics", timeout=60).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name in names
-        for sample in family.samples
-    )
+    return sum(sample.value for sample in metric_samples(url) if sample.name in names)
 
 
 def _stalled_streams(url: str, port: int, streams: int, tokens: int) -> None:
@@ -229,8 +223,7 @@ def run(args: argparse.Namespace) -> int:
         running_on(client_cpus),
     ):
         (replica,) = launcher.start_replicas(1, grpc=False, cpus=replica_cpus)
-        url = replica.http_url
-        port = int(url.rsplit(":", 1)[1])
+        url, port = replica.http_url, int(replica.http_url.rsplit(":", 1)[1])
         _victim_itl(url, 8)  # warm-up
         phases = [_phase(url, kind, args) for kind in (None, "load", "stops", "huge")]
         unread = _peak_mb(replica.proc)
@@ -250,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
         print("placement: none (one CPU): the attackers' own work shares the replica's CPU")
     else:
         print(
-            f"placement: the replica on CPU {','.join(map(str, sorted(replica_cpus)))}, the "
-            f"clients on CPU {','.join(map(str, sorted(client_cpus)))} (attackers at nice 19)"
+            f"placement: the replica on CPU {cpu_list(replica_cpus)}, the clients on CPU "
+            f"{cpu_list(client_cpus)} (attackers at nice 19)"
         )
     print(f"{'phase':<10}{'ITL p50 ms':>12}{'/health p99 ms':>16}")
     for p in phases:

@@ -33,11 +33,8 @@ REQUESTS_PER_SLOT = 8
 
 
 def run(ctx: SuiteContext) -> Section:
-    from kvserve.model.config import ModelConfig
-
     dtype = "float32"
-    model_dir = ctx.checkpoint("30m")
-    config = ModelConfig.from_file(model_dir)
+    model_dir, config = ctx.model("30m")
     per_slot = 2 if ctx.smoke else REQUESTS_PER_SLOT
     n = per_slot * max(CONCURRENCIES)
     everything = ctx.mixed_workload(n, config.vocab_size, smoke=(n, (4, 24), (2, 8)))

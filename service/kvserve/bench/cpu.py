@@ -92,12 +92,12 @@ class Placement:
         if self.gateway is None or self.others is None:
             return "shared: every process may run on every CPU"
         return (
-            f"separate: the gateway alone on CPU {_cpu_list(self.gateway)}, everything else "
-            f"on CPU {_cpu_list(self.others)}"
+            f"separate: the gateway alone on CPU {cpu_list(self.gateway)}, everything else "
+            f"on CPU {cpu_list(self.others)}"
         )
 
 
-def _cpu_list(cpus: frozenset[int]) -> str:
+def cpu_list(cpus: frozenset[int]) -> str:
     return ",".join(map(str, sorted(cpus)))
 
 

@@ -187,11 +187,8 @@ def padded_positions(work: Workload, concurrency: int) -> int:
 
 
 def run(ctx: SuiteContext) -> Section:
-    from kvserve.model.config import ModelConfig
-
     dtype, concurrency = "float32", 4 if ctx.smoke else 16
-    model_dir = ctx.checkpoint("30m")
-    config = ModelConfig.from_file(model_dir)
+    model_dir, config = ctx.model("30m")
     work = ctx.mixed_workload(48, config.vocab_size, smoke=(6, (4, 24), (2, 8)))
     ctx.say(
         f"  {len(work.prompts)} prompts, {work.prompt_tokens} prompt and {work.output_tokens} "

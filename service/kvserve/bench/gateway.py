@@ -19,14 +19,13 @@ import json
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvserve.bench.cpu import usable_cpus
-from kvserve.bench.gateway_capacity import CapacityResult, print_capacity, run_capacity
-from kvserve.bench.gateway_overhead import OverheadResult, print_overhead, run_overhead
-from kvserve.bench.gateway_routing import RoutingResult, print_routing, run_routing
+from kvserve.bench.gateway_capacity import print_capacity, run_capacity
+from kvserve.bench.gateway_overhead import print_overhead, run_overhead
+from kvserve.bench.gateway_routing import print_routing, run_routing
 from kvserve.bench.launcher import Launcher, LaunchSettings
 from kvserve.bench.results import say
 from kvserve.config import DEFAULT_BLOCK_SIZE, DTYPES
@@ -107,30 +106,26 @@ def _numbers(
                        default=default, help=text)  # fmt: skip
 
 
-@dataclass
-class Report:
-    model: str
-    dtype: str
-    device: str
-    cpus: int
-    overhead: OverheadResult | None = None
-    capacity: CapacityResult | None = None
-    routing: RoutingResult | None = None
+PHASES = {  # the report's key of each phase: how it runs and how it prints
+    "overhead": (run_overhead, print_overhead),
+    "capacity": (run_capacity, print_capacity),
+    "routing": (run_routing, print_routing),
+}
 
 
-def print_report(rep: Report) -> None:
-    print(f"model: {rep.model} ({rep.dtype}, {rep.device}); {rep.cpus} CPU(s) on this machine")
-    if rep.cpus < 4:
+def print_report(rep: dict[str, Any]) -> None:
+    print(
+        f"model: {rep['model']} ({rep['dtype']}, {rep['device']}); {rep['cpus']} CPU(s) on "
+        "this machine"
+    )
+    if rep["cpus"] < 4:
         print(
             "note: too few CPUs for a core per process: processes that share CPUs wait for "
             "them, and that waiting is in the latencies"
         )
-    if rep.overhead is not None:
-        print_overhead(rep.overhead)
-    if rep.capacity is not None:
-        print_capacity(rep.capacity)
-    if rep.routing is not None:
-        print_routing(rep.routing)
+    for phase, (_, show) in PHASES.items():
+        if rep[phase] is not None:
+            show(rep[phase])
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -147,15 +142,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _failures(rep: Report) -> int:
-    n = 0
-    if rep.overhead is not None:
-        n += rep.overhead.direct.requests_failed + rep.overhead.gateway.requests_failed
-    if rep.capacity is not None:
-        n += sum(r.requests_failed for r in rep.capacity.rounds)
-    if rep.routing is not None:
-        n += sum(p.requests_failed for p in rep.routing.policies)
-    return n
+def _failures(rep: dict[str, Any]) -> int:
+    """The requests that failed, in every phase that ran."""
+    o, c, r = rep["overhead"], rep["capacity"], rep["routing"]
+    runs = ([o["direct"], o["gateway"]] if o else []) + (c["rounds"] if c else [])
+    return sum(x["requests_failed"] for x in runs + (r["policies"] if r else []))
 
 
 def _launch_settings(args: argparse.Namespace, model: str) -> LaunchSettings:
@@ -191,20 +182,20 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    report = Report(
-        model=Path(model).name, dtype=args.dtype, device=args.device, cpus=usable_cpus()
-    )
+    report: dict[str, Any] = {
+        "model": Path(model).name,
+        "dtype": args.dtype,
+        "device": args.device,
+        "cpus": usable_cpus(),
+    }
     try:
         with (
             tempfile.TemporaryDirectory(prefix="kvserve-bench-gateway-") as tmp,
             Launcher(_launch_settings(args, model), Path(tmp)) as launcher,
         ):
-            if args.phase in ("overhead", "all"):
-                report.overhead = run_overhead(args, launcher, tokenizer)
-            if args.phase in ("capacity", "all"):
-                report.capacity = run_capacity(args, launcher)
-            if args.phase in ("routing", "all"):
-                report.routing = run_routing(args, launcher, tokenizer)
+            for phase, (measure, _) in PHASES.items():
+                chosen = args.phase in (phase, "all")
+                report[phase] = measure(args, launcher, tokenizer) if chosen else None
     except KeyboardInterrupt:
         say("interrupted; every process the benchmark started is stopped")
         return 130
@@ -213,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print_report(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(asdict(report), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         say(f"wrote {args.json}")
     failed = _failures(report)
     if failed:

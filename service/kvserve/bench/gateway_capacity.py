@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.bench.cpu import cpu_use, running_on, split_cpus
 from kvserve.bench.launcher import Launcher
@@ -25,37 +25,6 @@ from kvserve.bench.sse_client import CHAT, MODEL_NAME, StreamPool, run_on_uvloop
 TARGET_CHUNKS_PER_SECOND = 10_000.0
 SATURATED = 0.9  # busy share of the gateway's CPU above which a round measures capacity
 STUB_STEP_MS = 1.0  # between the stub replica's output messages
-
-
-@dataclass
-class CapacityRound:
-    round: int
-    requests_ok: int
-    requests_failed: int
-    chunks: int  # text chunks received by the client
-    seconds: float
-    gateway_cpu_seconds: float
-    chunks_per_second: float
-    gateway_busy: float  # gateway CPU-seconds / wall seconds
-    chunks_per_cpu_second: float | None
-
-
-@dataclass
-class CapacityResult:
-    streams: int
-    requests: int  # per round
-    max_tokens: int
-    stub_step_ms: float
-    placement: str
-    gateway_alone: bool  # the gateway had a CPU to itself
-    chunks_per_second: float  # median round
-    chunks_per_cpu_second: float | None  # median round
-    gateway_busy: float  # median round
-    saturated: bool  # every round had the gateway busy ≥ SATURATED
-    gateway_peak_rss_mb: float | None  # VmHWM after the rounds: what its pod must hold
-    target_chunks_per_second: float = TARGET_CHUNKS_PER_SECOND
-    rounds: list[CapacityRound] = field(default_factory=list)
-    first_error: str | None = None
 
 
 async def offer_load(
@@ -80,8 +49,9 @@ async def offer_load(
     return len(ok), len(errors), sum(len(rec.chunk_times) for rec in ok), next(iter(errors), None)
 
 
-def run_capacity(args: argparse.Namespace, launcher: Launcher) -> CapacityResult:
-    """A stub replica and a gateway, then ``--rounds`` timed rounds (after one untimed)."""
+def run_capacity(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -> dict[str, Any]:
+    """A stub replica and a gateway, then ``--rounds`` timed rounds (after one untimed).
+    (No model: the tokenizer goes unused.)"""
     placement = split_cpus(args.placement == "separate")
     say(f"capacity: starting a stub replica and the gateway; {placement.describe()}")
     address = launcher.start_stub_replica(placement.others)
@@ -93,85 +63,93 @@ def run_capacity(args: argparse.Namespace, launcher: Launcher) -> CapacityResult
             offer_load(gateway.url, gateway.key, MODEL_NAME, streams, n, max_tokens)
         )
 
-    rounds: list[CapacityRound] = []
+    rounds: list[dict[str, Any]] = []
     first_error: str | None = None
     with running_on(placement.others):
         say(f"  warm-up: {streams} requests (not measured) ...")
         load(streams)
-        for r in range(args.rounds):
+        for r in range(1, args.rounds + 1):
             with cpu_use([gateway.proc]) as use:
                 ok, failed, chunks, error = load(requests)
             seconds, (cpu,) = use.wall, use.children
             first_error = first_error or error
-            res = CapacityRound(
-                round=r + 1,
-                requests_ok=ok,
-                requests_failed=failed,
-                chunks=chunks,
-                seconds=round(seconds, 3),
-                gateway_cpu_seconds=round(cpu, 2),
-                chunks_per_second=round(chunks / seconds, 1),
-                gateway_busy=round(cpu / seconds, 3),
-                chunks_per_cpu_second=round(chunks / cpu, 1) if cpu > 0 else None,
-            )
+            res = {
+                "round": r,
+                "requests_ok": ok,
+                "requests_failed": failed,
+                "chunks": chunks,  # text chunks received by the client
+                "seconds": round(seconds, 3),
+                "gateway_cpu_seconds": round(cpu, 2),
+                "chunks_per_second": round(chunks / seconds, 1),
+                "gateway_busy": round(cpu / seconds, 3),  # gateway CPU-seconds / wall seconds
+                "chunks_per_cpu_second": round(chunks / cpu, 1) if cpu > 0 else None,
+            }
             rounds.append(res)
             say(
-                f"  round {r + 1}/{args.rounds}: {chunks} chunks in {seconds:.2f} s = "
-                f"{res.chunks_per_second:,.0f} chunks/s; gateway busy {res.gateway_busy:.0%} "
-                f"of one CPU" + (f" ({failed} failed: {error})" if failed else "")
+                f"  round {r}/{args.rounds}: {chunks} chunks in {seconds:.2f} s = "
+                f"{res['chunks_per_second']:,.0f} chunks/s; gateway busy "
+                f"{res['gateway_busy']:.0%} of one CPU"
+                + (f" ({failed} failed: {error})" if failed else "")
             )
-    per_cpu = [x.chunks_per_cpu_second for x in rounds if x.chunks_per_cpu_second is not None]
+    per_cpu = [v for x in rounds if (v := x["chunks_per_cpu_second"]) is not None]
     peak_rss = gateway.proc.peak_rss_bytes()
     launcher.stop_all()
-    return CapacityResult(
-        streams=streams,
-        requests=requests,
-        max_tokens=max_tokens,
-        stub_step_ms=STUB_STEP_MS,
-        placement=placement.describe(),
-        gateway_alone=placement.separate,
-        chunks_per_second=round(statistics.median(x.chunks_per_second for x in rounds), 1),
-        chunks_per_cpu_second=round(statistics.median(per_cpu), 1) if per_cpu else None,
-        gateway_busy=round(statistics.median(x.gateway_busy for x in rounds), 3),
-        saturated=all(x.gateway_busy >= SATURATED for x in rounds),
-        gateway_peak_rss_mb=None if peak_rss is None else round(peak_rss / 1e6, 1),
-        rounds=rounds,
-        first_error=first_error,
-    )
+    return {
+        "streams": streams,
+        "requests": requests,  # per round
+        "max_tokens": max_tokens,
+        "stub_step_ms": STUB_STEP_MS,
+        "placement": placement.describe(),
+        "gateway_alone": placement.separate,  # the gateway had a CPU to itself
+        # the median round's
+        "chunks_per_second": round(statistics.median(x["chunks_per_second"] for x in rounds), 1),
+        "chunks_per_cpu_second": round(statistics.median(per_cpu), 1) if per_cpu else None,
+        "gateway_busy": round(statistics.median(x["gateway_busy"] for x in rounds), 3),
+        # every round had the gateway busy ≥ SATURATED
+        "saturated": all(x["gateway_busy"] >= SATURATED for x in rounds),
+        # VmHWM after the rounds: what its pod must hold
+        "gateway_peak_rss_mb": None if peak_rss is None else round(peak_rss / 1e6, 1),
+        "target_chunks_per_second": TARGET_CHUNKS_PER_SECOND,
+        "rounds": rounds,
+        "first_error": first_error,
+    }
 
 
-def print_capacity(c: CapacityResult) -> None:
+def print_capacity(c: dict[str, Any]) -> None:
     print()
     print(
-        f"gateway capacity: {c.streams} streams, {c.requests} requests per round, "
-        f"{c.max_tokens}-token chat answers from a stub replica (no model; a message "
-        f"every {c.stub_step_ms:g} ms); {c.placement}"
+        f"gateway capacity: {c['streams']} streams, {c['requests']} requests per round, "
+        f"{c['max_tokens']}-token chat answers from a stub replica (no model; a message "
+        f"every {c['stub_step_ms']:g} ms); {c['placement']}"
     )
     print(f"{'round':<8}{'chunks':>9}{'seconds':>9}{'chunks/s':>10}{'GW busy':>9}{'per CPU-s':>11}")
-    for x in c.rounds:
-        per_cpu = "-" if x.chunks_per_cpu_second is None else f"{x.chunks_per_cpu_second:,.0f}"
+    for x in c["rounds"]:
         print(
-            f"{x.round:<8}{x.chunks:>9}{x.seconds:>9.2f}{x.chunks_per_second:>10,.0f}"
-            f"{x.gateway_busy:>9.0%}{per_cpu:>11}"
-            + (f"  ({x.requests_failed} failed)" if x.requests_failed else "")
+            f"{x['round']:<8}{x['chunks']:>9}{x['seconds']:>9.2f}{x['chunks_per_second']:>10,.0f}"
+            f"{x['gateway_busy']:>9.0%}{_count(x['chunks_per_cpu_second']):>11}"
+            + (f"  ({x['requests_failed']} failed)" if x["requests_failed"] else "")
         )
-    per_cpu = "-" if c.chunks_per_cpu_second is None else f"{c.chunks_per_cpu_second:,.0f}"
-    if c.gateway_alone and c.saturated:
+    per_cpu = _count(c["chunks_per_cpu_second"])
+    if c["gateway_alone"] and c["saturated"]:
         print(
-            f"capacity on one core (median round): {c.chunks_per_second:,.0f} chunks/s "
-            f"(target ≥ {c.target_chunks_per_second:,.0f}); {per_cpu} per gateway CPU-second"
+            f"capacity on one core (median round): {c['chunks_per_second']:,.0f} chunks/s "
+            f"(target ≥ {c['target_chunks_per_second']:,.0f}); {per_cpu} per gateway CPU-second"
         )
     else:
         why = (
             "the gateway did not have a CPU to itself"
-            if not c.gateway_alone
-            else f"the load generator kept the gateway only {c.gateway_busy:.0%} busy"
+            if not c["gateway_alone"]
+            else f"the load generator kept the gateway only {c['gateway_busy']:.0%} busy"
         )
         print(
             f"not a capacity figure ({why}): {per_cpu} chunks per gateway CPU-second "
-            f"(target ≥ {c.target_chunks_per_second:,.0f} per second on one core)"
+            f"(target ≥ {c['target_chunks_per_second']:,.0f} per second on one core)"
         )
-    if c.gateway_peak_rss_mb is not None:
-        print(f"gateway peak memory (VmHWM): {c.gateway_peak_rss_mb:,.0f} MB")
-    if c.first_error:
-        print(f"  first failure: {c.first_error}")
+    if c["gateway_peak_rss_mb"] is not None:
+        print(f"gateway peak memory (VmHWM): {c['gateway_peak_rss_mb']:,.0f} MB")
+    if c["first_error"]:
+        print(f"  first failure: {c['first_error']}")
+
+
+def _count(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"

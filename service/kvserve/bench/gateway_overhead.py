@@ -18,7 +18,7 @@ import asyncio
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.bench.cpu import cpu_use, running_on, split_cpus, usable_cpus
@@ -42,112 +42,20 @@ from kvserve.telemetry import definitions
 TARGET_TTFT_ADDED_MS = 5.0
 TARGET_ITL_ADDED_MS = 0.5
 PATHS = ("direct", "gateway")
-
-
-@dataclass
-class PassResult:
-    """One timed pass of the workload on one path."""
-
-    path: str  # "direct" or "gateway"
-    round: int
-    seconds: float
-    requests_ok: int
-    requests_failed: int
-    chunks: int  # SSE chunks with text, as received
-    ttft_p50_ms: float | None
-    itl_p50_ms: float | None
-    gateway_cpu_seconds: float | None  # None on the direct path
-    replica_cpu_seconds: float
-
-
-@dataclass
-class PathStats:
-    """One path over all rounds (medians and p90s of the pooled requests)."""
-
-    requests_ok: int
-    requests_failed: int
-    chunks: int
-    seconds: float  # sum of its passes' wall times
-    chunks_per_second: float
-    ttft_p50_ms: float | None
-    ttft_p90_ms: float | None
-    itl_p50_ms: float | None
-    itl_p90_ms: float | None
-    replica_cpu_seconds: float
-    # Each request's latencies split at the replica's engine, from the replica's request
-    # log (same clock as the client); medians over the requests found in it (None: no
-    # log, or not one clock on this OS). TTFT: the engine's own part, arrival → first
-    # token (waiting for a batch, prefill), and the rest (the way in before arrival, the
-    # way out after the token). Gaps: client TPOT − the engine's TPOT, the delay the way
-    # out adds per gap on top of the engine's own pace.
-    engine_ttft_p50_ms: float | None = None
-    ttft_outside_engine_p50_ms: float | None = None
-    gap_added_p50_ms: float | None = None
-    split_requests: int = 0
-
-
-@dataclass
-class OverheadResult:
-    streams: int
-    requests: int
-    max_tokens: int
-    output_tokens_min: int  # the workload's output lengths (ignore_eos: exact)
-    output_tokens_max: int
-    output_tokens_per_pass: int
-    prompt_tokens: int
-    rounds: int
-    placement: str
-    direct: PathStats
-    gateway: PathStats
-    ttft_p50_added_ms: float | None  # gateway − direct
-    ttft_p90_added_ms: float | None
-    itl_p50_added_ms: float | None
-    itl_p90_added_ms: float | None
-    # The same, of each request's TTFT outside the replica's engine, and of the delay
-    # added per gap beyond the engine's pace (see PathStats).
-    ttft_outside_engine_added_ms: float | None
-    gap_added_by_gateway_ms: float | None
-    gateway_cpu_seconds: float  # Δ(utime + stime) over the gateway passes
-    gateway_chunks: int
-    gateway_chunks_per_cpu_second: float | None
-    gateway_cpu_busy: float | None  # CPU-seconds / wall seconds of the gateway passes
-    # The floor: a bare grpc.aio client (this process, uvloop) reading the same streams
-    # straight from the replica, once per round.
-    grpc_client_messages: int
-    grpc_client_cpu_seconds: float
-    grpc_client_messages_per_cpu_second: float | None
-    # Lone requests, one at a time, direct and through the gateway in turn: medians (and
-    # quartiles) of the pairs' differences, gateway − direct; ITL per request is the
-    # median of its own gaps.
-    lone_pairs: int = 0
-    lone_ttft_added_ms: float | None = None
-    lone_ttft_added_q1_ms: float | None = None
-    lone_ttft_added_q3_ms: float | None = None
-    lone_itl_added_ms: float | None = None
-    lone_itl_added_q1_ms: float | None = None
-    lone_itl_added_q3_ms: float | None = None
-    target_ttft_added_ms: float = TARGET_TTFT_ADDED_MS
-    target_itl_added_ms: float = TARGET_ITL_ADDED_MS
-    passes: list[PassResult] = field(default_factory=list)
+# The timed passes: each one's figures (as reported under "passes") and its records.
+Passes = list[tuple[dict[str, Any], list[ClientRecord]]]
 
 
 @dataclass
 class EngineSplit:
-    """One request's latencies split at the replica's engine (seconds; see PathStats)."""
+    """One request's latencies split at the replica's engine (seconds), from the
+    replica's request log (same clock as the client)."""
 
-    engine_ttft: float  # arrival → first token, in the engine
-    outside_ttft: float  # client TTFT − that: the way in and the way out
-    gap_added: float | None  # client TPOT − the engine's (None: fewer than 2 tokens)
-
-
-@dataclass
-class LonePair:
-    """One lone request on each path (seconds): TTFT and the median of its own gaps."""
-
-    ttft_direct: float
-    ttft_gateway: float
-    itl_direct: float
-    itl_gateway: float
+    engine_ttft: float  # arrival → first token, in the engine (waiting for a batch, prefill)
+    outside_ttft: float  # client TTFT − that: the way in before arrival, the way out after
+    # Client TPOT − the engine's: the delay the way out adds per gap on top of the
+    # engine's own pace (None: fewer than 2 tokens).
+    gap_added: float | None
 
 
 def _workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
@@ -188,28 +96,33 @@ def _split_at_engine(
     return split
 
 
-def _path_stats(
-    passes: Sequence[tuple[PassResult, list[ClientRecord]]], split: Sequence[EngineSplit]
-) -> PathStats:
+def _latencies(records: Sequence[ClientRecord], *qs: int) -> dict[str, float | None]:
+    """TTFT and ITL percentiles (ms) of the requests that succeeded."""
+    series = {"ttft": ttfts(records), "itl": itls(records)}
+    return {f"{name}_p{q}_ms": percentile_ms(v, q) for name, v in series.items() for q in qs}
+
+
+def _path_stats(passes: Passes, split: Sequence[EngineSplit]) -> dict[str, Any]:
+    """One path over all rounds: medians and p90s of the pooled requests, and the medians
+    of the split at the engine over the requests found in the request log (None: no log,
+    or not one clock on this OS)."""
     records = [rec for _, recs in passes for rec in recs]
-    seconds = sum(x.seconds for x, _ in passes)
-    ttft, itl, chunks = ttfts(records), itls(records), text_chunks(records)
-    return PathStats(
-        requests_ok=sum(r.ok for r in records),
-        requests_failed=sum(not r.ok for r in records),
-        chunks=chunks,
-        seconds=round(seconds, 3),
-        chunks_per_second=round(chunks / seconds, 1) if seconds > 0 else 0.0,
-        ttft_p50_ms=percentile_ms(ttft, 50),
-        ttft_p90_ms=percentile_ms(ttft, 90),
-        itl_p50_ms=percentile_ms(itl, 50),
-        itl_p90_ms=percentile_ms(itl, 90),
-        replica_cpu_seconds=round(sum(x.replica_cpu_seconds for x, _ in passes), 2),
-        engine_ttft_p50_ms=percentile_ms([x.engine_ttft for x in split], 50),
-        ttft_outside_engine_p50_ms=percentile_ms([x.outside_ttft for x in split], 50),
-        gap_added_p50_ms=percentile_ms([x.gap_added for x in split if x.gap_added is not None], 50),
-        split_requests=len(split),
-    )
+    seconds = sum(x["seconds"] for x, _ in passes)
+    chunks = text_chunks(records)
+    gaps = [x.gap_added for x in split if x.gap_added is not None]
+    return {
+        "requests_ok": sum(r.ok for r in records),
+        "requests_failed": sum(not r.ok for r in records),
+        "chunks": chunks,
+        "seconds": round(seconds, 3),  # the sum of its passes' wall times
+        "chunks_per_second": round(chunks / seconds, 1) if seconds > 0 else 0.0,
+        **_latencies(records, 50, 90),
+        "replica_cpu_seconds": round(sum(x["replica_cpu_seconds"] for x, _ in passes), 2),
+        "engine_ttft_p50_ms": percentile_ms([x.engine_ttft for x in split], 50),
+        "ttft_outside_engine_p50_ms": percentile_ms([x.outside_ttft for x in split], 50),
+        "gap_added_p50_ms": percentile_ms(gaps, 50),
+        "split_requests": len(split),
+    }
 
 
 async def _grpc_client_pass(
@@ -248,10 +161,14 @@ async def _grpc_client_pass(
         await client.close()
 
 
-async def _lone_pairs(direct_url: str, gateway: Gateway, work: Workload, n: int) -> list[LonePair]:
+async def _lone_pairs(
+    direct_url: str, gateway: Gateway, work: Workload, n: int
+) -> list[tuple[float, float]]:
     """``n`` lone requests on each path, one at a time, the order swapped every pair (so
-    drift falls on both alike). Only pairs where both requests succeeded are kept."""
-    pairs: list[LonePair] = []
+    drift falls on both alike). Returns what the gateway added to each pair where both
+    requests succeeded (seconds, gateway − direct): to the TTFT, and to the median of
+    the request's own gaps."""
+    added: list[tuple[float, float]] = []
     direct, via = Connection(direct_url), Connection(gateway.url, gateway.key)
     try:
         for i in range(n):
@@ -264,22 +181,15 @@ async def _lone_pairs(direct_url: str, gateway: Gateway, work: Workload, n: int)
                 continue
             gaps_d, gaps_g = definitions.itls(d.chunk_times), definitions.itls(g.chunk_times)
             if gaps_d and gaps_g:
-                itl_d, itl_g = statistics.median(gaps_d), statistics.median(gaps_g)
-                pairs.append(LonePair(d.ttft, g.ttft, itl_d, itl_g))
+                itl = statistics.median(gaps_g) - statistics.median(gaps_d)
+                added.append((g.ttft - d.ttft, itl))
     finally:
         direct.close()
         via.close()
-    return pairs
+    return added
 
 
-def _quartiles(values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
-    """Median, first and third quartile in ms (only the median of a single value)."""
-    if len(values) < 2:
-        return percentile_ms(values, 50), None, None
-    return percentile_ms(values, 50), percentile_ms(values, 25), percentile_ms(values, 75)
-
-
-def run_overhead(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -> OverheadResult:
+def run_overhead(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -> dict[str, Any]:
     work = _workload(args, tokenizer)
     placement = split_cpus(args.placement == "separate")
     say(
@@ -300,58 +210,69 @@ def run_overhead(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -
     engine_log = rep.request_log()
     stats = {}
     for path in PATHS:
-        mine = [(x, recs) for x, recs in passes if x.path == path]
-        tags = [(recs, _pass_tag(path, x.round)) for x, recs in mine]
-        stats[path] = _path_stats(
-            mine, [s for r, t in tags for s in _split_at_engine(r, t, engine_log)]
-        )
+        mine = [(x, recs) for x, recs in passes if x["path"] == path]
+        tags = [(recs, _pass_tag(path, x["round"])) for x, recs in mine]
+        split = [s for recs, tag in tags for s in _split_at_engine(recs, tag, engine_log)]
+        stats[path] = _path_stats(mine, split)
     direct, via = stats["direct"], stats["gateway"]
-    gw_cpu = sum(x.gateway_cpu_seconds or 0.0 for x, _ in passes)
-    lone_ttft = _quartiles([x.ttft_gateway - x.ttft_direct for x in lone])
-    lone_itl = _quartiles([x.itl_gateway - x.itl_direct for x in lone])
-    return OverheadResult(
-        streams=args.streams,
-        requests=args.requests,
-        max_tokens=args.max_tokens,
-        output_tokens_min=min(work.output_lens),
-        output_tokens_max=max(work.output_lens),
-        output_tokens_per_pass=work.output_tokens,
-        prompt_tokens=args.prompt_len,
-        rounds=args.rounds,
-        placement=placement.describe(),
-        direct=direct,
-        gateway=via,
-        ttft_p50_added_ms=diff(via.ttft_p50_ms, direct.ttft_p50_ms),
-        ttft_p90_added_ms=diff(via.ttft_p90_ms, direct.ttft_p90_ms),
-        itl_p50_added_ms=diff(via.itl_p50_ms, direct.itl_p50_ms),
-        itl_p90_added_ms=diff(via.itl_p90_ms, direct.itl_p90_ms),
-        ttft_outside_engine_added_ms=diff(
-            via.ttft_outside_engine_p50_ms, direct.ttft_outside_engine_p50_ms
-        ),
-        gap_added_by_gateway_ms=diff(via.gap_added_p50_ms, direct.gap_added_p50_ms),
-        gateway_cpu_seconds=round(gw_cpu, 2),
-        gateway_chunks=via.chunks,
-        gateway_chunks_per_cpu_second=round(via.chunks / gw_cpu, 1) if gw_cpu > 0 else None,
-        gateway_cpu_busy=round(gw_cpu / via.seconds, 3) if via.seconds > 0 else None,
-        grpc_client_messages=floor_messages,
-        grpc_client_cpu_seconds=round(floor_cpu, 4),
-        grpc_client_messages_per_cpu_second=(
+    gw_cpu = sum(x["gateway_cpu_seconds"] or 0.0 for x, _ in passes)
+    o: dict[str, Any] = {
+        "streams": args.streams,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        # the workload's output lengths (ignore_eos: exact)
+        "output_tokens_min": min(work.output_lens),
+        "output_tokens_max": max(work.output_lens),
+        "output_tokens_per_pass": work.output_tokens,
+        "prompt_tokens": args.prompt_len,
+        "rounds": args.rounds,
+        "placement": placement.describe(),
+        "direct": direct,
+        "gateway": via,
+    }
+    # Gateway − direct: of the medians and p90s, of each request's TTFT outside the
+    # replica's engine, and of the delay added per gap beyond the engine's pace.
+    for figure in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90"):
+        o[f"{figure}_added_ms"] = diff(via[f"{figure}_ms"], direct[f"{figure}_ms"])
+    o["ttft_outside_engine_added_ms"] = diff(
+        via["ttft_outside_engine_p50_ms"], direct["ttft_outside_engine_p50_ms"]
+    )
+    o["gap_added_by_gateway_ms"] = diff(via["gap_added_p50_ms"], direct["gap_added_p50_ms"])
+    o |= {
+        "gateway_cpu_seconds": round(gw_cpu, 2),  # Δ(utime + stime) over the gateway passes
+        "gateway_chunks": via["chunks"],
+        "gateway_chunks_per_cpu_second": round(via["chunks"] / gw_cpu, 1) if gw_cpu > 0 else None,
+        # CPU-seconds / wall seconds of the gateway passes
+        "gateway_cpu_busy": round(gw_cpu / via["seconds"], 3) if via["seconds"] > 0 else None,
+        # The floor: a bare grpc.aio client (this process, uvloop) reading the same
+        # streams straight from the replica, once per round.
+        "grpc_client_messages": floor_messages,
+        "grpc_client_cpu_seconds": round(floor_cpu, 4),
+        "grpc_client_messages_per_cpu_second": (
             round(floor_messages / floor_cpu, 1) if floor_cpu > 0 else None
         ),
-        passes=[x for x, _ in passes],
-        lone_pairs=len(lone),
-        lone_ttft_added_ms=lone_ttft[0],
-        lone_ttft_added_q1_ms=lone_ttft[1],
-        lone_ttft_added_q3_ms=lone_ttft[2],
-        lone_itl_added_ms=lone_itl[0],
-        lone_itl_added_q1_ms=lone_itl[1],
-        lone_itl_added_q3_ms=lone_itl[2],
-    )
+        "lone_pairs": len(lone),
+    }
+    # Lone requests: the median and quartiles of the pairs' differences (only the median
+    # of a single pair); ITL per request is the median of its own gaps.
+    for i, figure in enumerate(("ttft", "itl")):
+        values = [pair[i] for pair in lone]
+        o[f"lone_{figure}_added_ms"] = percentile_ms(values, 50)
+        for q, name in ((25, "q1"), (75, "q3")):
+            o[f"lone_{figure}_added_{name}_ms"] = (
+                percentile_ms(values, q) if len(values) >= 2 else None
+            )
+    o |= {
+        "target_ttft_added_ms": TARGET_TTFT_ADDED_MS,
+        "target_itl_added_ms": TARGET_ITL_ADDED_MS,
+        "passes": [x for x, _ in passes],
+    }
+    return o
 
 
 def _measure(
     args: argparse.Namespace, work: Workload, rep: Replica, gateway: Gateway
-) -> tuple[list[tuple[PassResult, list[ClientRecord]]], tuple[int, float], list[LonePair]]:
+) -> tuple[Passes, tuple[int, float], list[tuple[float, float]]]:
     """The rounds of passes on both paths, each round's gRPC floor, then the lone pairs."""
     # An untimed pass of one request per stream on each path first: the engine's first
     # steps at each batch size, and the gRPC path's first calls, are several times slower
@@ -364,7 +285,7 @@ def _measure(
         errors = [r.error or "no finish_reason" for r in recs if not r.ok]
         if errors:
             raise RuntimeError(f"{len(errors)} warm-up requests to {url} failed: {errors[0]}")
-    passes: list[tuple[PassResult, list[ClientRecord]]] = []
+    passes: Passes = []
     floor_messages, floor_cpu = 0, 0.0
     for r in range(1, args.rounds + 1):
         for path in PATHS if r % 2 == 1 else PATHS[::-1]:
@@ -374,24 +295,23 @@ def _measure(
             tag = _pass_tag(path, r)
             x = asyncio.run(stream_workload(url, key, work, args.streams, tag=tag, children=procs))
             recs, cpu = x.records, x.cpu.children
-            result = PassResult(
-                path=path,
-                round=r,
-                seconds=round(x.seconds, 3),
-                requests_ok=sum(rec.ok for rec in recs),
-                requests_failed=sum(not rec.ok for rec in recs),
-                chunks=text_chunks(recs),
-                ttft_p50_ms=percentile_ms(ttfts(recs), 50),
-                itl_p50_ms=percentile_ms(itls(recs), 50),
-                gateway_cpu_seconds=round(cpu[1], 2) if via_gw else None,
-                replica_cpu_seconds=round(cpu[0], 2),
-            )
+            result = {
+                "path": path,
+                "round": r,
+                "seconds": round(x.seconds, 3),
+                "requests_ok": sum(rec.ok for rec in recs),
+                "requests_failed": sum(not rec.ok for rec in recs),
+                "chunks": text_chunks(recs),  # SSE chunks with text, as received
+                **_latencies(recs, 50),
+                "gateway_cpu_seconds": round(cpu[1], 2) if via_gw else None,
+                "replica_cpu_seconds": round(cpu[0], 2),
+            }
             passes.append((result, recs))
             say(
                 f"  round {r}/{args.rounds} {path:<7} {x.seconds:6.2f} s, TTFT p50 "
-                f"{result.ttft_p50_ms} ms, ITL p50 {result.itl_p50_ms} ms"
+                f"{result['ttft_p50_ms']} ms, ITL p50 {result['itl_p50_ms']} ms"
                 + (f", gateway CPU {cpu[1]:.2f} s" if via_gw else "")
-                + (f" ({result.requests_failed} failed)" if result.requests_failed else "")
+                + (f" ({result['requests_failed']} failed)" if result["requests_failed"] else "")
             )
         # On uvloop where installed, as the gateway's uvicorn runs.
         texts, cpu_s = run_on_uvloop(
@@ -400,88 +320,89 @@ def _measure(
         floor_messages += texts
         floor_cpu += cpu_s
         say(f"  round {r}/{args.rounds} bare gRPC client: {texts} messages, {cpu_s:.2f} CPU-s")
-    lone: list[LonePair] = []
+    lone: list[tuple[float, float]] = []
     if args.lone_pairs > 0:
         say(f"  {args.lone_pairs} lone requests on each path, one at a time, interleaved ...")
         lone = run_on_uvloop(_lone_pairs(rep.http_url, gateway, work, args.lone_pairs))
     return passes, (floor_messages, floor_cpu), lone
 
 
-def print_overhead(o: OverheadResult) -> None:
-    lengths = (
-        str(o.output_tokens_min)
-        if o.output_tokens_min == o.output_tokens_max
-        else f"{o.output_tokens_min}–{o.output_tokens_max} (uniform, seeded)"
-    )
+def print_overhead(o: dict[str, Any]) -> None:
+    lo, hi = o["output_tokens_min"], o["output_tokens_max"]
+    lengths = str(lo) if lo == hi else f"{lo}–{hi} (uniform, seeded)"
     print()
     print(
-        f"gateway overhead: 1 replica, {o.streams} concurrent streams, {o.requests} "
-        f"requests per pass ({o.prompt_tokens}-token prompts, {lengths} output tokens, "
-        f"ignore_eos), {o.rounds} round(s) alternating direct and gateway"
+        f"gateway overhead: 1 replica, {o['streams']} concurrent streams, {o['requests']} "
+        f"requests per pass ({o['prompt_tokens']}-token prompts, {lengths} output tokens, "
+        f"ignore_eos), {o['rounds']} round(s) alternating direct and gateway"
     )
-    print(f"CPUs: {o.placement}")
+    print(f"CPUs: {o['placement']}")
     print(
         f"{'':<26}{'TTFT p50 ms':>12}{'TTFT p90 ms':>12}{'ITL p50 ms':>12}{'ITL p90 ms':>12}"
         f"{'chunks':>9}{'chunks/s':>10}{'failed':>8}"
     )
-    for label, s in (("direct (HTTP)", o.direct), ("through the gateway", o.gateway)):
+    figures = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
+    d, g = o["direct"], o["gateway"]
+    for label, s in (("direct (HTTP)", d), ("through the gateway", g)):
         print(
-            f"{label:<26}{fixed(s.ttft_p50_ms)}{fixed(s.ttft_p90_ms)}{fixed(s.itl_p50_ms)}"
-            f"{fixed(s.itl_p90_ms)}{s.chunks:>9}{s.chunks_per_second:>10.0f}"
-            f"{s.requests_failed:>8}"
+            f"{label:<26}{''.join(fixed(s[f'{x}_ms']) for x in figures)}{s['chunks']:>9}"
+            f"{s['chunks_per_second']:>10.0f}{s['requests_failed']:>8}"
         )
+    added = "".join(fixed(o[f"{x}_added_ms"], sign=True) for x in figures)
+    print(f"{'added by the gateway':<26}{added}")
     print(
-        f"{'added by the gateway':<26}{fixed(o.ttft_p50_added_ms, sign=True)}"
-        f"{fixed(o.ttft_p90_added_ms, sign=True)}{fixed(o.itl_p50_added_ms, sign=True)}"
-        f"{fixed(o.itl_p90_added_ms, sign=True)}"
+        f"{'target (added, median)':<26}{'≤ ' + format(o['target_ttft_added_ms'], '.1f'):>12}"
+        f"{'':>12}{'≤ ' + format(o['target_itl_added_ms'], '.1f'):>12}"
     )
-    print(
-        f"{'target (added, median)':<26}{'≤ ' + format(o.target_ttft_added_ms, '.1f'):>12}"
-        f"{'':>12}{'≤ ' + format(o.target_itl_added_ms, '.1f'):>12}"
-    )
-    d, g = o.direct, o.gateway
-    if d.split_requests and g.split_requests:
+    if d["split_requests"] and g["split_requests"]:
+
+        def both(key: str, spec: str = ".2f") -> str:
+            return f"{fixed(d[key], 0, spec)} / {fixed(g[key], 0, spec)}"
+
         print(
-            f"split at the replica's engine (its request log; {d.split_requests} + "
-            f"{g.split_requests} requests), medians, direct / via the gateway:"
+            f"split at the replica's engine (its request log; {d['split_requests']} + "
+            f"{g['split_requests']} requests), medians, direct / via the gateway:"
         )
         print(
-            f"  TTFT inside the engine (arrival → first token) {fixed(d.engine_ttft_p50_ms, 0)}"
-            f" / {fixed(g.engine_ttft_p50_ms, 0)} ms; outside it (the way in and out) "
-            f"{fixed(d.ttft_outside_engine_p50_ms, 0)} / {fixed(g.ttft_outside_engine_p50_ms, 0)}"
-            f" ms: added {fixed(o.ttft_outside_engine_added_ms, 0, sign=True)} ms"
+            "  TTFT inside the engine (arrival → first token) "
+            f"{both('engine_ttft_p50_ms')} ms; outside it (the way in and out) "
+            f"{both('ttft_outside_engine_p50_ms')} ms: added "
+            f"{fixed(o['ttft_outside_engine_added_ms'], 0, sign=True)} ms"
         )
         print(
             f"  delay added per gap beyond the engine's pace (client TPOT − engine TPOT) "
-            f"{fixed(d.gap_added_p50_ms, 0, '.3f')} / {fixed(g.gap_added_p50_ms, 0, '.3f')} ms: "
-            f"added {fixed(o.gap_added_by_gateway_ms, 0, '.3f', sign=True)} ms"
+            f"{both('gap_added_p50_ms', '.3f')} ms: "
+            f"added {fixed(o['gap_added_by_gateway_ms'], 0, '.3f', sign=True)} ms"
         )
-    if o.lone_pairs:
+    if o["lone_pairs"]:
+
+        def lone(x: str) -> str:
+            q1, q3 = fixed(o[f"lone_{x}_added_q1_ms"], 0), fixed(o[f"lone_{x}_added_q3_ms"], 0)
+            return f"{fixed(o[f'lone_{x}_added_ms'], 0, sign=True)} ms [{q1}, {q3}]"
+
         print(
-            f"lone requests ({o.lone_pairs} pairs, one at a time, interleaved), median of "
-            f"(gateway − direct) [quartiles]: TTFT {fixed(o.lone_ttft_added_ms, 0, sign=True)} "
-            f"ms [{fixed(o.lone_ttft_added_q1_ms, 0)}, {fixed(o.lone_ttft_added_q3_ms, 0)}], "
-            f"ITL (each request's median) {fixed(o.lone_itl_added_ms, 0, sign=True)} ms "
-            f"[{fixed(o.lone_itl_added_q1_ms, 0)}, {fixed(o.lone_itl_added_q3_ms, 0)}]"
+            f"lone requests ({o['lone_pairs']} pairs, one at a time, interleaved), median of "
+            f"(gateway − direct) [quartiles]: TTFT {lone('ttft')}, "
+            f"ITL (each request's median) {lone('itl')}"
         )
-    rate = o.gateway_chunks_per_cpu_second
+    rate = o["gateway_chunks_per_cpu_second"]
     print(
-        f"gateway CPU: {o.gateway_cpu_seconds:.2f} s (utime+stime) for {o.gateway_chunks} "
+        f"gateway CPU: {o['gateway_cpu_seconds']:.2f} s (utime+stime) for {o['gateway_chunks']} "
         f"streamed chunks = "
         + ("-" if rate is None else f"{rate:,.0f}")
         + " chunks per CPU-second at this load (the capacity phase measures the gateway "
         "saturated)"
     )
-    if o.gateway_cpu_busy is not None:
+    if o["gateway_cpu_busy"] is not None:
         print(
-            f"  the gateway was busy {o.gateway_cpu_busy:.0%} of one CPU during its passes; "
-            f"replica CPU: {o.direct.replica_cpu_seconds:.2f} s direct, "
-            f"{o.gateway.replica_cpu_seconds:.2f} s via the gateway (gRPC)"
+            f"  the gateway was busy {o['gateway_cpu_busy']:.0%} of one CPU during its passes; "
+            f"replica CPU: {d['replica_cpu_seconds']:.2f} s direct, "
+            f"{g['replica_cpu_seconds']:.2f} s via the gateway (gRPC)"
         )
-    floor = o.grpc_client_messages_per_cpu_second
+    floor = o["grpc_client_messages_per_cpu_second"]
     if floor is not None:
         print(
             f"  for scale: the gateway's gRPC client alone, reading the same streams from the "
             f"replica (no HTTP, no SSE), handled {floor:,.0f} messages per CPU-second "
-            f"({o.grpc_client_messages} messages, {o.grpc_client_cpu_seconds:.2f} CPU-s)"
+            f"({o['grpc_client_messages']} messages, {o['grpc_client_cpu_seconds']:.2f} CPU-s)"
         )

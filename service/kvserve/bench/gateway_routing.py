@@ -23,11 +23,10 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvserve.bench.cpu import usable_cpus
-from kvserve.bench.launcher import Launcher, Replica
+from kvserve.bench.launcher import Launcher, Replica, metric_samples
 from kvserve.bench.results import fixed, say
 from kvserve.bench.sse_client import CHAT, ClientRecord, Connection, chat_body, ttfts
 from kvserve.bench.timelines import ms, percentile_ms
@@ -40,34 +39,6 @@ _WORDS = (
     "bicycle", "map", "weather", "budget", "receipt", "schedule", "guide",
 )  # fmt: skip
 _CITIES = ("Lisbon", "Vienna", "Oslo", "Porto", "Prague", "Seville", "Ghent", "Turin")
-
-
-@dataclass
-class PolicyResult:
-    policy: str
-    seconds: float
-    requests_ok: int
-    requests_failed: int
-    prompt_tokens: int  # Σ usage.prompt_tokens
-    cached_tokens: int  # Σ usage.prompt_tokens_details.cached_tokens
-    cached_ratio: float | None
-    ttft_mean_ms: float | None
-    ttft_p50_ms: float | None
-    ttft_p90_ms: float | None
-    requests_per_replica: list[int]  # the gateway's routing decisions, by replica
-    routing_overrides: int  # prefix routes sent elsewhere (load bound or retry)
-
-
-@dataclass
-class RoutingResult:
-    replicas: int
-    agents: int
-    questions: int
-    history: bool
-    system_prompt_tokens: int
-    max_tokens: int
-    replica_omp_threads: int | None  # OMP_NUM_THREADS given to each replica (None: inherited)
-    policies: list[PolicyResult]
 
 
 def system_prompt(tokenizer: Any, tokens: int, seed: int) -> tuple[str, int]:
@@ -145,27 +116,23 @@ async def _agents_pass(
 def _routing_counts(url: str, replicas: Sequence[Replica]) -> tuple[list[int], int]:
     """The gateway's routing decisions per replica (in ``replicas`` order), and its
     overrides, from its /metrics."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     per: dict[str, float] = {}
     overrides = 0.0
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in family.samples:
-            if s.name == "kvserve_gateway_routing_decisions_total":
-                per[s.labels["replica"]] = per.get(s.labels["replica"], 0.0) + s.value
-            elif s.name == "kvserve_gateway_routing_overrides_total":
-                overrides += s.value
+    for s in metric_samples(url):
+        if s.name == "kvserve_gateway_routing_decisions_total":
+            per[s.labels["replica"]] = per.get(s.labels["replica"], 0.0) + s.value
+        elif s.name == "kvserve_gateway_routing_overrides_total":
+            overrides += s.value
     return [round(per.get(r.grpc_address, 0.0)) for r in replicas], round(overrides)
 
 
-def run_routing(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -> RoutingResult:
+def run_routing(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -> dict[str, Any]:
     system, system_tokens = system_prompt(tokenizer, args.system_tokens, args.seed)
     questions = agent_questions(args.agents, args.questions, args.seed)
     # Replicas share the CPUs: one OpenMP thread team each sized to its share, unless the
     # caller set OMP_NUM_THREADS (oversubscribed teams spin and throttle each other).
     threads = max(1, usable_cpus() // args.replicas)
-    results: list[PolicyResult] = []
+    results: list[dict[str, Any]] = []
     for policy in POLICIES:
         say(f"routing: {policy}: starting {args.replicas} replicas and the gateway ...")
         reps = launcher.start_replicas(args.replicas, threads=threads)
@@ -175,64 +142,66 @@ def run_routing(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) ->
         per_replica, overrides = _routing_counts(gateway.url, reps)
         launcher.stop_all()  # fresh replicas (cold caches) for the next policy
         ok = [r for r in recs if r.ok]
-        prompt = sum(r.prompt_tokens for r in ok)
-        cached = sum(r.cached_tokens for r in ok)
+        prompt = sum(r.prompt_tokens for r in ok)  # Σ usage.prompt_tokens
+        cached = sum(r.cached_tokens for r in ok)  # Σ usage.prompt_tokens_details.cached_tokens
         ttft = ttfts(ok)
-        res = PolicyResult(
-            policy=policy,
-            seconds=round(seconds, 3),
-            requests_ok=len(ok),
-            requests_failed=len(recs) - len(ok),
-            prompt_tokens=prompt,
-            cached_tokens=cached,
-            cached_ratio=round(cached / prompt, 4) if prompt else None,
-            ttft_mean_ms=ms(statistics.fmean(ttft)) if ttft else None,
-            ttft_p50_ms=percentile_ms(ttft, 50),
-            ttft_p90_ms=percentile_ms(ttft, 90),
-            requests_per_replica=per_replica,
-            routing_overrides=overrides,
-        )
+        res = {
+            "policy": policy,
+            "seconds": round(seconds, 3),
+            "requests_ok": len(ok),
+            "requests_failed": len(recs) - len(ok),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "cached_ratio": round(cached / prompt, 4) if prompt else None,
+            "ttft_mean_ms": ms(statistics.fmean(ttft)) if ttft else None,
+            "ttft_p50_ms": percentile_ms(ttft, 50),
+            "ttft_p90_ms": percentile_ms(ttft, 90),
+            "requests_per_replica": per_replica,  # the gateway's routing decisions
+            "routing_overrides": overrides,  # prefix routes sent elsewhere (load bound, retry)
+        }
         results.append(res)
         say(
-            f"  {policy}: {seconds:.2f} s, cached ratio {res.cached_ratio}, TTFT mean "
-            f"{res.ttft_mean_ms} ms, per replica {per_replica}"
-            + (f" ({res.requests_failed} failed)" if res.requests_failed else "")
+            f"  {policy}: {seconds:.2f} s, cached ratio {res['cached_ratio']}, TTFT mean "
+            f"{res['ttft_mean_ms']} ms, per replica {per_replica}"
+            + (f" ({res['requests_failed']} failed)" if res["requests_failed"] else "")
         )
         failed = [r.error for r in recs if r.error]
         if failed:
             say(f"  first failure: {failed[0]}")
-    return RoutingResult(
-        replicas=args.replicas,
-        agents=args.agents,
-        questions=args.questions,
-        history=args.history,
-        system_prompt_tokens=system_tokens,
-        max_tokens=args.routing_max_tokens,
-        replica_omp_threads=None if "OMP_NUM_THREADS" in os.environ else threads,
-        policies=results,
-    )
+    return {
+        "replicas": args.replicas,
+        "agents": args.agents,
+        "questions": args.questions,
+        "history": args.history,
+        "system_prompt_tokens": system_tokens,
+        "max_tokens": args.routing_max_tokens,
+        # OMP_NUM_THREADS given to each replica (None: inherited)
+        "replica_omp_threads": None if "OMP_NUM_THREADS" in os.environ else threads,
+        "policies": results,
+    }
 
 
-def print_routing(r: RoutingResult) -> None:
+def print_routing(r: dict[str, Any]) -> None:
     print()
     print(
-        f"routing: {r.replicas} replicas, {r.agents} agents × {r.questions} questions, one "
-        f"{r.system_prompt_tokens}-token system prompt, "
-        + ("each agent keeping its conversation" if r.history else "independent questions")
-        + f", {r.max_tokens} output tokens per answer, cold caches for each policy; "
+        f"routing: {r['replicas']} replicas, {r['agents']} agents × {r['questions']} "
+        f"questions, one {r['system_prompt_tokens']}-token system prompt, "
+        + ("each agent keeping its conversation" if r["history"] else "independent questions")
+        + f", {r['max_tokens']} output tokens per answer, cold caches for each policy; "
         "every process may run on every CPU"
     )
     print(
         f"{'policy':<14}{'requests':>9}{'prompt tok':>11}{'cached tok':>11}{'cached':>8}"
         f"{'TTFT mean':>10}{'TTFT p50':>10}{'TTFT p90':>10}{'seconds':>9}  per replica"
     )
-    for p in r.policies:
-        ratio = "-" if p.cached_ratio is None else f"{p.cached_ratio:.1%}"
+    for p in r["policies"]:
+        ratio = "-" if p["cached_ratio"] is None else f"{p['cached_ratio']:.1%}"
         print(
-            f"{p.policy:<14}{p.requests_ok:>9}{p.prompt_tokens:>11}{p.cached_tokens:>11}"
-            f"{ratio:>8}{fixed(p.ttft_mean_ms, 10, '.1f')}{fixed(p.ttft_p50_ms, 10, '.1f')}"
-            f"{fixed(p.ttft_p90_ms, 10, '.1f')}{p.seconds:>9.2f}  "
-            f"{'/'.join(map(str, p.requests_per_replica))}"
-            + (f"  ({p.requests_failed} failed)" if p.requests_failed else "")
+            f"{p['policy']:<14}{p['requests_ok']:>9}{p['prompt_tokens']:>11}"
+            f"{p['cached_tokens']:>11}{ratio:>8}"
+            + "".join(fixed(p[f"ttft_{x}_ms"], 10, ".1f") for x in ("mean", "p50", "p90"))
+            + f"{p['seconds']:>9.2f}  "
+            f"{'/'.join(map(str, p['requests_per_replica']))}"
+            + (f"  ({p['requests_failed']} failed)" if p["requests_failed"] else "")
         )
     print("  (TTFT in ms; cached = Σ cached_tokens / Σ prompt_tokens from the streams' usage)")

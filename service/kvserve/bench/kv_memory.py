@@ -70,11 +70,8 @@ def measure(llm: Any, work: Workload) -> Occupancy:
 
 
 def run(ctx: SuiteContext) -> Section:
-    from kvserve.model.config import ModelConfig
-
     dtype, concurrency = "float32", 16
-    model_dir = ctx.checkpoint("30m")
-    config = ModelConfig.from_file(model_dir)
+    model_dir, config = ctx.model("30m")
     max_model_len = config.max_position_embeddings
     work = ctx.mixed_workload(64, config.vocab_size, smoke=(8, (4, 40), (2, 12)))
     results: dict[int, Occupancy] = {}

@@ -20,6 +20,7 @@ from kvserve.telemetry.request_log import REQUEST_LOGGER
 
 if TYPE_CHECKING:
     import httpx
+    from prometheus_client.samples import Sample
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class LaunchSettings:
     # or a comparison measures the queue (at least the streams a benchmark opens).
     gateway_in_flight: int = 256
     gateway_queue: int = 256
+
+
+# The settings above that are engine settings.
+ENGINE_FLAGS = "dtype device seed max_num_seqs max_model_len block_size max_num_batched_tokens"
 
 
 @dataclass
@@ -66,10 +71,6 @@ class Gateway:
     proc: Proc
     url: str
     key: str  # the one API key it accepts (no limits)
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
 
 
 @dataclass
@@ -104,15 +105,10 @@ class Launcher:
         OpenMP threads unless the caller set OMP_NUM_THREADS); returns once every one
         answers /ready. At ``log_level`` info their logs hold the request log."""
         s = self.settings
-        engine = {
-            "--dtype": s.dtype, "--device": s.device, "--block-size": s.block_size,
-            "--max-num-seqs": s.max_num_seqs, "--max-model-len": s.max_model_len,
-            "--max-num-batched-tokens": s.max_num_batched_tokens, "--seed": s.seed,
-        }  # fmt: skip
         flags: list[str] = []
-        for flag, value in engine.items():
-            if value is not None:
-                flags += [flag, str(value)]
+        for name in ENGINE_FLAGS.split():  # each a `kvserve serve` flag of the same name
+            if (value := getattr(s, name)) is not None:
+                flags += [f"--{name.replace('_', '-')}", str(value)]
         if not prefix_caching:
             flags.append("--no-prefix-caching")
         reps: list[Replica] = []
@@ -197,6 +193,15 @@ class Launcher:
         proc = spawn(name, argv, self.workdir / f"{name}.log", env, cpus)
         self.started.append(proc)
         return proc
+
+
+def metric_samples(url: str) -> list[Sample]:
+    """Every sample a server (replica or gateway at ``url``) exports on /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
 def read_request_log(log: Path) -> dict[str, dict[str, Any]]:

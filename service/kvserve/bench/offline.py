@@ -13,53 +13,41 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvserve.bench.suite import MODEL_SHAPES, SuiteContext
 from kvserve.bench.timelines import Workload, random_workload
 from kvserve.config import DTYPES
 
-
-@dataclass
-class BenchResult:
-    model_params: int
-    num_prompts: int
-    prompt_tokens: int
-    output_tokens: int
-    kvserve_seconds: float
-    transformers_seconds: float
-    kvserve_output_tok_s: float
-    transformers_output_tok_s: float
-    ratio: float
-    rounds: int
+MODEL_SIZES = {name: MODEL_SHAPES[name] for name in ("30m", "tiny")}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=48)
+def workload_arguments(
+    p: argparse.ArgumentParser, num_prompts: int, rounds: int, size_help: str, rounds_help: str
+) -> None:
+    """The arguments ``kvserve bench offline`` and ``kvserve bench serve`` share: the
+    workload, the engine, the model size and the rounds."""
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
-    p.add_argument("--max-num-seqs", type=int, default=16, help="concurrency for both sides")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--model-size",
-        choices=("30m", "tiny"),
-        default="30m",
-        help="30m: ~34M-parameter Llama (the reference workload); tiny: a smoke test",
-    )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="alternate the two engines this many times; report each one's best time "
-        "(this machine's speed drifts, so interleaving keeps the comparison fair)",
-    )
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="30m", help=size_help)
+    p.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-MODEL_SIZES = {name: MODEL_SHAPES[name] for name in ("30m", "tiny")}
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    workload_arguments(
+        p,
+        num_prompts=48,
+        rounds=2,
+        size_help="30m: ~34M-parameter Llama (the reference workload); tiny: a smoke test",
+        rounds_help="alternate the two engines this many times; report each one's best time "
+        "(this machine's speed drifts, so interleaving keeps the comparison fair)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=16, help="concurrency for both sides")
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
@@ -93,29 +81,28 @@ def run(args: argparse.Namespace) -> int:
         best = ctx.best_of(runners, lambda run: run[0])
         t_kv, t_hf = best["kvserve"][0], best["transformers"][0]
 
-    res = BenchResult(
-        model_params=params,
-        num_prompts=args.num_prompts,
-        prompt_tokens=work.prompt_tokens,
-        output_tokens=work.output_tokens,
-        kvserve_seconds=round(t_kv, 3),
-        transformers_seconds=round(t_hf, 3),
-        kvserve_output_tok_s=round(work.output_tokens / t_kv, 1),
-        transformers_output_tok_s=round(work.output_tokens / t_hf, 1),
-        ratio=round(t_hf / t_kv, 2),
-        rounds=args.rounds,
-    )
+    res = {
+        "model_params": params,
+        "num_prompts": args.num_prompts,
+        "prompt_tokens": work.prompt_tokens,
+        "output_tokens": work.output_tokens,
+        "kvserve_seconds": round(t_kv, 3),
+        "transformers_seconds": round(t_hf, 3),
+        "kvserve_output_tok_s": round(work.output_tokens / t_kv, 1),
+        "transformers_output_tok_s": round(work.output_tokens / t_hf, 1),
+        "ratio": round(t_hf / t_kv, 2),
+        "rounds": args.rounds,
+    }
     if args.json:
-        print(json.dumps(asdict(res)))
+        print(json.dumps(res))
         return 0
     print(f"model: random Llama, {params / 1e6:.1f}M parameters, {args.dtype}, {args.device}")
     print(f"{'engine':<34}{'seconds':>9}{'output tok/s':>14}")
-    print(f"{'kvserve (continuous batching)':<34}{t_kv:>9.2f}{res.kvserve_output_tok_s:>14.1f}")
+    for name, label in (("kvserve", "continuous batching"), ("transformers", "static batches")):
+        seconds, rate = res[f"{name}_seconds"], res[f"{name}_output_tok_s"]
+        print(f"{f'{name} ({label})':<34}{seconds:>9.2f}{rate:>14.1f}")
     print(
-        f"{'transformers (static batches)':<34}{t_hf:>9.2f}{res.transformers_output_tok_s:>14.1f}"
-    )
-    print(
-        f"ratio (kvserve / transformers): {res.ratio:.2f}x  (best of {args.rounds} "
+        f"ratio (kvserve / transformers): {res['ratio']:.2f}x  (best of {args.rounds} "
         "interleaved rounds each)"
     )
     return 0

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvserve.bench.results import Section, Target, model_setup, table
 from kvserve.bench.suite import SuiteContext
-from kvserve.bench.timelines import Timeline, Workload, from_output, greedy
+from kvserve.bench.timelines import Timeline, Workload, closed_loop, from_output
 from kvserve.telemetry import definitions
 
 NAME = "prefix_caching"
@@ -61,32 +61,22 @@ class ModeResult:
     cached_tokens: int
 
 
-def closed_loop(llm: Any, work: Workload, concurrency: int) -> ModeResult:
+def _closed_loop(llm: Any, work: Workload, concurrency: int) -> ModeResult:
     """Run ``work`` with ``concurrency`` requests in flight, adding one as one finishes."""
     engine = llm.engine
-    pending = list(range(len(work.prompts)))[::-1]
-    in_flight = cached = 0
+    cached = 0
     timelines: list[Timeline] = []
     t0 = engine.clock()
-    while pending or in_flight:
-        while pending and in_flight < concurrency:
-            i = pending.pop()
-            engine.add_request(f"agent-{i}", work.prompts[i], greedy(work.output_lens[i]))
-            in_flight += 1
-        for out in engine.step():
-            if out.finished:
-                in_flight -= 1
-                timelines.append(from_output(out))
-                cached += out.num_cached_tokens
+    for out in closed_loop(engine, work, concurrency, "agent"):
+        if out.finished:
+            timelines.append(from_output(out))
+            cached += out.num_cached_tokens
     return ModeResult(engine.clock() - t0, timelines, cached)
 
 
 def run(ctx: SuiteContext) -> Section:
-    from kvserve.model.config import ModelConfig
-
     dtype = "float32"
-    model_dir = ctx.checkpoint("30m")
-    config = ModelConfig.from_file(model_dir)
+    model_dir, config = ctx.model("30m")
     if ctx.smoke:
         agents, system_tokens, question, answer = 6, 40, (4, 12), 2
     else:
@@ -102,7 +92,7 @@ def run(ctx: SuiteContext) -> Section:
     def cold(llm: Any) -> Callable[[], ModeResult]:
         def once() -> ModeResult:
             llm.engine.kv.pool.reset_prefix_cache()  # every round starts cold
-            return closed_loop(llm, work, CONCURRENCY)
+            return _closed_loop(llm, work, CONCURRENCY)
 
         return once
 

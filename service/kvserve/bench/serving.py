@@ -37,12 +37,12 @@ import json
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvserve.bench.launcher import Launcher, LaunchSettings, Replica
-from kvserve.bench.offline import MODEL_SIZES, make_workload
+from kvserve.bench.offline import MODEL_SIZES, make_workload, workload_arguments
 from kvserve.bench.results import fixed, say
 from kvserve.bench.sse_client import (
     COMPLETIONS,
@@ -50,13 +50,12 @@ from kvserve.bench.sse_client import (
     Connection,
     WorkloadPass,
     completion_body,
+    itls,
     run_on_uvloop,
     stream_workload,
-    ttfts,
 )
 from kvserve.bench.suite import SuiteContext
 from kvserve.bench.timelines import Workload, greedy, percentile_ms, timed_generate
-from kvserve.config import DTYPES
 from kvserve.telemetry import definitions
 
 if TYPE_CHECKING:
@@ -69,35 +68,23 @@ T = TypeVar("T")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=64)
+    workload_arguments(
+        p,
+        num_prompts=64,
+        rounds=1,
+        size_help="the layer dimensions of `kvserve bench offline`'s models, with the test "
+        "tokenizer's own 512-token vocabulary so that every generated id streams as text "
+        "(30m: ~26M parameters, about 1-2 minutes on 2 CPU cores; tiny: a smoke test)",
+        rounds_help="alternate offline and serving this many times; report each one's best "
+        "time and the TTFT medians over all rounds",
+    )
     p.add_argument("--concurrency", type=int, default=32, help="clients = max_num_seqs")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
     p.add_argument(
         "--ttft-requests",
         type=int,
         default=48,
         help="requests sent one at a time (per round) to measure the server's TTFT overhead",
     )
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--model-size",
-        choices=sorted(MODEL_SIZES),
-        default="30m",
-        help="the layer dimensions of `kvserve bench offline`'s models, with the test "
-        "tokenizer's own 512-token vocabulary so that every generated id streams as text "
-        "(30m: ~26M parameters, about 1-2 minutes on 2 CPU cores; tiny: a smoke test)",
-    )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="alternate offline and serving this many times; report each one's best time "
-        "and the TTFT medians over all rounds",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 # ---- results ---------------------------------------------------------------------------
@@ -113,53 +100,6 @@ class TtftPair:
     to_engine: float | None = None  # arrival → first scheduled
     compute: float | None = None  # first scheduled → the visible token
     http_out: float | None = None  # the visible token → its chunk read by the client
-
-
-@dataclass
-class BenchResult:
-    model_size: str
-    model_params: int
-    vocab_size: int
-    dtype: str
-    device: str
-    num_prompts: int
-    concurrency: int
-    prompt_tokens: int
-    output_tokens: int
-    rounds: int
-    offline_seconds: float
-    serving_seconds: float
-    offline_output_tok_s: float
-    serving_output_tok_s: float
-    throughput_ratio: float  # serving / offline, best round of each
-    throughput_ratio_per_round: list[float]  # serving / offline, round by round
-    serving_requests_completed: int  # over all rounds
-    serving_requests_failed: int  # over all rounds
-    serving_output_tokens: int  # in the best round
-    serving_ttft_p50_ms: float | None
-    serving_ttft_p99_ms: float | None
-    serving_tpot_p50_ms: float | None
-    serving_itl_p50_ms: float | None
-    serving_itl_p99_ms: float | None
-    serving_e2e_p50_ms: float | None
-    ttft_pairs: int  # lone requests on each side, interleaved
-    ttft_server_p50_ms: float | None
-    ttft_engine_p50_ms: float | None
-    ttft_overhead_ms: float | None  # median of the pairs' (server − offline)
-    ttft_overhead_p25_ms: float | None
-    ttft_overhead_p75_ms: float | None
-    # The decomposition (medians over the pairs whose server request was in the log).
-    ttft_decomposed_requests: int
-    ttft_http_in_p50_ms: float | None
-    ttft_to_engine_p50_ms: float | None
-    ttft_compute_p50_ms: float | None
-    ttft_http_out_p50_ms: float | None
-    ttft_server_added_p50_ms: float | None  # median of (client TTFT − compute)
-    # The offline engine's own time outside compute (arrival → scheduled, the token → its
-    # step returning it), which the server's requests spend in the engine too, and the
-    # median per pair of the server's share net of it.
-    ttft_engine_own_p50_ms: float | None
-    ttft_server_net_p50_ms: float | None
 
 
 # ---- TTFT, one request at a time -------------------------------------------------------
@@ -258,7 +198,9 @@ def _summarise(
     offline_times: list[float],
     serving: list[WorkloadPass],
     pairs: list[TtftPair],
-) -> BenchResult:
+) -> dict[str, Any]:
+    """Every figure, by the name ``--json`` prints it under."""
+
     def served(p: WorkloadPass) -> int:
         return sum(r.output_tokens for r in p.records if r.ok)
 
@@ -266,137 +208,133 @@ def _summarise(
     ok = [r for r in best.records if r.ok]
     t_off, t_srv = min(offline_times), best.seconds
     off_rate, srv_rate = work.output_tokens / t_off, served(best) / t_srv
-    per_round = [
-        (served(p) / p.seconds) / (work.output_tokens / t)
-        for t, p in zip(offline_times, serving, strict=True)
-    ]
-    ttft = ttfts(ok)
-    e2es = [definitions.e2e(r.send, r.last) for r in ok if r.last is not None]
-    tpots = [
-        definitions.tpot(r.first, r.last, r.output_tokens)
-        for r in ok
-        if r.first is not None and r.last is not None
-    ]
-    itls = [gap for r in ok for gap in definitions.itls(r.chunk_times)]
+    records = [r for p in serving for r in p.records]
+    res: dict[str, Any] = {
+        "model_size": args.model_size,
+        "model_params": params,
+        "vocab_size": vocab_size,
+        "dtype": args.dtype,
+        "device": args.device,
+        "num_prompts": len(work.prompts),
+        "concurrency": args.concurrency,
+        "prompt_tokens": work.prompt_tokens,
+        "output_tokens": work.output_tokens,
+        "rounds": args.rounds,
+        "offline_seconds": round(t_off, 3),
+        "serving_seconds": round(t_srv, 3),
+        "offline_output_tok_s": round(off_rate, 1),
+        "serving_output_tok_s": round(srv_rate, 1),
+        # serving / offline: best round of each, then round by round
+        "throughput_ratio": round(srv_rate / off_rate, 3),
+        "throughput_ratio_per_round": [
+            round((served(p) / p.seconds) / (work.output_tokens / t), 3)
+            for t, p in zip(offline_times, serving, strict=True)
+        ],
+        "serving_requests_completed": sum(r.ok for r in records),  # over all rounds
+        "serving_requests_failed": sum(not r.ok for r in records),
+        "serving_output_tokens": served(best),  # in the best round
+    }
+    shown = [(r, r.first, r.last) for r in ok if r.first is not None and r.last is not None]
+    latencies: dict[str, tuple[list[float | None], tuple[int, ...]]] = {
+        "ttft": ([definitions.ttft(r.send, f) for r, f, _ in shown], (50, 99)),
+        "tpot": ([definitions.tpot(f, e, r.output_tokens) for r, f, e in shown], (50,)),
+        "itl": ([*itls(ok)], (50, 99)),
+        "e2e": ([definitions.e2e(r.send, e) for r, _, e in shown], (50,)),
+    }
+    for name, (values, qs) in latencies.items():
+        for q in qs:
+            res[f"serving_{name}_p{q}_ms"] = percentile_ms([v for v in values if v is not None], q)
+    # The lone requests, interleaved; the decomposition is over the pairs whose server
+    # request was in the log. The offline engine's own time outside compute (arrival →
+    # scheduled, the token → its step returning it) is spent by the server's requests in
+    # the engine too: "net" is the server's share per pair without it.
     diffs = [p.server - p.offline for p in pairs]
     parts = [p for p in pairs if p.compute is not None]
-
-    def median_ms(values: list[float]) -> float | None:
-        return percentile_ms(values, 50)
-
-    def part(name: str) -> float | None:
-        return median_ms([getattr(p, name) for p in parts])
-
+    res |= {
+        "ttft_pairs": len(pairs),
+        "ttft_server_p50_ms": percentile_ms([p.server for p in pairs], 50),
+        "ttft_engine_p50_ms": percentile_ms([p.offline for p in pairs], 50),
+        "ttft_overhead_ms": percentile_ms(diffs, 50),  # median of (server − offline)
+        "ttft_overhead_p25_ms": percentile_ms(diffs, 25),
+        "ttft_overhead_p75_ms": percentile_ms(diffs, 75),
+        "ttft_decomposed_requests": len(parts),
+    }
+    for part in ("http_in", "to_engine", "compute", "http_out"):
+        res[f"ttft_{part}_p50_ms"] = percentile_ms([getattr(p, part) for p in parts], 50)
     own = [p.offline - p.offline_compute for p in pairs if p.offline_compute is not None]
     net = [
         (p.server - p.compute) - (p.offline - p.offline_compute)
         for p in parts
         if p.compute is not None and p.offline_compute is not None
     ]
-    records = [r for p in serving for r in p.records]
-    return BenchResult(
-        model_size=args.model_size,
-        model_params=params,
-        vocab_size=vocab_size,
-        dtype=args.dtype,
-        device=args.device,
-        num_prompts=len(work.prompts),
-        concurrency=args.concurrency,
-        prompt_tokens=work.prompt_tokens,
-        output_tokens=work.output_tokens,
-        rounds=args.rounds,
-        offline_seconds=round(t_off, 3),
-        serving_seconds=round(t_srv, 3),
-        offline_output_tok_s=round(off_rate, 1),
-        serving_output_tok_s=round(srv_rate, 1),
-        throughput_ratio=round(srv_rate / off_rate, 3),
-        throughput_ratio_per_round=[round(x, 3) for x in per_round],
-        serving_requests_completed=sum(r.ok for r in records),
-        serving_requests_failed=sum(not r.ok for r in records),
-        serving_output_tokens=served(best),
-        serving_ttft_p50_ms=percentile_ms(ttft, 50),
-        serving_ttft_p99_ms=percentile_ms(ttft, 99),
-        serving_tpot_p50_ms=percentile_ms([t for t in tpots if t is not None], 50),
-        serving_itl_p50_ms=percentile_ms(itls, 50),
-        serving_itl_p99_ms=percentile_ms(itls, 99),
-        serving_e2e_p50_ms=percentile_ms(e2es, 50),
-        ttft_pairs=len(pairs),
-        ttft_server_p50_ms=median_ms([p.server for p in pairs]),
-        ttft_engine_p50_ms=median_ms([p.offline for p in pairs]),
-        ttft_overhead_ms=median_ms(diffs),
-        ttft_overhead_p25_ms=percentile_ms(diffs, 25),
-        ttft_overhead_p75_ms=percentile_ms(diffs, 75),
-        ttft_decomposed_requests=len(parts),
-        ttft_http_in_p50_ms=part("http_in"),
-        ttft_to_engine_p50_ms=part("to_engine"),
-        ttft_compute_p50_ms=part("compute"),
-        ttft_http_out_p50_ms=part("http_out"),
-        ttft_server_added_p50_ms=median_ms([p.server - (p.compute or 0.0) for p in parts]),
-        ttft_engine_own_p50_ms=median_ms(own),
-        ttft_server_net_p50_ms=median_ms(net),
+    res["ttft_server_added_p50_ms"] = percentile_ms(
+        [p.server - (p.compute or 0.0) for p in parts], 50
     )
+    res["ttft_engine_own_p50_ms"] = percentile_ms(own, 50)
+    res["ttft_server_net_p50_ms"] = percentile_ms(net, 50)
+    return res
 
 
-def _print_table(res: BenchResult) -> None:
+def _print_table(res: dict[str, Any]) -> None:
     def f(x: float | None) -> str:
         return fixed(x, 12, ".1f")
 
     print(
-        f"model: random Llama ({res.model_size} dims, {res.vocab_size}-token vocabulary), "
-        f"{res.model_params / 1e6:.1f}M parameters, {res.dtype}, {res.device}"
+        f"model: random Llama ({res['model_size']} dims, {res['vocab_size']}-token vocabulary), "
+        f"{res['model_params'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}"
     )
     print(
-        f"workload: {res.num_prompts} prompts, {res.prompt_tokens} prompt tokens, "
-        f"{res.output_tokens} output tokens, concurrency {res.concurrency}, "
-        f"best of {res.rounds} interleaved round(s)"
+        f"workload: {res['num_prompts']} prompts, {res['prompt_tokens']} prompt tokens, "
+        f"{res['output_tokens']} output tokens, concurrency {res['concurrency']}, "
+        f"best of {res['rounds']} interleaved round(s)"
     )
     print(
         f"{'':<28}{'seconds':>9}{'output tok/s':>14}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}"
         f"{'TPOT p50 ms':>12}{'ITL p99 ms':>12}"
     )
     print(
-        f"{'offline (LLM.generate)':<28}{res.offline_seconds:>9.2f}"
-        f"{res.offline_output_tok_s:>14.1f}{'-':>12}{'-':>12}{'-':>12}{'-':>12}"
+        f"{'offline (LLM.generate)':<28}{res['offline_seconds']:>9.2f}"
+        f"{res['offline_output_tok_s']:>14.1f}{'-':>12}{'-':>12}{'-':>12}{'-':>12}"
     )
     print(
-        f"{'serving (kvserve serve)':<28}{res.serving_seconds:>9.2f}"
-        f"{res.serving_output_tok_s:>14.1f}{f(res.serving_ttft_p50_ms)}"
-        f"{f(res.serving_ttft_p99_ms)}{f(res.serving_tpot_p50_ms)}{f(res.serving_itl_p99_ms)}"
+        f"{'serving (kvserve serve)':<28}{res['serving_seconds']:>9.2f}"
+        f"{res['serving_output_tok_s']:>14.1f}{f(res['serving_ttft_p50_ms'])}"
+        f"{f(res['serving_ttft_p99_ms'])}{f(res['serving_tpot_p50_ms'])}{f(res['serving_itl_p99_ms'])}"
     )
     print(
-        f"requests: {res.serving_requests_completed} completed, "
-        f"{res.serving_requests_failed} failed over {res.rounds} round(s); "
-        f"{res.serving_output_tokens} output tokens served in the best round"
+        f"requests: {res['serving_requests_completed']} completed, "
+        f"{res['serving_requests_failed']} failed over {res['rounds']} round(s); "
+        f"{res['serving_output_tokens']} output tokens served in the best round"
     )
-    rounds = ", ".join(f"{x:.2f}" for x in res.throughput_ratio_per_round)
+    rounds = ", ".join(f"{x:.2f}" for x in res["throughput_ratio_per_round"])
     print(
-        f"serving/offline throughput: {res.throughput_ratio:.2f} best vs best "
+        f"serving/offline throughput: {res['throughput_ratio']:.2f} best vs best "
         f"(target ≥ 0.90); round by round: {rounds}"
     )
-    if res.ttft_overhead_ms is None:
+    if res["ttft_overhead_ms"] is None:
         print("server TTFT overhead: not measured (--ttft-requests 0 or no visible output)")
         return
-    if res.ttft_server_added_p50_ms is not None:
+    if res["ttft_server_added_p50_ms"] is not None:
         print(
-            f"server TTFT overhead (median over {res.ttft_decomposed_requests} lone requests of "
-            f"TTFT − the engine's compute): {res.ttft_server_added_p50_ms:+.2f} ms"
+            f"server TTFT overhead (median over {res['ttft_decomposed_requests']} lone requests of "
+            f"TTFT − the engine's compute): {res['ttft_server_added_p50_ms']:+.2f} ms"
         )
         print(
-            f"  medians: HTTP in {res.ttft_http_in_p50_ms:.2f} ms, to the engine "
-            f"{res.ttft_to_engine_p50_ms:.2f} ms, compute {res.ttft_compute_p50_ms:.2f} ms, "
-            f"out to the client {res.ttft_http_out_p50_ms:.2f} ms"
+            f"  medians: HTTP in {res['ttft_http_in_p50_ms']:.2f} ms, to the engine "
+            f"{res['ttft_to_engine_p50_ms']:.2f} ms, compute {res['ttft_compute_p50_ms']:.2f} ms, "
+            f"out to the client {res['ttft_http_out_p50_ms']:.2f} ms"
         )
-    if res.ttft_server_net_p50_ms is not None and res.ttft_engine_own_p50_ms is not None:
+    if res["ttft_server_net_p50_ms"] is not None and res["ttft_engine_own_p50_ms"] is not None:
         print(
             f"  the engine's own time outside compute, offline (scheduling, detokenizing: "
-            f"{res.ttft_engine_own_p50_ms:.2f} ms) is in that too; net of it, per pair: "
-            f"{res.ttft_server_net_p50_ms:+.2f} ms (target ≤ 2 ms)"
+            f"{res['ttft_engine_own_p50_ms']:.2f} ms) is in that too; net of it, per pair: "
+            f"{res['ttft_server_net_p50_ms']:+.2f} ms (target ≤ 2 ms)"
         )
     print(
-        f"paired with the offline engine ({res.ttft_pairs} pairs, interleaved): median "
-        f"difference {res.ttft_overhead_ms:+.2f} ms (p25 {res.ttft_overhead_p25_ms:+.2f}, "
-        f"p75 {res.ttft_overhead_p75_ms:+.2f}); TTFT p50 {res.ttft_server_p50_ms:.2f} ms "
-        f"through the server, {res.ttft_engine_p50_ms:.2f} ms offline"
+        f"paired with the offline engine ({res['ttft_pairs']} pairs, interleaved): median "
+        f"difference {res['ttft_overhead_ms']:+.2f} ms (p25 {res['ttft_overhead_p25_ms']:+.2f}, "
+        f"p75 {res['ttft_overhead_p75_ms']:+.2f}); TTFT p50 {res['ttft_server_p50_ms']:.2f} ms "
+        f"through the server, {res['ttft_engine_p50_ms']:.2f} ms offline"
     )
 
 
@@ -503,10 +441,10 @@ def run(args: argparse.Namespace) -> int:
         pairs,
     )  # fmt: skip
     if args.json:
-        print(json.dumps(asdict(res)))
+        print(json.dumps(res))
     else:
         _print_table(res)
     errors = [rec.error for p in serving for rec in p.records if rec.error is not None]
     if errors:
         say(f"{len(errors)} requests failed; the first: {errors[0]}")
-    return 0 if res.serving_requests_failed == 0 else 1
+    return 0 if res["serving_requests_failed"] == 0 else 1

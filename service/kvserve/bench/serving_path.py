@@ -58,7 +58,7 @@ from kvserve.bench.processes import Proc
 from kvserve.bench.results import Section, model_setup, table
 from kvserve.bench.sse_client import stream_workload
 from kvserve.bench.suite import SuiteContext
-from kvserve.bench.timelines import Latency, Timeline, Workload, diff, greedy, latency
+from kvserve.bench.timelines import Latency, Timeline, Workload, closed_loop, diff, latency
 from kvserve.telemetry import definitions
 
 if TYPE_CHECKING:
@@ -109,36 +109,23 @@ class Pass:
 
 def _offline_pass(engine: LLMEngine, work: Workload, streams: int, tag: str) -> Pass:
     """A closed loop of ``streams`` requests in flight until the workload is done."""
-    todo = iter(range(len(work.prompts)))
     shown: dict[str, list[float]] = {}  # request id → engine times of outputs with text
     timelines: list[Timeline] = []
     steady: list[Timeline] = []
     ok = tokens = late = 0
-
-    def add() -> None:
-        i = next(todo, None)
-        if i is not None:
-            engine.add_request(f"{tag}-{i}", work.prompts[i], greedy(work.output_lens[i]))
-
     start = time.perf_counter()
-    for _ in range(streams):
-        add()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.outputs[0].delta_text:
-                shown.setdefault(out.request_id, []).append(out.metrics.token_times[-1])
-            if out.finished:
-                add()
-                if out.outputs[0].finish_reason != "length":
-                    continue
-                times = shown.get(out.request_id)
-                ok, tokens = ok + 1, tokens + len(out.outputs[0].token_ids)
-                late += not times or times[0] != out.metrics.token_times[0]
-                if times:
-                    s = out.metrics.arrival_time
-                    timelines.append(Timeline(s, times[0], times[-1], len(times)))
-                    if int(out.request_id.rsplit("-", 1)[1]) >= streams:
-                        steady.append(timelines[-1])
+    for out in closed_loop(engine, work, streams, tag):
+        if out.outputs[0].delta_text:
+            shown.setdefault(out.request_id, []).append(out.metrics.token_times[-1])
+        if not out.finished or out.outputs[0].finish_reason != "length":
+            continue
+        times = shown.get(out.request_id)
+        ok, tokens = ok + 1, tokens + len(out.outputs[0].token_ids)
+        late += not times or times[0] != out.metrics.token_times[0]
+        if times:
+            timelines.append(Timeline(out.metrics.arrival_time, times[0], times[-1], len(times)))
+            if int(out.request_id.rsplit("-", 1)[1]) >= streams:
+                steady.append(timelines[-1])
     seconds = time.perf_counter() - start
     text = sum(map(len, shown.values()))
     return Pass(
@@ -176,10 +163,8 @@ def run(ctx: SuiteContext) -> Section:
     import torch
 
     from kvserve.engine.cpu_threads import call_in_short_lived_thread
-    from kvserve.model.config import ModelConfig
 
-    model_dir = ctx.checkpoint("30m", tokenizer_vocab=True)
-    config = ModelConfig.from_file(model_dir)
+    model_dir, config = ctx.model("30m", tokenizer_vocab=True)
     streams = 4 if ctx.smoke else CONCURRENCY
     work = ctx.mixed_workload(64, config.vocab_size, smoke=(6, (4, 16), (4, 8)))
     warm = Workload(work.prompts[:streams], [WARMUP_TOKENS] * min(streams, len(work.prompts)))

@@ -83,7 +83,7 @@ def text_chunks(records: Sequence[ClientRecord]) -> int:
     return sum(len(r.chunk_times) for r in records if r.ok)
 
 
-def completion_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def completion_body(prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
     """A streamed, greedy completion of exactly ``max_tokens`` tokens (``ignore_eos``)."""
     return {"model": MODEL_NAME, "prompt": prompt, **_greedy_stream(max_tokens)}
 

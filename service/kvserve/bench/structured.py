@@ -55,13 +55,11 @@ SCHEMA: dict[str, Any] = {
 
 
 def run(ctx: SuiteContext) -> Section:
-    from kvserve.model.config import ModelConfig
     from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
     dtype = "float32"
     # The test tokenizer's vocabulary, so that the grammar's tokens are real text.
-    model_dir = ctx.checkpoint("30m", tokenizer_vocab=True)
-    config = ModelConfig.from_file(model_dir)
+    model_dir, config = ctx.model("30m", tokenizer_vocab=True)
     n = 8 if ctx.smoke else 2 * CONCURRENCY
     work = random_workload(n, (16, 64), (1, 1), config.vocab_size, ctx.seed)
     llm = ctx.llm(model_dir, dtype=dtype, max_num_seqs=CONCURRENCY)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from kvserve.llm import LLM
+    from kvserve.model.config import ModelConfig
 
 R = TypeVar("R")
 
@@ -116,6 +117,13 @@ class SuiteContext:
                 **dims,
             )
         return self._checkpoints[key]
+
+    def model(self, shape: str, *, tokenizer_vocab: bool = False) -> tuple[Path, ModelConfig]:
+        """``checkpoint`` and its configuration."""
+        from kvserve.model.config import ModelConfig
+
+        path = self.checkpoint(shape, tokenizer_vocab=tokenizer_vocab)
+        return path, ModelConfig.from_file(path)
 
     def llm(self, model_dir: Path, **settings: Any) -> LLM:
         """An engine on this run's device and seed, in float32 and with prefix caching off

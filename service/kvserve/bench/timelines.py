@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvserve.telemetry import definitions
 
 if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
     from kvserve.llm import LLM
     from kvserve.outputs import RequestOutput
     from kvserve.sampling_params import SamplingParams
@@ -131,3 +132,25 @@ def timed_generate(
         outs = llm.generate(work.prompts[i : i + size], params[i : i + size], use_tqdm=False)
         timelines += [from_output(o, arrival=t0) for o in outs]
     return llm.engine.clock() - t0, timelines
+
+
+def closed_loop(
+    engine: LLMEngine, work: Workload, streams: int, tag: str
+) -> Iterator[RequestOutput]:
+    """Drive the engine's step API with ``streams`` requests of the workload in flight,
+    adding the next one as one finishes (as clients behind a fixed number of streams
+    send); yields every output. Request ``i`` goes as ``{tag}-{i}``."""
+    todo = iter(range(len(work.prompts)))
+
+    def add() -> None:
+        i = next(todo, None)
+        if i is not None:
+            engine.add_request(f"{tag}-{i}", work.prompts[i], greedy(work.output_lens[i]))
+
+    for _ in range(streams):
+        add()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                add()
+            yield out
