@@ -24,9 +24,10 @@ def test_every_phase_runs_and_is_reported(checkpoint_dir: Callable[[str], Path])
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for phase in ("baseline", "load", "stops", "huge"):
+    for phase in ("baseline", "load", "stops", "huge", "flood"):
         assert f"\n{phase} " in out, out
-    assert "x ITL (target <= 1.2)" in out and "/health p99" in out
+    assert "x TPOT (target <= 1.2)" in out and "/health p99" in out
+    assert "huge vs flood (the same loop of refused requests, 60-byte bodies)" in out
     assert "streams that stop reading (8 tokens, top_logprobs 20): peak RSS" in out
     assert "header floods: peak RSS" in out
     assert "a head sent a byte a second: 'HTTP/1.1 408 Request Timeout'" in out, out

@@ -7,6 +7,9 @@ do one thing each, side by side in one run (docs/security.md):
 - ``load``: requests with no stop strings (the control for ``stops``);
 - ``stops``: the same requests with 16 stop strings of 256 characters (the limits);
 - ``huge``: 3.8 MB prompts posted in a loop;
+- ``flood``: the control for ``huge``: the same loop of refused requests on a new
+  connection each, with a 60-byte body (an unknown model, 404), so that what remains of
+  ``huge`` against it is the prompts' size and what ``flood`` costs is the connections;
 - then streams that stop reading (chats of 450 tokens with ``top_logprobs`` 20, on
   sockets with a small receive buffer), held until the replica has generated all their
   tokens, and four connections each sending 32 MB of one unterminated header line (the
@@ -72,11 +75,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Phase:
     name: str
     itl_p50_ms: float
+    tpot_ms: float
     health_p99_ms: float
 
 
-def _victim_itl(url: str, tokens: int) -> float:
-    """ITL p50 (ms) of one greedy stream of ``tokens`` tokens."""
+def _victim_itl(url: str, tokens: int) -> tuple[float, float]:
+    """ITL p50 and TPOT (ms) of one greedy stream of ``tokens`` tokens. Both: when the
+    replica falls behind, tokens arrive in bursts, their gaps are ~0 and the p50 falls
+    while the stream slows, which the TPOT (the mean gap) shows."""
     conn = Connection(url)
     try:
         rec = run_on_uvloop(conn.stream(COMPLETIONS, completion_body("Plan a trip to", tokens)))
@@ -84,7 +90,9 @@ def _victim_itl(url: str, tokens: int) -> float:
         conn.close()
     if not rec.ok:
         raise RuntimeError(f"the victim's stream failed: {rec.error}")
-    return statistics.median(definitions.itls(rec.chunk_times)) * 1000
+    first, last, n = rec.chunk_times[0], rec.chunk_times[-1], len(rec.chunk_times)
+    tpot = definitions.tpot(first, last, n) or 0.0
+    return statistics.median(definitions.itls(rec.chunk_times)) * 1000, tpot * 1000
 
 
 def _attack(url: str, kind: str, stop: Any) -> None:  # in an attacker process
@@ -95,8 +103,12 @@ def _attack(url: str, kind: str, stop: Any) -> None:  # in an attacker process
         body["stop"] = STOPS
     elif kind == "huge":
         body = {"model": MODEL_NAME, "prompt": "word " * HUGE_PROMPT_WORDS, "max_tokens": 2}
+    elif kind == "flood":
+        body = {"model": "no-such-model", "prompt": "word", "max_tokens": 2}
     content = json.dumps(body).encode()
     headers = {"content-type": "application/json"}
+    if kind == "flood":  # a new connection each time, as a refused huge body gets
+        headers["connection"] = "close"
     with httpx.Client(timeout=300) as c:
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError):  # a refused huge body: closed
@@ -126,9 +138,7 @@ def _phase(url: str, kind: str | None, args: argparse.Namespace) -> Phase:
             proc.start()
         time.sleep(1.0)  # the attack under way before the victim starts (not a sync point)
     try:
-        itl = statistics.median(
-            _victim_itl(url, args.victim_tokens) for _ in range(args.victim_streams)
-        )
+        runs = [_victim_itl(url, args.victim_tokens) for _ in range(args.victim_streams)]
     finally:
         stop.set()
         prober.join(timeout=60)
@@ -137,7 +147,8 @@ def _phase(url: str, kind: str | None, args: argparse.Namespace) -> Phase:
             if proc.is_alive():
                 proc.kill()
     latencies.sort()
-    return Phase(kind or "baseline", itl, latencies[int(0.99 * (len(latencies) - 1))])
+    itl, tpot = (statistics.median(figures) for figures in zip(*runs, strict=True))
+    return Phase(kind or "baseline", itl, tpot, latencies[int(0.99 * (len(latencies) - 1))])
 
 
 def _peak_mb(proc: Proc) -> float:
@@ -225,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         (replica,) = launcher.start_replicas(1, grpc=False, cpus=replica_cpus)
         url, port = replica.http_url, int(replica.http_url.rsplit(":", 1)[1])
         _victim_itl(url, 8)  # warm-up
-        phases = [_phase(url, kind, args) for kind in (None, "load", "stops", "huge")]
+        phases = [_phase(url, kind, args) for kind in (None, "load", "stops", "huge", "flood")]
         unread = _peak_mb(replica.proc)
         _stalled_streams(url, port, args.stalled_streams, args.stalled_tokens)
         before = _peak_mb(replica.proc)
@@ -246,16 +257,25 @@ def run(args: argparse.Namespace) -> int:
             f"placement: the replica on CPU {cpu_list(replica_cpus)}, the clients on CPU "
             f"{cpu_list(client_cpus)} (attackers at nice 19)"
         )
-    print(f"{'phase':<10}{'ITL p50 ms':>12}{'/health p99 ms':>16}")
+    print(f"{'phase':<10}{'ITL p50 ms':>12}{'TPOT ms':>10}{'/health p99 ms':>16}")
     for p in phases:
-        print(f"{p.name:<10}{p.itl_p50_ms:>12.2f}{p.health_p99_ms:>16.1f}")
+        print(f"{p.name:<10}{p.itl_p50_ms:>12.2f}{p.tpot_ms:>10.2f}{p.health_p99_ms:>16.1f}")
+
+    def ratio(a: str, b: str) -> str:
+        x, y = by[a], by[b]
+        return f"{x.itl_p50_ms / y.itl_p50_ms:.2f}x ITL p50, {x.tpot_ms / y.tpot_ms:.2f}x TPOT"
+
     print(
-        f"stops vs load (the same requests without stop strings): "
-        f"{by['stops'].itl_p50_ms / by['load'].itl_p50_ms:.2f}x ITL (target <= 1.2)"
+        f"stops vs load (the same requests without stop strings): {ratio('stops', 'load')} "
+        "(target <= 1.2)"
     )
     print(
-        f"huge vs baseline: {by['huge'].itl_p50_ms / by['baseline'].itl_p50_ms:.2f}x ITL "
-        f"(target <= 1.2), /health p99 {by['huge'].health_p99_ms:.1f} ms (target <= 50)"
+        f"huge vs baseline: {ratio('huge', 'baseline')} (target <= 1.2), /health p99 "
+        f"{by['huge'].health_p99_ms:.1f} ms (target <= 50)"
+    )
+    print(
+        f"huge vs flood (the same loop of refused requests, 60-byte bodies): "
+        f"{ratio('huge', 'flood')}; flood vs baseline: {ratio('flood', 'baseline')}"
     )
     print(
         f"{args.stalled_streams} streams that stop reading ({args.stalled_tokens} tokens, "
