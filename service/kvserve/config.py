@@ -188,6 +188,35 @@ class EngineConfig:
         ),
     )
     seed: int = _option(0, Option("seed of the sampler's default generator", flag="--seed"))
+    # LoRA adapters (docs/engine.md, "LoRA adapters"). Not in the CRD's engine block: an
+    # InferenceModel's spec.lora will own them (issue 20, item 5).
+    enable_lora: bool = _option(
+        False, Option("serve LoRA adapters (PEFT format) chosen per request", flag="--enable-lora")
+    )
+    max_loras: int = _option(
+        1,
+        Option(
+            "LoRA adapters in the compute device's slots at once (one batch mixes them all)",
+            flag="--max-loras",
+            minimum=1,
+        ),
+    )
+    max_lora_rank: int = _option(
+        16,
+        Option(
+            "highest LoRA rank r served (slots are sized for it)",
+            flag="--max-lora-rank",
+            minimum=1,
+        ),
+    )
+    max_cpu_loras: int | None = _option(
+        None,
+        Option(
+            "idle LoRA adapters kept in host memory besides those in slots (default: max_loras)",
+            flag="--max-cpu-loras",
+            minimum=0,
+        ),
+    )
     # Reference mode for tests: drop every request's KV after each step, so each token
     # is computed from scratch over the whole sequence (slow; prefix caching is off).
     recompute_every_step: bool = _option(
@@ -205,6 +234,14 @@ class EngineConfig:
         positive("max_model_len", self.max_model_len)
         positive("num_kv_blocks", self.num_kv_blocks)
         positive("kv_cache_memory", self.kv_cache_memory)
+        positive("max_loras", self.max_loras)
+        positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None and (
+            not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 0
+        ):
+            raise ValueError(
+                f"max_cpu_loras must be a non-negative integer, got {self.max_cpu_loras!r}"
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}"

@@ -21,4 +21,8 @@ class EngineKwargs(TypedDict, total=False):
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     seed: int
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None
     recompute_every_step: bool

@@ -12,6 +12,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_kwargs import EngineKwargs
 from kvserve.engine_options import check_kwargs
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -51,14 +52,18 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         ``prompts``: a string, a list of token ids, or a list of either.
-        ``sampling_params``: one for all prompts, or one per prompt. A request whose
-        structured-outputs grammar fails inside the engine (it was validated when added,
-        so this should not happen) ends alone with finish reason "abort"; the engine logs
-        why.
+        ``sampling_params``: one for all prompts, or one per prompt.
+        ``lora_request``: the LoRA adapter for all prompts, or one per prompt (None: the
+        base model); needs ``LLM(..., enable_lora=True)``. Each adapter is read and
+        checked before any prompt is queued (``LoRAError`` names what is wrong).
+        A request whose structured-outputs grammar fails inside the engine (it was
+        validated when added, so this should not happen) ends alone with finish reason
+        "abort"; the engine logs why.
         """
         batch = _as_prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
@@ -69,11 +74,20 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(batch)
+        loras: list[LoRARequest | None]
+        if isinstance(lora_request, Sequence):
+            if len(lora_request) != len(batch):
+                raise ValueError(f"got {len(lora_request)} lora_request for {len(batch)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(batch)
+        for adapter in dict.fromkeys(x for x in loras if x is not None):
+            self.engine.add_lora(adapter)
 
         ids = [f"offline-{next(self._ids)}" for _ in batch]
         try:
-            for rid, prompt, p in zip(ids, batch, params, strict=True):
-                self.engine.add_request(rid, prompt, p, cache_salt=cache_salt)
+            for rid, prompt, p, lora in zip(ids, batch, params, loras, strict=True):
+                self.engine.add_request(rid, prompt, p, cache_salt=cache_salt, lora_request=lora)
         except ValueError:
             self.engine.abort_request(ids)
             raise

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvserve.lora.request import LoRARequest
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -54,6 +56,7 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     external_id: str | None = None  # the client's id for the request (``Request.external_id``)
+    lora_request: LoRARequest | None = None  # the adapter it ran under (None: the base model)
 
     @property
     def client_id(self) -> str:

@@ -16,7 +16,9 @@ from kvserve.bench.timelines import random_workload
 
 pytestmark = pytest.mark.slow
 
-ENGINE_SECTIONS = ["engine_vs_transformers", "batching", "prefix_caching", "kv_memory"]
+ENGINE_SECTIONS = [
+    "engine_vs_transformers", "batching", "prefix_caching", "kv_memory", "lora",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +91,20 @@ def test_prefix_caching_counts_exactly_the_shared_full_blocks(
     (target,) = s.targets
     savings = _table(s, "Savings")[0]
     assert target.measured == savings["cut / shared share (%)"]
+
+
+def test_lora_section_reports_every_side_and_its_costs(sections: dict[str, Section]) -> None:
+    s = sections["lora"]
+    rows = _table(s, "Throughput")
+    assert [r["side"] for r in rows] == [
+        "base model", "1 adapter", "4 adapters", "16 adapters (4 slots)",
+    ]  # fmt: skip
+    assert all(r["output tok/s"] > 0 for r in rows)
+    assert rows[0]["vs base (%)"] == 100.0
+    costs = {r["what"]: r["value"] for r in _table(s, "Adapter costs")}
+    assert all(value > 0 for value in costs.values()), costs
+    (target,) = s.targets
+    assert target.measured is not None and target.measured > 0
 
 
 def test_kv_memory_table(sections: dict[str, Section]) -> None:

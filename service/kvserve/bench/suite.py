@@ -13,6 +13,8 @@ Sections (--only picks some; each is a module of kvserve.bench):
                           32 streams
   structured              JSON-schema-constrained vs unconstrained throughput at
                           concurrency 16, mask time per token, cold/cached compile
+  lora                    throughput with 4 LoRA adapters vs the base model at
+                          concurrency 16; 1/4/16 adapters in flight, load time, memory
 
 Each section runs the sides it compares in the same run, alternating them for --rounds
 rounds (this machine's speed drifts) and keeping each side's best, on random
@@ -53,6 +55,7 @@ SECTIONS = (
     "kv_memory",
     "serving_path",
     "structured",
+    "lora",
 )
 
 # Model shapes (random Llama checkpoints). vocab_size None = the test tokenizer's own

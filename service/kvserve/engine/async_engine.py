@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from kvserve.conversation import text_chars
 from kvserve.engine.llm_engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -67,6 +68,15 @@ class _Wake:
     """A grammar a request waits for is compiled: step again."""
 
 
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread (LoRA adapters change there); its result
+    or exception settles ``future`` on the event loop."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+
+
 # Receives a request's outputs on the event loop (see ``AsyncEngine.add_request``).
 OutputSink = Callable[[RequestOutput | BaseException], None]
 
@@ -88,7 +98,9 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self.hooks = hooks or EngineHooks()
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Wake | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Wake | _Call | None] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, OutputSink] = {}  # engine id → consumer
         self._external_ids: dict[str, str | None] = {}  # engine id → client id, in flight
         self._next_id = itertools.count()
@@ -127,6 +139,7 @@ class AsyncEngine:
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Tokenize and validate; raises ValueError for bad input (before any streaming).
 
@@ -142,6 +155,7 @@ class AsyncEngine:
             arrival_time=arrival_time,
             cache_salt=cache_salt,
             external_id=external_id,
+            lora_request=lora_request,
         )
 
     async def prepare(self, prompt: str | list[int]) -> str | list[int]:
@@ -237,6 +251,15 @@ class AsyncEngine:
             self._commands.put(_Abort(rid))
         return len(found)
 
+    async def call(self, fn: Callable[[LLMEngine], _T]) -> _T:
+        """``fn(engine)``'s result, run on the engine thread between two steps (what
+        changes the engine's state, such as loading a LoRA adapter, must run there)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        future: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, future))
+        return await future
+
     def release(self, request_id: str, abort: bool) -> None:
         """The consumer is done with a request's outputs; ``abort`` it if still running.
 
@@ -289,8 +312,28 @@ class AsyncEngine:
                     aborted += self.engine.abort_request(rid)
             elif isinstance(cmd, _Abort):
                 aborted += self.engine.abort_request(cmd.request_id)
+            elif isinstance(cmd, _Call):
+                self._settle(cmd)
         if aborted:
             self._publish(aborted)
+
+    def _settle(self, cmd: _Call) -> None:
+        try:
+            result, error = cmd.fn(self.engine), None
+        except Exception as exc:
+            result, error = None, exc
+        if self._loop is None:
+            return
+
+        def settle() -> None:  # on the event loop
+            if cmd.future.done():  # the caller was cancelled
+                return
+            if error is not None:
+                cmd.future.set_exception(error)
+            else:
+                cmd.future.set_result(result)
+
+        self._loop.call_soon_threadsafe(settle)
 
     def _step(self) -> None:
         try:

@@ -1,8 +1,9 @@
 """Block tables per request on top of the block pool, and prefix-cache lookups.
 
 A full block's hash chains its parent's hash, its token ids and the request's extra keys
-(the ``cache_salt``), so two requests share a block only when everything before it and
-in it is identical and they belong to the same cache namespace.
+(the ``cache_salt`` and the LoRA adapter), so two requests share a block only when
+everything before it and in it is identical, they belong to the same cache namespace,
+and they run the same adapter (an adapter changes every layer's keys and values).
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ from kvserve.engine.request import Request
 _ROOT_HASH = b"kvserve-prefix-root"
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: str | None) -> bytes:
+def hash_block(
+    parent: bytes | None, token_ids: Sequence[int], extra: str | None, lora: str | None = None
+) -> bytes:
     h = hashlib.sha256(parent or _ROOT_HASH)
     h.update(array("q", token_ids).tobytes())
-    if extra is not None:
-        h.update(b"\x00salt\x00" + extra.encode())
+    # Each key is tagged and length-prefixed: no salt (a client may choose one) can
+    # imitate another salt followed by an adapter.
+    for tag, key in ((b"\x00salt\x00", extra), (b"\x00lora\x00", lora)):
+        if key is not None:
+            data = key.encode()
+            h.update(tag + len(data).to_bytes(8, "little") + data)
     return h.digest()
 
 
@@ -51,10 +58,13 @@ class KVCacheManager:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
+        lora = request.lora.cache_key if request.lora is not None else None
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt))
+            hashes.append(
+                hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_salt, lora)
+            )
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,10 +31,15 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.errors import InvalidRequestError
+from kvserve.lora.request import LoRARequest
 from kvserve.model.config import ModelConfig
 from kvserve.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.engine_side import StructuredOutputs
+
+if TYPE_CHECKING:
+    from kvserve.lora.adapter import LoRAWeights
+    from kvserve.lora.manager import LoRAManager
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,11 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions: int
+    # LoRA (zero and empty without it): the slots, and the adapters with running
+    # requests and those whose requests all wait.
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -89,6 +99,10 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             seed=config.seed,
         )
+        # LoRA slots before the KV pool: on CUDA the pool takes what memory is left.
+        self.lora = self._lora_manager() if config.enable_lora else None
+        if self.lora is not None:
+            self.runner.lora = self.lora.layers
         self.num_kv_blocks = self._size_kv_pool()
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.kv = KVCacheManager(
@@ -99,6 +113,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             clock=clock,
+            lora_slots=self.lora.slots if self.lora is not None else None,
         )
         self.requests: dict[str, Request] = {}
         self.last_schedule: SchedulerOutput | None = None  # for stats and tests
@@ -139,6 +154,52 @@ class LLMEngine:
             )
         return blocks
 
+    def _lora_manager(self) -> LoRAManager:
+        from kvserve.lora.layers import LoRALayers
+        from kvserve.lora.manager import LoRAManager
+
+        c = self.config
+        layers = LoRALayers(
+            self.runner.model,
+            self.model_config,
+            num_slots=c.max_loras,
+            max_rank=c.max_lora_rank,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        return LoRAManager(
+            self.model_config,
+            layers,
+            max_loras=c.max_loras,
+            max_cpu_loras=c.max_loras if c.max_cpu_loras is None else c.max_cpu_loras,
+            max_rank=c.max_lora_rank,
+        )
+
+    # ---- LoRA adapters ---------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest, weights: LoRAWeights | None = None) -> None:
+        """Read and check an adapter now (``LoRAError`` names what is wrong), so that its
+        requests find it in host memory; or keep ``weights`` read by ``load_adapter``
+        elsewhere. Call it from the thread that steps the engine."""
+        self._require_lora()
+        assert self.lora is not None
+        if weights is None:
+            self.lora.add(lora)
+        else:
+            self.lora.put(weights)
+
+    def remove_lora(self, lora: LoRARequest) -> None:
+        """Drop an adapter from memory once no queued or running request needs it."""
+        if self.lora is not None:
+            self.lora.remove(lora)
+
+    def _require_lora(self) -> None:
+        if self.lora is None:
+            raise InvalidRequestError(
+                "LoRA adapters are off: start the engine with enable_lora=True "
+                "(kvserve serve --enable-lora)",
+                "model",
+            )
+
     # ---- requests --------------------------------------------------------------------
     def add_request(
         self,
@@ -148,10 +209,16 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Queue a request. Raises ValueError (with the numbers) if it can never run."""
         req = self.build_request(
-            request_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt
+            request_id,
+            prompt,
+            params,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         self.enqueue(req)
         return req
@@ -209,6 +276,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         external_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Tokenize and validate a request without touching engine state.
 
@@ -216,6 +284,8 @@ class LLMEngine:
         server validates on its event loop, so bad input is answered before streaming).
         """
         params = params or SamplingParams()
+        if lora_request is not None:
+            self._require_lora()
         if isinstance(prompt, str):
             token_ids = self.tokenize(prompt)
             text: str | None = prompt
@@ -255,6 +325,7 @@ class LLMEngine:
             prompt=text,
             external_id=external_id,
             cache_salt=cache_salt,
+            lora=lora_request,
             eos_token_ids=frozenset(() if params.ignore_eos else self.eos_token_ids),
         )
         if self.tokenizer is not None:
@@ -288,6 +359,10 @@ class LLMEngine:
         """Queue a request made by ``build_request``."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora is not None:
+            self._require_lora()
+            assert self.lora is not None
+            self.lora.begin(req.lora)  # may read the adapter: LoRAError if it is bad
         self.requests[req.request_id] = req
         if req.grammar is None:
             self.scheduler.add_request(req)
@@ -366,7 +441,18 @@ class LLMEngine:
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.lora is None:
+            return {}
+        running, waiting = self.lora.adapter_names()
+        return {
+            "max_lora": self.lora.slots.num_slots,
+            "running_lora_adapters": running,
+            "waiting_lora_adapters": waiting,
+        }
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -375,7 +461,10 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         tables = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in sched.scheduled}
-        sampled_reqs, sampled = self.runner.execute(sched.scheduled, tables)
+        lora_slots = None
+        if self.lora is not None:  # each request's slot (-1: the base model)
+            lora_slots = {r.request_id: self.lora.slot(r.lora) for r, _ in sched.scheduled}
+        sampled_reqs, sampled = self.runner.execute(sched.scheduled, tables, lora_slots)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
         now = self.clock()
@@ -425,12 +514,15 @@ class LLMEngine:
         else:
             self.scheduler.finish(req)
         del self.requests[req.request_id]
+        if req.lora is not None and self.lora is not None:
+            self.lora.end(req.lora)
 
     def _output(self, req: Request, delta_text: str, delta_ids: list[int]) -> RequestOutput:
         text = req.detokenizer.text if req.detokenizer is not None else ""
         return RequestOutput(
             request_id=req.request_id,
             external_id=req.external_id,
+            lora_request=req.lora,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=[

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from kvserve.sample.sampler import Sampler, SamplerOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.bitmask import TokenMasker
 
+if TYPE_CHECKING:
+    from kvserve.lora.layers import LoRALayers
+
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0)
 
 
@@ -29,6 +33,7 @@ class ModelInput:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
     sample_requests: list[Request]
+    token_slots: list[int] | None = None  # LoRA slot of each token (-1: base model)
 
 
 class ModelRunner:
@@ -52,6 +57,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.token_masker = TokenMasker()  # structured outputs' masks (and their cost)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.lora: LoRALayers | None = None  # set by the engine when LoRA is on
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim]."""
@@ -69,10 +75,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, batch: Sequence[tuple[Request, int]], block_tables: Mapping[str, list[int]]
+        self,
+        batch: Sequence[tuple[Request, int]],
+        block_tables: Mapping[str, list[int]],
+        lora_slots: Mapping[str, int] | None = None,
     ) -> tuple[list[Request], SamplerOutput]:
-        """Run the batch; returns the requests that sampled a token, and their tokens."""
-        inp = self.prepare(batch, block_tables)
+        """Run the batch; returns the requests that sampled a token, and their tokens.
+
+        ``lora_slots``: each request's LoRA slot (-1: the base model), with LoRA on."""
+        inp = self.prepare(batch, block_tables, lora_slots)
         hidden = self._forward(inp)
         if not inp.sample_requests:
             return [], SamplerOutput([], [])
@@ -85,16 +96,21 @@ class ModelRunner:
     def prompt_logprobs(self, token_ids: Sequence[int], block_ids: list[int]) -> torch.Tensor:
         """Log-softmax at every position of ``token_ids`` (teacher forcing), float32 [T, V]."""
         req = Request("score", list(token_ids), _SCORE_PARAMS, RequestMetrics(arrival_time=0.0))
-        inp = self.prepare([(req, len(token_ids))], {"score": block_ids})
+        inp = self.prepare([(req, len(token_ids))], {"score": block_ids}, {"score": -1})
         hidden = self._forward(inp)
         return torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.set_batch(inp.token_slots or [])
         cos, sin = self.rope.lookup(inp.positions, self.dtype)
         return self.model(inp.input_ids, cos, sin, self.kv_caches, inp.meta)  # type: ignore[no-any-return]
 
     def prepare(
-        self, batch: Sequence[tuple[Request, int]], block_tables: Mapping[str, list[int]]
+        self,
+        batch: Sequence[tuple[Request, int]],
+        block_tables: Mapping[str, list[int]],
+        lora_slots: Mapping[str, int] | None = None,
     ) -> ModelInput:
         bs = self.block_size
         # Decodes first, shortest context first (see _decode_groups), then prefill chunks.
@@ -107,12 +123,15 @@ class ModelRunner:
         slots: list[int] = []
         sample_indices: list[int] = []
         sample_requests: list[Request] = []
+        token_slots: list[int] | None = [] if lora_slots is not None else None
         for req, n in decodes + prefills:
             start = req.num_computed_tokens
             table = block_tables[req.request_id]
             tokens.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if token_slots is not None and lora_slots is not None:
+                token_slots.extend([lora_slots[req.request_id]] * n)
             if start + n == req.num_tokens:  # caught up: this step yields its next token
                 sample_indices.append(len(tokens) - 1)
                 sample_requests.append(req)
@@ -154,6 +173,7 @@ class ModelRunner:
             meta=meta,
             sample_indices=self._long(sample_indices),
             sample_requests=sample_requests,
+            token_slots=token_slots,
         )
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import FinishReason, RequestMetrics, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class Request:
     # choose it, so two in-flight requests may share one (docs/architecture.md).
     external_id: str | None = None
     cache_salt: str | None = None
+    lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

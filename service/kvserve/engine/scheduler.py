@@ -9,6 +9,12 @@ queue, to be recomputed later (its cached blocks often survive and make that che
 
 Every request handed to the scheduler can run now: a request with structured outputs is
 added only once its grammar is compiled (``LLMEngine`` holds it until then).
+
+With LoRA adapters (``lora_slots``), a waiting request also needs its adapter in one of
+the device's slots. One that cannot get a slot this step is passed over, in its place in
+the queue, and the requests behind it are considered: ``kvserve.lora.slots`` says why
+this cannot starve it or deadlock. Only the KV pool stops the scan (first come, first
+served for blocks).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.lora.slots import SlotTable
 
 
 @dataclass
@@ -44,8 +51,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         clock: Callable[[], float],
+        lora_slots: SlotTable | None = None,
     ) -> None:
         self.kv = kv
+        self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
@@ -87,20 +96,26 @@ class Scheduler:
                 budget -= num_new
 
         # Waiting requests, first come first served. After a preemption the pool is
-        # short, so admit nobody new this step.
-        while (
-            not out.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            req = self.waiting[0]
+        # short, so admit nobody new this step. A request whose adapter has no slot yet
+        # is passed over (it keeps its place).
+        slots = self.lora_slots
+        if slots is not None:
+            slots.begin_step()
+        for req in list(self.waiting) if not out.preempted else ():
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if req.lora is not None:
+                assert slots is not None, "LLMEngine refuses adapters when LoRA is off"
+                if not slots.reserve(req.lora):
+                    continue
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
+            if req.lora is not None and slots is not None:
+                slots.pin(req.lora)
             if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
                 req.num_cached_tokens = num_hit_tokens
                 self.kv.record_prefix_lookup(req.num_prompt_tokens, num_hit_tokens)
@@ -116,7 +131,7 @@ class Scheduler:
         return out
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        self._leave_running(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -127,8 +142,13 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request wherever it is and free its blocks."""
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._leave_running(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
+
+    def _leave_running(self, req: Request) -> None:
+        self.running.remove(req)
+        if req.lora is not None and self.lora_slots is not None:
+            self.lora_slots.unpin(req.lora)

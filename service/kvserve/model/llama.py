@@ -8,6 +8,8 @@ loader fills them from the checkpoint's separate Hugging Face tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,11 +46,15 @@ class Linear(nn.Module):
         self.weight = _param(n_out, n_in, dtype=dtype)
         self.bias = _param(n_out, dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN layout, see cpu_gemm
+        # (x, base output) -> output with the batch's LoRA deltas (kvserve.lora.layers).
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return cpu_gemm.linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = cpu_gemm.linear(x, self.packed, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
     def prepack(self) -> None:
         """Switch to the packed weight; the plain copy is released."""

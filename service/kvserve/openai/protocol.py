@@ -213,3 +213,21 @@ class ChatCompletionRequest(CommonRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+
+# ---- LoRA adapters at run time (vLLM's endpoints and bodies) ---------------------------
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter``: serve the PEFT adapter at ``lora_path`` (a folder
+    under the server's ``--lora-dir``) as the model ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``: stop serving ``lora_name`` (its requests in
+    flight finish first)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)

@@ -293,6 +293,11 @@ def decode_cache_salt(request: pb.GenerateRequest) -> str | None:
     return request.cache_salt if request.HasField("cache_salt") else None
 
 
+def decode_lora_adapter(request: pb.GenerateRequest) -> str | None:
+    """The LoRA adapter's name (None: the base model)."""
+    return request.lora_adapter if request.HasField("lora_adapter") else None
+
+
 def decode_max_tokens_cap(request: pb.GenerateRequest) -> int | None:
     return request.max_tokens_cap if request.HasField("max_tokens_cap") else None
 

@@ -62,6 +62,21 @@ class EngineServiceStub:
                 request_serializer=kvserve_dot_rpc_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=kvserve_dot_rpc_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/kvserve.engine.v1.EngineService/LoadLoRAAdapter',
+                request_serializer=kvserve_dot_rpc_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvserve_dot_rpc_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/kvserve.engine.v1.EngineService/UnloadLoRAAdapter',
+                request_serializer=kvserve_dot_rpc_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvserve_dot_rpc_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAAdapters = channel.unary_unary(
+                '/kvserve.engine.v1.EngineService/ListLoRAAdapters',
+                request_serializer=kvserve_dot_rpc_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=kvserve_dot_rpc_dot_engine__pb2.ListLoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -114,6 +129,29 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters (a replica started with --enable-lora), as the HTTP API's
+        /v1/load_lora_adapter, /v1/unload_lora_adapter and /v1/models: load one from under
+        the replica's --lora-dir (INVALID_ARGUMENT names what is wrong: the path, the rank,
+        DoRA...), unload one (NOT_FOUND if not loaded; its requests in flight finish), list
+        them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +179,21 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=kvserve_dot_rpc_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=kvserve_dot_rpc_dot_engine__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=kvserve_dot_rpc_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=kvserve_dot_rpc_dot_engine__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=kvserve_dot_rpc_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=kvserve_dot_rpc_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAAdapters,
+                    request_deserializer=kvserve_dot_rpc_dot_engine__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=kvserve_dot_rpc_dot_engine__pb2.ListLoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -278,6 +331,87 @@ class EngineService:
             '/kvserve.engine.v1.EngineService/GetLoad',
             kvserve_dot_rpc_dot_engine__pb2.GetLoadRequest.SerializeToString,
             kvserve_dot_rpc_dot_engine__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.engine.v1.EngineService/LoadLoRAAdapter',
+            kvserve_dot_rpc_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            kvserve_dot_rpc_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.engine.v1.EngineService/UnloadLoRAAdapter',
+            kvserve_dot_rpc_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            kvserve_dot_rpc_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.engine.v1.EngineService/ListLoRAAdapters',
+            kvserve_dot_rpc_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            kvserve_dot_rpc_dot_engine__pb2.ListLoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

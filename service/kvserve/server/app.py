@@ -20,7 +20,8 @@ from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import StopLimits
 from kvserve.server.grpc_service import start_grpc_server
-from kvserve.server.routers import health, openai
+from kvserve.server.lora import LoRAAdapters
+from kvserve.server.routers import health, lora, openai
 from kvserve.server.state import ServerState
 from kvserve.telemetry.metrics_listener import MetricsListener
 from kvserve.telemetry.prometheus import EngineMetrics
@@ -62,6 +63,8 @@ def create_app(
     metrics_address: tuple[str, int] | None = None,
     http_limits: HttpLimits | None = None,
     chat_parsing: ChatParsing | None = None,
+    lora_modules: dict[str, str] | None = None,
+    lora_dir: str | None = None,
 ) -> FastAPI:
     """The app owns the engine thread: it starts with the app and stops with it.
 
@@ -73,7 +76,11 @@ def create_app(
     is ``app.state.metrics_port``.
     ``chat_parsing``: how chat answers are read (tool calls, reasoning); by default the
     tool-call format the model's chat template implies, and no reasoning parser.
+    ``lora_modules`` (name → adapter folder) are read and checked now (``LoRAError``);
+    ``lora_dir`` is the folder ``/v1/load_lora_adapter`` may load from (kvserve.server.lora).
     """
+    adapters = LoRAAdapters(served_model_name, engine.lora is not None, lora_dir)
+    adapters.add_startup(engine, lora_modules or {})
     metrics = metrics or EngineMetrics(served_model_name)
     metrics.set_cache_info(engine.config.block_size, engine.num_kv_blocks)
     telemetry = RequestTelemetry(served_model_name, tracer_provider or tracer_provider_from_env())
@@ -94,6 +101,7 @@ def create_app(
         served_model_name,
         metrics=metrics,
         telemetry=telemetry,
+        lora=adapters,
         stop_limits=stop_limits,
         write_stall_timeout=write_stall_timeout,
         chat_parsing=chat_parsing
@@ -117,6 +125,7 @@ def create_app(
                 telemetry=telemetry,
                 stop_limits=stop_limits,
                 chat_parsing=state.chat_parsing,
+                lora=adapters,
             )
             log.info("gRPC API on %s:%d", grpc_address[0], app.state.grpc_port)
         try:
@@ -134,6 +143,8 @@ def create_app(
     app.state.kvserve = state
     install_error_handlers(app)
     app.include_router(openai.router)
+    if engine.lora is not None:
+        app.include_router(lora.router)
     app.include_router(health.router)
     if listener is None:
         app.include_router(health.metrics_router)

@@ -33,6 +33,7 @@ from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFai
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatOutputParser, ChatParsing
+from kvserve.openai.errors import OpenAIError
 from kvserve.openai.format import tokenizer_text
 from kvserve.outputs import RequestOutput
 from kvserve.rpc import codec
@@ -41,6 +42,7 @@ from kvserve.rpc import engine_pb2_grpc as pb_grpc
 from kvserve.rpc.listen import MIN_PING_INTERVAL_MS, bind, server_options
 from kvserve.sampling_params import StopLimits
 from kvserve.server.chat import prepare_chat, validate_constraint
+from kvserve.server.lora import LoRAAdapters
 from kvserve.telemetry.tracing import RequestTelemetry
 
 log = logging.getLogger(__name__)
@@ -88,11 +90,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         telemetry: RequestTelemetry | None = None,
         stop_limits: StopLimits | None = None,
         chat_parsing: ChatParsing | None = None,
+        lora: LoRAAdapters | None = None,
     ) -> None:
         self.engine = engine
         self.telemetry = telemetry
         self.stop_limits = stop_limits or StopLimits()
         self.chat_parsing = chat_parsing or ChatParsing()
+        # The adapters served by name (shared with the HTTP API; none: LoRA off).
+        self.lora = lora or LoRAAdapters("", enabled=False)
 
     async def build_request(
         self, request: pb.GenerateRequest, metadata: Callable[[], Mapping[str, str]]
@@ -106,6 +111,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         """
         arrival = time.monotonic()
         engine = self.engine.engine
+        adapter = codec.decode_lora_adapter(request)
+        try:
+            lora = self.lora.adapter(adapter, "lora_adapter") if adapter is not None else None
+        except OpenAIError as exc:
+            raise _lora_refusal(exc) from None
         try:
             prompt = codec.decode_prompt(request)
             constraint = codec.decode_constraint(request)
@@ -139,13 +149,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 request.request_id or None,
                 arrival_time=arrival,
                 cache_salt=codec.decode_cache_salt(request),
+                lora_request=lora,
             )
         except (EngineDeadError, ValueError) as exc:  # InvalidRequestError is a ValueError
             raise _refusal(exc) from None
         if self.telemetry is not None:  # continues the gateway's W3C traceparent
             operation = "chat" if request.WhichOneof("prompt") == "chat" else "text_completion"
             self.telemetry.begin(
-                req.request_id, operation, params, metadata(), arrival, req.external_id
+                req.request_id, operation, params, metadata(), arrival, req.external_id, adapter
             )
         return req, parser
 
@@ -218,6 +229,53 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             num_free_blocks=round((1.0 - stats.kv_cache_usage) * num_blocks),
             max_model_len=self.engine.engine.max_model_len,
         )
+
+    async def LoadLoRAAdapter(
+        self, request: pb.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadLoRAAdapterResponse:
+        try:
+            lora = await self.lora.load(self.engine, request.lora_name, request.lora_path)
+        except (OpenAIError, EngineDeadError) as exc:
+            await _abort(context, _lora_refusal(exc))
+        return pb.LoadLoRAAdapterResponse(
+            adapter=pb.LoRAAdapter(name=lora.lora_name, path=lora.lora_path)
+        )
+
+    async def UnloadLoRAAdapter(
+        self, request: pb.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoRAAdapterResponse:
+        try:
+            await self.lora.unload(self.engine, request.lora_name)
+        except (OpenAIError, EngineDeadError) as exc:
+            await _abort(context, _lora_refusal(exc))
+        return pb.UnloadLoRAAdapterResponse()
+
+    async def ListLoRAAdapters(
+        self, request: pb.ListLoRAAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListLoRAAdaptersResponse:
+        slots = self.engine.engine.config.max_loras if self.lora.enabled else 0
+        return pb.ListLoRAAdaptersResponse(
+            adapters=[
+                pb.LoRAAdapter(name=lora.lora_name, path=lora.lora_path)
+                for lora in self.lora.adapters.values()
+            ],
+            max_loras=slots,
+        )
+
+
+_LORA_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def _lora_refusal(exc: BaseException) -> _Refused:
+    """A refused adapter name, load or unload (an HTTP-shaped error) as a gRPC status."""
+    if isinstance(exc, OpenAIError):
+        code = _LORA_CODES.get(exc.status, grpc.StatusCode.INTERNAL)
+        return _Refused(code, exc.message, exc.param)
+    return _refusal(exc)
 
 
 @dataclass
@@ -378,9 +436,10 @@ def add_engine_service(
     telemetry: RequestTelemetry | None = None,
     stop_limits: StopLimits | None = None,
     chat_parsing: ChatParsing | None = None,
+    lora: LoRAAdapters | None = None,
 ) -> None:
     """Register the engine service on a grpc.aio server (running on the engine's loop)."""
-    servicer = EngineServicer(engine, telemetry, stop_limits, chat_parsing)
+    servicer = EngineServicer(engine, telemetry, stop_limits, chat_parsing, lora)
     pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
 
 
@@ -393,13 +452,14 @@ async def start_grpc_server(
     min_ping_interval_ms: int = MIN_PING_INTERVAL_MS,
     stop_limits: StopLimits | None = None,
     chat_parsing: ChatParsing | None = None,
+    lora: LoRAAdapters | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the engine service; ``port=0`` picks a free port.
 
     Returns the server and the bound port. Stop it with ``await server.stop(grace)``.
     """
     server = grpc.aio.server(options=server_options(min_ping_interval_ms))
-    add_engine_service(server, engine, telemetry, stop_limits, chat_parsing)
+    add_engine_service(server, engine, telemetry, stop_limits, chat_parsing, lora)
     bound = bind(server, host, port)
     await server.start()
     log.info("gRPC engine service listening on %s:%d", host, bound)

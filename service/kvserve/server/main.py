@@ -23,6 +23,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--served-model-name",
         help='the name clients send as "model" (default: the model directory\'s name)',
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        default=[],
+        help="LoRA adapters (PEFT folders) to serve from the start, each as the model NAME "
+        "(needs --enable-lora)",
+    )
+    p.add_argument(
+        "--lora-dir",
+        help="the folder POST /v1/load_lora_adapter may load adapters from (default: no "
+        "loading at run time)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (for the gateway)")
@@ -107,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    problem = metrics_port_problem(args)
+    problem = metrics_port_problem(args) or lora_problem(args)
     if problem is not None:  # before loading the model: a wrong flag fails fast
         print(f"kvserve serve: error: {problem}", file=sys.stderr)
         return 2
@@ -142,23 +155,29 @@ def run(args: argparse.Namespace) -> int:
     grpc_address = None if args.no_grpc else (args.host, args.grpc_port)
     metrics_address = None if args.metrics_port is None else (args.host, args.metrics_port)
     limits = HttpLimits(args.max_header_bytes, args.header_timeout, args.body_timeout)
-    app = create_app(
-        engine,
-        name,
-        max_body_bytes=args.max_body_bytes,
-        stop_limits=StopLimits(args.max_stop_strings, args.max_stop_string_chars),
-        write_stall_timeout=args.write_stall_timeout,
-        body_timeout=args.body_timeout,
-        metrics=EngineMetrics(name),
-        grpc_address=grpc_address,
-        metrics_address=metrics_address,
-        http_limits=limits,
-        chat_parsing=ChatParsing.for_model(
-            args.tool_call_parser,
-            args.reasoning_parser,
-            getattr(engine.tokenizer, "chat_template", None),
-        ),
-    )
+    try:
+        app = create_app(
+            engine,
+            name,
+            max_body_bytes=args.max_body_bytes,
+            stop_limits=StopLimits(args.max_stop_strings, args.max_stop_string_chars),
+            write_stall_timeout=args.write_stall_timeout,
+            body_timeout=args.body_timeout,
+            metrics=EngineMetrics(name),
+            grpc_address=grpc_address,
+            metrics_address=metrics_address,
+            http_limits=limits,
+            chat_parsing=ChatParsing.for_model(
+                args.tool_call_parser,
+                args.reasoning_parser,
+                getattr(engine.tokenizer, "chat_template", None),
+            ),
+            lora_modules=dict(m.split("=", 1) for m in args.lora_modules),
+            lora_dir=args.lora_dir,
+        )
+    except ValueError as exc:  # a --lora-modules adapter that cannot be served
+        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)"
         + ("" if args.no_grpc else f" and grpc://{args.host}:{args.grpc_port}")
@@ -177,6 +196,21 @@ def run(args: argparse.Namespace) -> int:
     freeze_startup_heap()
     DrainingServer(config, app.state.kvserve, args.drain_timeout).run()
     return 0
+
+
+def lora_problem(args: argparse.Namespace) -> str | None:
+    """Why the LoRA flags do not go together, or None."""
+    if (args.lora_modules or args.lora_dir) and not args.enable_lora:
+        return "--lora-modules and --lora-dir need --enable-lora"
+    names = []
+    for module in args.lora_modules:
+        name, sep, path = module.partition("=")
+        if not sep or not name or not path:
+            return f"--lora-modules takes NAME=PATH, got {module!r}"
+        names.append(name)
+    if len(set(names)) != len(names):
+        return "--lora-modules names an adapter twice"
+    return None
 
 
 def metrics_port_problem(args: argparse.Namespace) -> str | None:

@@ -11,6 +11,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.openai.chat_output import ChatParsing
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.sampling_params import StopLimits
+from kvserve.server.lora import LoRAAdapters
 from kvserve.telemetry.prometheus import EngineMetrics
 from kvserve.telemetry.tracing import RequestTelemetry
 
@@ -21,6 +22,7 @@ class ServerState:
     served_model_name: str
     metrics: EngineMetrics
     telemetry: RequestTelemetry
+    lora: LoRAAdapters  # the base model and the LoRA adapters, by name (kvserve.server.lora)
     stop_limits: StopLimits = field(default_factory=StopLimits)
     # A stream whose client has not read for this long is ended (kvserve.openai.stalls).
     write_stall_timeout: float = DEFAULT_WRITE_STALL_SECONDS

@@ -42,6 +42,14 @@ Metric                                          Definition
 ``kvserve_kv_cache_usage_ratio``                gauge: share of KV blocks in use, 0–1
 ``kvserve_cache_config_info``                   gauge, always 1: labels ``block_size`` and
                                                 ``num_gpu_blocks`` (the KV pool's size)
+``kvserve_lora_requests_info``                  gauge, with LoRA on: the time (Unix
+                                                seconds) of its last update; labels
+                                                ``max_lora`` (slots), and the comma-joined
+                                                names of the ``running_lora_adapters``
+                                                and ``waiting_lora_adapters`` (vLLM's
+                                                ``vllm:lora_requests_info``, which the
+                                                Inference Extension's endpoint pickers
+                                                read); one series, the current one
 =============================================== ============================================
 
 Counters are exposed with the ``_total`` suffix (and prometheus_client's ``_created``
@@ -202,6 +210,13 @@ class EngineMetrics:
             (*m, "block_size", "num_gpu_blocks"),
         )
 
+        self._lora_info = gauge(
+            "kvserve_lora_requests_info",
+            "LoRA adapters running and waiting; the value is the time of the last update.",
+            (*m, "max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
+
         # Engine totals at the previous observe_engine call, to turn them into deltas.
         self._lock = threading.Lock()
         self._last_queried = 0
@@ -275,6 +290,16 @@ class EngineMetrics:
             self._last_queried = stats.prefix_cache_queried_tokens
             self._last_hit = stats.prefix_cache_hit_tokens
             self._last_preemptions = stats.num_preemptions
+            if stats.max_lora:
+                labels = (
+                    str(stats.max_lora),
+                    ",".join(stats.running_lora_adapters),
+                    ",".join(stats.waiting_lora_adapters),
+                )
+                if labels != self._lora_labels:  # one series: the current adapters
+                    self._lora_info.clear()
+                    self._lora_labels = labels
+                self._lora_info.labels(self.model_name, *labels).set_to_current_time()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text of this registry and its HTTP content type."""

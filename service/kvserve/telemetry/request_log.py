@@ -1,6 +1,7 @@
 """One JSON log line per finished request.
 
-The record holds the request's counts, its timeline instants (seconds on the engine's
+The record holds the request's counts (and ``lora_adapter``, the adapter's name, for a
+request that ran under one), its timeline instants (seconds on the engine's
 monotonic clock, comparable with each other, not wall-clock time) and the latency
 figures of docs/architecture.md §3, computed by ``kvserve.telemetry.definitions``. A figure that is
 undefined for the request (no output token yet, O ≤ 1 for TPOT, never scheduled) is
@@ -27,7 +28,7 @@ def request_record(
     f = m.first_token_time if m.token_times else None
     e = m.token_times[-1] if m.token_times else None
     num_output = sum(len(c.token_ids) for c in out.outputs)
-    return {
+    record: dict[str, object] = {
         "request_id": out.client_id,
         "engine_request_id": out.request_id,
         "trace_id": trace_id,
@@ -49,6 +50,9 @@ def request_record(
             d.queue_time(s, m.first_scheduled_time) if m.first_scheduled_time is not None else None
         ),
     }
+    if out.lora_request is not None:  # only under an adapter: base records keep their keys
+        record["lora_adapter"] = out.lora_request.lora_name
+    return record
 
 
 def log_request(

@@ -73,26 +73,32 @@ class RequestTelemetry:
         headers: Mapping[str, str],
         arrival: float,
         external_id: str | None = None,
+        lora_adapter: str | None = None,
     ) -> str | None:
         """Start the span (child of the caller's traceparent); returns the trace id.
 
         ``request_id`` is the engine's id (the key until ``finish``); ``external_id`` the
-        client's, which the span shows as ``kvserve.request_id``.
+        client's, which the span shows as ``kvserve.request_id``. ``lora_adapter``: the
+        LoRA adapter the client asked for (its ``model``), shown as
+        ``kvserve.lora_adapter`` and as ``gen_ai.request.model``.
         """
+        attributes: dict[str, str | int | float] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": lora_adapter or self.model,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "kvserve.request_id": request_id if external_id is None else external_id,
+            "kvserve.engine_request_id": request_id,
+        }
+        if lora_adapter is not None:
+            attributes["kvserve.lora_adapter"] = lora_adapter
         span = self.tracer.start_span(
-            f"{operation} {self.model}",
+            f"{operation} {lora_adapter or self.model}",
             context=extract(dict(headers)),
             kind=SpanKind.SERVER,
             start_time=_epoch_ns(arrival),
-            attributes={
-                "gen_ai.operation.name": operation,
-                "gen_ai.request.model": self.model,
-                "gen_ai.request.max_tokens": params.max_tokens,
-                "gen_ai.request.temperature": params.temperature,
-                "gen_ai.request.top_p": params.top_p,
-                "kvserve.request_id": request_id if external_id is None else external_id,
-                "kvserve.engine_request_id": request_id,
-            },
+            attributes=attributes,
         )
         ctx = span.get_span_context()
         trace_id = format(ctx.trace_id, "032x") if ctx.is_valid else None

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvserve.engine.request import Request as EngineRequest
 from kvserve.errors import InvalidRequestError
+from kvserve.lora.request import LoRARequest
 from kvserve.openai import checks
 from kvserve.openai import format as fmt
 from kvserve.openai.body import body_schema, parse_body
@@ -33,18 +34,8 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(state: State) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.served_model_name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "kvserve",
-                "max_model_len": state.max_model_len,
-            }
-        ],
-    }
+    """The base model, then each LoRA adapter (``parent``: the base model)."""
+    return {"object": "list", "data": state.lora.models(0, state.max_model_len)}
 
 
 @router.post("/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest))
@@ -52,7 +43,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     arrival = time.monotonic()
     body = await parse_body(request, CompletionRequest)
     state = server_state(request)
-    _check_common(body, state)
+    lora = _check_common(body, state)
     prompt = checks.completion_prompt(body)
     limit = checks.token_limit(body).value
     assert limit is not None  # a completion's limit defaults to 16
@@ -63,11 +54,16 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
         except InvalidRequestError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from exc
     req = await _make_request(
-        state, request, body, prompt, limit, arrival, constraint.params if constraint else None
+        state,
+        request,
+        body,
+        prompt,
+        limit,
+        arrival,
+        constraint.params if constraint else None,
+        lora,
     )
-    ids = fmt.response_ids(
-        request.state.request_id, state.served_model_name, False, int(time.time())
-    )
+    ids = fmt.response_ids(request.state.request_id, body.model, False, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
 
     if body.stream:
@@ -104,7 +100,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     arrival = time.monotonic()
     body = await parse_body(request, ChatCompletionRequest)
     state = server_state(request)
-    _check_common(body, state)
+    lora = _check_common(body, state)
     limit = checks.token_limit(body).value
     messages = template_messages(body.messages)
     tools = chat_tools(body)
@@ -118,11 +114,9 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     if limit is None:  # as much as the context allows
         limit = state.engine.engine.context_left(len(chat.prompt_ids))
     req = await _make_request(
-        state, request, body, chat.prompt_ids, limit, arrival, chat.constraint
+        state, request, body, chat.prompt_ids, limit, arrival, chat.constraint, lora
     )
-    ids = fmt.response_ids(
-        request.state.request_id, state.served_model_name, True, int(time.time())
-    )
+    ids = fmt.response_ids(request.state.request_id, body.model, True, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
     parser = chat.parser
 
@@ -168,18 +162,14 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
 
 
 # ---- shared pieces -------------------------------------------------------------------
-def _check_common(body: CommonRequest, state: ServerState) -> None:
+def _check_common(body: CommonRequest, state: ServerState) -> LoRARequest | None:
+    """Checks both endpoints share; the LoRA adapter ``model`` names (None: the base)."""
     if not state.admitting:
         raise OpenAIError(503, "the server is shutting down; retry on another replica")
-    if body.model != state.served_model_name:
-        raise OpenAIError(
-            404,
-            f"model {body.model!r} is not served here (available: {state.served_model_name!r})",
-            param="model",
-            code="model_not_found",
-        )
+    lora = state.lora.resolve(body.model)  # 404 model_not_found for an unknown name
     checks.check_n(body)
     checks.check_stop(body, state.stop_limits)
+    return lora
 
 
 async def _make_request(
@@ -190,6 +180,7 @@ async def _make_request(
     max_tokens: int,
     arrival: float,
     constraint: StructuredOutputsParams | None,
+    lora: LoRARequest | None = None,
 ) -> EngineRequest:
     """The engine request (the engine names it; ``x-request-id`` is kept as the client's)."""
     rid: str = request.state.request_id
@@ -201,9 +192,18 @@ async def _make_request(
             rid,
             arrival_time=arrival,
             cache_salt=body.cache_salt,
+            lora_request=lora,
         )
         operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
-        state.telemetry.begin(req.request_id, operation, params, request.headers, arrival, rid)
+        state.telemetry.begin(
+            req.request_id,
+            operation,
+            params,
+            request.headers,
+            arrival,
+            rid,
+            lora.lora_name if lora is not None else None,
+        )
         return req
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc

@@ -1,0 +1,114 @@
+"""The engine's LoRA state: adapters in host memory, the device slots, and the layers.
+
+Host memory holds, in LRU order, every adapter that a queued or running request needs
+(those are never dropped) and up to ``max_cpu_loras`` idle ones besides those in device
+slots; a further idle adapter evicts the least recently used. An adapter that is needed
+again after it was dropped is read from its directory again. The device's
+``max_loras`` slots are ``kvserve.lora.slots.SlotTable``'s; filling one copies the
+adapter from host memory into the slot's tensors (``kvserve.lora.layers``).
+
+Used from the engine's thread only (like the scheduler).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Hashable
+
+from kvserve.lora.adapter import LoRAWeights, load_adapter
+from kvserve.lora.layers import LoRALayers
+from kvserve.lora.request import LoRARequest
+from kvserve.lora.slots import SlotTable
+from kvserve.model.config import ModelConfig
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: ModelConfig,
+        layers: LoRALayers,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_rank: int,
+    ) -> None:
+        self.model = model
+        self.layers = layers
+        self.max_cpu_loras = max_cpu_loras
+        self.max_rank = max_rank
+        self.slots = SlotTable(max_loras, self._fill_slot)
+        self.host: OrderedDict[LoRARequest, LoRAWeights] = OrderedDict()
+        self.users: Counter[LoRARequest] = Counter()  # queued or running requests
+        self.removed: set[LoRARequest] = set()  # unloaded, dropped once idle
+        self.disk_loads = 0  # adapters read from their directories (a statistic)
+
+    def add(self, lora: LoRARequest) -> LoRAWeights:
+        """The adapter's weights, read (and checked: ``LoRAError``) if not in host memory."""
+        weights = self.host.get(lora)
+        if weights is None:
+            weights = self.put(load_adapter(lora, self.model, self.max_rank))
+            self.disk_loads += 1
+        else:
+            self.host.move_to_end(lora)
+        return weights
+
+    def put(self, weights: LoRAWeights) -> LoRAWeights:
+        """Keep adapter weights read elsewhere (the server reads them off the engine thread)."""
+        self.host[weights.lora] = weights
+        self.host.move_to_end(weights.lora)
+        self._trim()
+        return weights
+
+    def remove(self, lora: LoRARequest) -> None:
+        """Forget an unloaded adapter once nothing needs it (its requests finish first)."""
+        if not self.users[lora] and self.slots.evict(lora):
+            self.host.pop(lora, None)
+            self.removed.discard(lora)
+        else:
+            self.removed.add(lora)
+
+    def begin(self, lora: LoRARequest) -> None:
+        """A request for ``lora`` is queued (reads the adapter if it is not in memory)."""
+        self.removed.discard(lora)  # loaded again
+        self.users[lora] += 1  # first, so that reading it cannot trim it away
+        try:
+            self.add(lora)
+        except BaseException:
+            self.end(lora)
+            raise
+
+    def end(self, lora: LoRARequest) -> None:
+        """A request for ``lora`` finished or was aborted."""
+        self.users[lora] -= 1
+        if not self.users[lora]:
+            del self.users[lora]
+            if lora in self.removed and not self.slots.pinned(lora):
+                self.remove(lora)
+            self._trim()
+
+    def slot(self, lora: LoRARequest | None) -> int:
+        """The slot of a running request's adapter; -1 for the base model."""
+        if lora is None:
+            return -1
+        slot = self.slots.slot_of(lora)
+        assert slot is not None, f"adapter {lora.lora_name!r} runs but has no slot"
+        return slot
+
+    def adapter_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Names of the adapters with running requests, and of those whose requests all
+        wait (vLLM's ``running_lora_adapters`` and ``waiting_lora_adapters``)."""
+        # Copies first (each one step for the interpreter): GetLoad and /metrics read
+        # this from another thread than the engine's.
+        running = {k for k in list(self.slots.running) if isinstance(k, LoRARequest)}
+        waiting = {k.lora_name for k in list(self.users) if k not in running}
+        return tuple(sorted({k.lora_name for k in running})), tuple(sorted(waiting))
+
+    def _fill_slot(self, slot: int, key: Hashable) -> None:
+        assert isinstance(key, LoRARequest)
+        self.layers.load(slot, self.add(key))
+
+    def _trim(self) -> None:
+        resident = set(self.slots.resident)
+        idle = [k for k in self.host if not self.users[k] and k not in resident]
+        for lora in idle[: max(len(idle) - self.max_cpu_loras, 0)]:
+            del self.host[lora]

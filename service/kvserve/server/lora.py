@@ -1,0 +1,157 @@
+"""The LoRA adapters an engine server serves by name, and where they may be loaded from.
+
+Adapters come from ``--lora-modules name=path`` at start-up (the operator's choice, any
+path) and from ``POST /v1/load_lora_adapter`` at run time. A client chooses the path of
+the latter, so it must lie under ``--lora-dir`` (no ``--lora-dir``: no run-time loading):
+a path with a ``..`` component is refused outright, and the adapter's folder and the two
+files read from it must resolve (symlinks followed) inside ``--lora-dir``. So no client
+can make the server read a file outside it. The checks run once, when the adapter is
+loaded; whoever can write into ``--lora-dir`` is trusted.
+
+Unloading takes the name away at once (new requests get 404); requests in flight keep
+their adapter until they finish, and the engine then drops it from memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path, PurePath
+from typing import Any
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRAError, load_adapter
+from kvserve.lora.request import LoRARequest
+from kvserve.openai.errors import OpenAIError
+
+
+class LoRAAdapters:
+    def __init__(self, base_name: str, enabled: bool, lora_dir: str | None = None) -> None:
+        self.base_name = base_name
+        self.enabled = enabled
+        self.lora_dir = Path(lora_dir).resolve() if lora_dir is not None else None
+        self.adapters: dict[str, LoRARequest] = {}
+
+    def names(self) -> list[str]:
+        return [self.base_name, *self.adapters]
+
+    def resolve(self, model: str) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model), else 404."""
+        if model == self.base_name:
+            return None
+        return self.adapter(model)
+
+    def adapter(self, name: str, param: str = "model") -> LoRARequest:
+        """The adapter loaded as ``name``, else 404 ``model_not_found``."""
+        lora = self.adapters.get(name)
+        if lora is None:
+            available = ", ".join(repr(n) for n in self.names())
+            raise OpenAIError(
+                404,
+                f"model {name!r} is not served here (available: {available})",
+                param=param,
+                code="model_not_found",
+            )
+        return lora
+
+    def models(self, created: int, max_model_len: int) -> list[dict[str, Any]]:
+        """``/v1/models`` entries: the base model, then each adapter with its parent."""
+        base = {
+            "id": self.base_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvserve",
+            "root": self.base_name,
+            "parent": None,
+            "max_model_len": max_model_len,
+        }
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvserve",
+                "root": lora.lora_path,
+                "parent": self.base_name,
+                "max_model_len": max_model_len,
+            }
+            for name, lora in self.adapters.items()
+        ]
+        return [base, *adapters]
+
+    def add_startup(self, engine: LLMEngine, modules: dict[str, str]) -> None:
+        """``--lora-modules``: read and check each (``LoRAError`` names what is wrong)."""
+        for name, path in modules.items():
+            lora = LoRARequest(self._new_name(name), str(Path(path).resolve()))
+            engine.add_lora(lora)
+            self.adapters[name] = lora
+
+    async def load(self, engine: AsyncEngine, name: str, path: str) -> LoRARequest:
+        """``POST /v1/load_lora_adapter``: check the path, read the adapter off the event
+        loop, hand it to the engine thread, then serve it under ``name``."""
+        if not self.enabled:
+            raise OpenAIError(400, "LoRA adapters are off: start with --enable-lora")
+        lora = LoRARequest(self._new_name(name), str(self.allowed_path(path)))
+        llm = engine.engine
+        try:
+            weights = await asyncio.to_thread(
+                load_adapter, lora, llm.model_config, llm.config.max_lora_rank
+            )
+        except LoRAError as exc:
+            raise OpenAIError(400, f"LoRA adapter {name!r}: {exc}", param="lora_path") from exc
+        await engine.call(lambda e: e.add_lora(lora, weights))
+        self._new_name(name)  # another load of the same name may have finished meanwhile
+        self.adapters[name] = lora
+        return lora
+
+    async def unload(self, engine: AsyncEngine, name: str) -> None:
+        """``POST /v1/unload_lora_adapter``: new requests for ``name`` get 404 now."""
+        lora = self.adapters.pop(name, None)
+        if lora is None:
+            raise OpenAIError(
+                404,
+                f"no LoRA adapter {name!r} is loaded",
+                param="lora_name",
+                code="model_not_found",
+            )
+        await engine.call(lambda e: e.remove_lora(lora))
+
+    def _new_name(self, name: str) -> str:
+        if not name or name == self.base_name:
+            raise OpenAIError(
+                400,
+                f"lora_name {name!r} must be non-empty and not the base model's name",
+                param="lora_name",
+            )
+        if name in self.adapters:
+            raise OpenAIError(
+                400, f"a LoRA adapter named {name!r} is already loaded", param="lora_name"
+            )
+        return name
+
+    def allowed_path(self, path: str) -> Path:
+        """The adapter folder ``path`` names, if it lies under ``--lora-dir``; else 400."""
+        root = self.lora_dir
+        if root is None:
+            raise OpenAIError(
+                400,
+                "loading adapters at run time needs --lora-dir (the folder they may come from)",
+                param="lora_path",
+            )
+        if ".." in PurePath(path).parts or "\x00" in path:
+            raise OpenAIError(400, "lora_path may not contain '..' or NUL", param="lora_path")
+        folder = root / path  # a relative path is taken under --lora-dir
+        refused = OpenAIError(
+            400, f"lora_path {path!r} is not an adapter folder under --lora-dir", param="lora_path"
+        )
+        try:
+            resolved = folder.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise refused from None
+        if not resolved.is_dir() or not resolved.is_relative_to(root):
+            raise refused
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            target = resolved / name
+            if target.exists() and not target.resolve().is_relative_to(root):
+                raise refused  # a symlink out of --lora-dir
+        return resolved

@@ -1,0 +1,133 @@
+"""What a PEFT adapter may be: served ones load, everything else is refused by name."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import InvalidRequestError
+from kvserve.lora import LoRARequest
+from kvserve.lora.adapter import LoRAError, load_adapter, read_config
+from kvserve.model.config import ModelConfig
+from tests.lora.peft_adapters import ALL_LINEAR, build_adapter, edit_config
+
+
+@pytest.fixture(scope="module")
+def base(checkpoint_dir) -> Path:  # type: ignore[no-untyped-def]
+    return checkpoint_dir("llama")  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def good(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_adapter(base, tmp_path_factory.mktemp("good"), r=8, targets=ALL_LINEAR)
+
+
+def copy(adapter: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(adapter, tmp_path / "adapter"))
+
+
+def load(path: Path, base: Path, max_rank: int = 16):  # type: ignore[no-untyped-def]
+    return load_adapter(LoRARequest("x", str(path)), ModelConfig.from_file(base), max_rank)
+
+
+def test_a_served_adapter_loads(good: Path, base: Path) -> None:
+    weights = load(good, base)
+    assert weights.rank == 8 and weights.scaling == 2.0  # lora_alpha 16 / r 8
+    assert weights.targets == ALL_LINEAR
+    assert len(weights.weights) == 2 * len(ALL_LINEAR)  # two layers
+
+
+def test_rslora_scales_by_the_root_of_the_rank(good: Path, tmp_path: Path) -> None:
+    path = copy(good, tmp_path)
+    edit_config(path, use_rslora=True)
+    assert read_config(path, 16) == (8, 16 / math.sqrt(8))
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "lora_only"}, "biases"),
+        ({"modules_to_save": ["lm_head"]}, "lm_head"),
+        ({"target_modules": ["embed_tokens"]}, "embedding or lm_head"),
+        ({"target_modules": ["c_attn"]}, "'c_attn'"),
+        ({"r": 32}, "max_lora_rank=16"),
+        ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+        ({"peft_type": "IA3"}, "IA3"),
+    ],
+)
+def test_refused_configs_name_the_reason(
+    good: Path, base: Path, tmp_path: Path, change: dict[str, object], named: str
+) -> None:
+    path = copy(good, tmp_path)
+    edit_config(path, **change)
+    with pytest.raises(LoRAError, match=named):
+        load(path, base)
+
+
+@pytest.mark.parametrize(
+    ("extra_key", "named"),
+    [
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", "DoRA"),
+        ("base_model.model.model.embed_tokens.lora_embedding_A", "embedding or lm_head"),
+        ("base_model.model.lm_head.lora_A.weight", "embedding or lm_head"),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", "biases"),
+        ("base_model.model.model.layers.0.mlp.fc1.lora_A.weight", "'fc1'"),
+        ("base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight", "2 layers"),
+    ],
+)
+def test_refused_tensors_name_the_reason(
+    good: Path, base: Path, tmp_path: Path, extra_key: str, named: str
+) -> None:
+    path = copy(good, tmp_path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    any_tensor = next(iter(tensors.values()))
+    save_file({**tensors, extra_key: any_tensor.clone()}, path / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match=named):
+        load(path, base)
+
+
+def test_an_adapter_for_another_model_is_refused(
+    checkpoint_dir, good: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(LoRAError, match="another model"):
+        load(good, checkpoint_dir("qwen3"))  # head_dim 32 x 4 heads: other shapes
+
+
+def test_missing_files_and_pickles_are_refused(good: Path, base: Path, tmp_path: Path) -> None:
+    with pytest.raises(LoRAError, match="not a directory"):
+        load(tmp_path / "nowhere", base)
+    path = copy(good, tmp_path)
+    (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
+    with pytest.raises(LoRAError, match="pickle"):
+        load(path, base)
+    (path / "adapter_config.json").unlink()
+    with pytest.raises(LoRAError, match=r"adapter_config\.json"):
+        load(path, base)
+
+
+def test_adapters_need_enable_lora_and_bad_ones_fail_before_queueing(
+    good: Path, base: Path, tmp_path: Path
+) -> None:
+    params = SamplingParams(max_tokens=2)
+    plain = LLM(str(base), dtype="float32", device="cpu")
+    with pytest.raises(InvalidRequestError, match="enable_lora"):
+        plain.generate("hi", params, lora_request=LoRARequest("good", str(good)))
+    llm = LLM(str(base), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8)
+    bad = copy(good, tmp_path)
+    edit_config(bad, r=16)
+    with pytest.raises(LoRAError, match="max_lora_rank=8"):
+        llm.generate(["a", "b"], params, lora_request=[None, LoRARequest("bad", str(bad))])
+    assert not llm.engine.has_unfinished_requests()
+    lora = LoRARequest("good", str(good))
+    [out] = llm.generate("hi", params, lora_request=lora)
+    assert len(out.outputs[0].token_ids) == 2
+    manager = llm.engine.lora
+    assert manager is not None and lora in manager.host and manager.slots.resident == [lora]
+    llm.engine.remove_lora(lora)  # idle: dropped from host memory and its slot at once
+    assert lora not in manager.host and manager.slots.resident == []

@@ -1,0 +1,268 @@
+"""``kvserve serve --enable-lora`` as a real process: adapters chosen by ``model``,
+listed by ``/v1/models``, loaded and unloaded at run time only from under ``--lora-dir``,
+called with the openai SDK."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+import schemathesis
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve import LLM, SamplingParams
+from kvserve.lora import LoRARequest
+from kvserve.rpc import engine_pb2 as pb
+from kvserve.rpc import engine_pb2_grpc as pb_grpc
+from kvserve.server.main import add_arguments, lora_problem
+from tests.lora.peft_adapters import ALL_LINEAR, build_adapter
+from tests.support.cli_server import start_cli_server
+from tests.support.net import free_port
+from tests.support.openapi_fuzz import fuzz_operation
+
+PROMPT = [5, 17, 42, 9, 33, 70, 11]  # token ids: the same prompt under every model
+MAX_TOKENS = 8
+
+
+@dataclass
+class Served:
+    url: str
+    lora_dir: Path
+    outside: Path  # an adapter folder outside --lora-dir
+    base_dir: Path
+    grpc_port: int
+
+    def sdk(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def post(self, path: str, body: dict[str, str]) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=body, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint_dir, tmp_path_factory) -> Iterator[Served]:  # type: ignore[no-untyped-def]
+    base = checkpoint_dir("llama")
+    root = tmp_path_factory.mktemp("lora")
+    lora_dir = root / "adapters"
+    outside = build_adapter(base, root / "outside", r=8, seed=1)
+    build_adapter(base, lora_dir / "second", r=4, targets=ALL_LINEAR, seed=2)
+    build_adapter(base, lora_dir / "third", r=8, seed=3)
+    grpc_port = free_port()
+    proc, url, _ = start_cli_server(
+        base,
+        "--grpc-port",  # after the helper's own: argparse keeps the last
+        str(grpc_port),
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"first={outside}",
+        "--lora-dir",
+        str(lora_dir),
+        grpc=True,
+    )
+    try:
+        yield Served(url, lora_dir, outside, base, grpc_port)
+    finally:
+        proc.stop()
+
+
+def complete(served: Served, model: str) -> str:
+    out = served.sdk().completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.model == model
+    return out.choices[0].text
+
+
+def offline(served: Served, adapters: dict[str, Path]) -> dict[str | None, str]:
+    """The same prompt, offline, under the base model and each adapter."""
+    llm = LLM(str(served.base_dir), dtype="float32", device="cpu", enable_lora=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    texts: dict[str | None, str] = {None: llm.generate([PROMPT], params)[0].outputs[0].text}
+    for name, path in adapters.items():
+        [out] = llm.generate([PROMPT], params, lora_request=LoRARequest(name, str(path)))
+        texts[name] = out.outputs[0].text
+    return texts
+
+
+def test_models_lists_the_base_and_each_adapter(served: Served) -> None:
+    models = {m.id: m for m in served.sdk().models.list().data}
+    assert set(models) == {"m", "first"}
+    first = models["first"].model_dump()
+    assert first["parent"] == "m" and first["root"] == str(served.outside.resolve())
+    assert models["m"].model_dump()["parent"] is None
+
+
+def test_the_model_field_selects_the_adapter(served: Served) -> None:
+    expected = offline(served, {"first": served.outside})
+    assert expected["first"] != expected[None], "the adapter must change the output"
+    assert complete(served, "m") == expected[None]
+    assert complete(served, "first") == expected["first"]
+    chat = served.sdk().chat.completions.create(
+        model="first", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert chat.model == "first"
+
+
+def test_an_unknown_model_is_404_model_not_found(served: Served) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        complete(served, "nobody")
+    assert err.value.code == "model_not_found"
+
+
+def test_load_use_and_unload_at_run_time(served: Served) -> None:
+    r = served.post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": "second"})
+    assert r.status_code == 200, r.text
+    abs_inside = str(served.lora_dir / "third")
+    r = served.post("/v1/load_lora_adapter", {"lora_name": "third", "lora_path": abs_inside})
+    assert r.status_code == 200, r.text
+    again = served.post("/v1/load_lora_adapter", {"lora_name": "third", "lora_path": "second"})
+    assert again.status_code == 400 and "already loaded" in again.text
+    names = {m.id for m in served.sdk().models.list().data}
+    assert {"second", "third"} <= names
+    expected = offline(
+        served, {"second": served.lora_dir / "second", "third": served.lora_dir / "third"}
+    )
+    # Three adapters over two slots: one waits for a slot, none blocks the others.
+    assert complete(served, "second") == expected["second"]
+    assert complete(served, "third") == expected["third"]
+    assert complete(served, "first") != expected[None]
+
+    # A stream under "second" keeps going while the adapter is unloaded under it.
+    stream = served.sdk().completions.create(
+        model="second",
+        prompt=PROMPT,
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    next(chunks)
+    r = served.post("/v1/unload_lora_adapter", {"lora_name": "second"})
+    assert r.status_code == 200, r.text
+    finish, usage = None, None
+    for chunk in chunks:
+        if chunk.choices:
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 200
+    with pytest.raises(openai.NotFoundError):
+        complete(served, "second")
+    r = served.post("/v1/unload_lora_adapter", {"lora_name": "second"})
+    assert r.status_code == 404
+    served.post("/v1/unload_lora_adapter", {"lora_name": "third"})
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute-outside", "symlink-dir", "symlink-file"])
+def test_loads_from_outside_the_lora_dir_are_refused(served: Served, how: str) -> None:
+    name = f"evil-{how}"
+    if how == "dotdot":
+        path = "../outside"
+    elif how == "absolute-outside":
+        path = str(served.outside)
+    elif how == "symlink-dir":
+        (served.lora_dir / name).symlink_to(served.outside, target_is_directory=True)
+        path = name
+    else:  # a folder inside whose weights file points outside
+        folder = served.lora_dir / name
+        folder.mkdir()
+        shutil.copy(served.outside / "adapter_config.json", folder)
+        os.symlink(
+            served.outside / "adapter_model.safetensors", folder / "adapter_model.safetensors"
+        )
+        path = name
+    r = served.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "lora_path"
+    assert name not in {m.id for m in served.sdk().models.list().data}
+
+
+def test_a_bad_adapter_is_refused_by_name(served: Served) -> None:
+    build_adapter(served.base_dir, served.lora_dir / "big", r=16, seed=4)  # over rank 8
+    r = served.post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": "big"})
+    assert r.status_code == 400 and "max_lora_rank=8" in r.json()["error"]["message"]
+
+
+def test_lora_info_metric(served: Served) -> None:
+    complete(served, "first")
+    text = httpx.get(f"{served.url}/metrics").text
+    [family] = [
+        f for f in text_string_to_metric_families(text) if f.name == "kvserve_lora_requests_info"
+    ]
+    [sample] = family.samples
+    assert sample.labels["max_lora"] == "2"
+    assert sample.labels["running_lora_adapters"] == ""  # nothing in flight now
+    assert sample.value > 1e9  # a Unix time
+
+
+def test_lora_flags_need_enable_lora() -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert "need --enable-lora" in (lora_problem(p.parse_args(["--lora-dir", "/x"])) or "")
+    args = p.parse_args(["--enable-lora", "--lora-modules", "a=/x", "a=/y"])
+    assert "twice" in (lora_problem(args) or "")
+    assert "NAME=PATH" in (
+        lora_problem(p.parse_args(["--enable-lora", "--lora-modules", "a"])) or ""
+    )
+    assert lora_problem(p.parse_args(["--enable-lora", "--lora-modules", "a=/x"])) is None
+
+
+def test_grpc_selects_loads_lists_and_unloads_adapters(served: Served) -> None:
+    expected = offline(served, {"first": served.outside})
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+
+        def generate(adapter: str | None) -> str:
+            request = pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=PROMPT),
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                ignore_eos=True,
+                lora_adapter=adapter,
+            )
+            return "".join(r.delta.text for r in stub.Generate(request) if r.HasField("delta"))
+
+        assert generate(None) == expected[None]
+        assert generate("first") == expected["first"]
+        with pytest.raises(grpc.RpcError) as err:
+            generate("nobody")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+        listed = stub.ListLoRAAdapters(pb.ListLoRAAdaptersRequest())
+        assert listed.max_loras == 2 and "first" in [a.name for a in listed.adapters]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="x", lora_path="../outside"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        loaded = stub.LoadLoRAAdapter(
+            pb.LoadLoRAAdapterRequest(lora_name="via-grpc", lora_path="third")
+        )
+        assert loaded.adapter.path == str((served.lora_dir / "third").resolve())
+        assert generate("via-grpc")
+        stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="via-grpc"))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="via-grpc"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("label", ["POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter"])
+def test_fuzzed_adapter_requests_get_no_server_errors(served: Served, label: str) -> None:
+    schema = schemathesis.openapi.from_url(f"{served.url}/openapi.json", timeout=30)
+    fuzz_operation(schema, label, served.url, "m", max_examples=25)
