@@ -1,6 +1,8 @@
 """One request's trip to the replicas: a slot, the upstream call, retries, and cleanup.
 
 Before the first output the request may be retried on another replica; after it, never.
+A request for a LoRA adapter routed to a replica that does not serve it has the replica
+load it first (``kvserve.gateway.adapters``).
 ``UpstreamCall.close`` runs exactly once, whatever ended the request, and settles its
 slot, its token reservation, its metrics and its span. Turning the replica's messages
 into the client's response is ``kvserve.gateway.relay``'s job.
@@ -15,10 +17,12 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from kvserve.gateway import adapters
 from kvserve.gateway.admission import AdmissionRejected, Slot
 from kvserve.gateway.auth import Tenant
 from kvserve.gateway.ratelimit import Admission
 from kvserve.gateway.replicas import Replica
+from kvserve.gateway.routing import route_adapter
 from kvserve.gateway.state import GatewayState
 from kvserve.openai.errors import OpenAIError
 from kvserve.rpc import codec
@@ -39,8 +43,12 @@ class UpstreamCall:
         span: trace.Span,
         s: float,
         prompt_estimate: int,
+        adapter: str | None = None,
     ) -> None:
+        # ``model`` is the served model (whose replicas and metrics these are); ``adapter``
+        # the LoRA adapter of it that the request named, if any.
         self.state, self.model, self.tenant = state, model, tenant
+        self.adapter = adapter
         self.admission, self.span, self.s = admission, span, s
         self.prompt_estimate = prompt_estimate
         self.output_tokens = 0  # seen so far (charged if the request never finishes)
@@ -84,6 +92,20 @@ class UpstreamCall:
                 self._release_slot()
                 continue
             self.span.set_attribute("kvserve.replica", self.replica.address)
+            # A replica routed to for an adapter it does not serve yet: the router asked
+            # for a load (decision.load_adapter), or another request's load is under way.
+            if self.adapter is not None and self.adapter not in self.replica.lora_adapters:
+                try:
+                    await adapters.ensure_loaded(
+                        st, self.model, self.replica, self.adapter, cfg.request_timeout_seconds
+                    )
+                except adapters.AdapterLoadFailed as exc:
+                    self._release_slot()
+                    if exc.code == grpc.StatusCode.UNAVAILABLE:
+                        st.fleet.mark_failed(self.replica, str(exc))
+                    exclude.add(self.replica.address)
+                    last_error = str(exc)
+                    continue
             self.grpc_call = self.replica.client.generate(
                 request, cfg.request_timeout_seconds, metadata
             )
@@ -105,6 +127,12 @@ class UpstreamCall:
                 raise OpenAIError(400, f"{detail}", param=param)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise OpenAIError(504, f"the replica did not answer within the timeout: {detail}")
+            if code == grpc.StatusCode.NOT_FOUND and self.adapter is not None:
+                # The adapter was unloaded there since the last poll: the replica is fine.
+                adapters.forget(self.replica, self.adapter)
+                exclude.add(self.replica.address)
+                last_error = f"replica {self.replica.address}: {detail}"
+                continue
             st.fleet.mark_failed(self.replica, f"{code.name if code else 'EOF'}: {detail}")
             exclude.add(self.replica.address)
             last_error = f"replica {self.replica.address}: {detail}"
@@ -112,7 +140,14 @@ class UpstreamCall:
 
     def _pick(self, key: str, exclude: set[str], decisions: list[Any]) -> str | None:
         """The admission queue's ``pick``: route now, remember the decision."""
-        decision = self.state.router.route(key, self.state.fleet.views(self.model), exclude)
+        views = self.state.fleet.views(self.model)
+        if self.adapter is None:
+            decision = self.state.router.route(key, views, exclude)
+        else:
+            load_factor = self.state.config.routing.load_factor
+            decision = route_adapter(
+                self.state.router, self.adapter, key, views, exclude, load_factor
+            )
         if decision is None:
             return None
         decisions.append(decision)

@@ -46,6 +46,10 @@ from kvserve.sampling_params import StopLimits
 
 RoutingPolicy = Literal["prefix", "least_load", "round_robin"]
 
+# An adapter the gateway may load by name is the folder of that name in each replica's
+# --lora-dir: one path component, never "." or "..".
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
 _REPLICA_URL = re.compile(
     r"grpc://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
     r":(?P<port>[0-9]{1,5})"
@@ -119,6 +123,24 @@ class ModelConfig(StrictModel):
     replicas: list[ReplicaUrl] = Field(default_factory=list)
     max_tokens_ceiling: int | None = Field(default=None, ge=1)
     max_in_flight_per_replica: int = Field(default=32, ge=1)
+    # LoRA adapters of this model that the gateway may have a replica load on demand, from
+    # the replica's --lora-dir/<name> (those the replicas already serve need no entry).
+    lora_adapters: list[str] = Field(default_factory=list)
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapter_names(cls, names: list[str]) -> list[str]:
+        seen: set[str] = set()
+        for index, name in enumerate(names):
+            if _ADAPTER_NAME.fullmatch(name) is None:
+                raise ValueError(
+                    f"[{index}]: adapter name {name!r} must be a folder name: 1-128 letters, "
+                    "digits, '.', '_', '-', starting with a letter or digit"
+                )
+            if name in seen:
+                raise ValueError(f"[{index}]: adapter {name!r} is listed twice")
+            seen.add(name)
+        return names
 
     @field_validator("replicas")
     @classmethod
@@ -203,6 +225,31 @@ class GatewayConfig(StrictModel):
             if name == WILDCARD:
                 raise ValueError("'*' is reserved for 'every model' in the keys file")
         return models
+
+    @model_validator(mode="after")
+    def _adapter_names_are_unique(self) -> GatewayConfig:
+        # A request's ``model`` names a model or an adapter: each name must mean one thing.
+        owner: dict[str, str] = {}
+        for model, settings in self.models.items():
+            for name in settings.lora_adapters:
+                if name in self.models:
+                    raise ValueError(
+                        f"models.{model}.lora_adapters: {name!r} is also a model's name"
+                    )
+                if name in owner:
+                    raise ValueError(
+                        f"models.{model}.lora_adapters: {name!r} is also an adapter of "
+                        f"{owner[name]!r}"
+                    )
+                owner[name] = model
+        return self
+
+    def adapter_model(self, name: str) -> str | None:
+        """The model whose ``lora_adapters`` lists ``name``, if any."""
+        for model, settings in self.models.items():
+            if name in settings.lora_adapters:
+                return model
+        return None
 
     @model_validator(mode="after")
     def _replicas_come_from_somewhere(self) -> GatewayConfig:

@@ -21,12 +21,16 @@ Metric                                              Definition
 ``kvserve_gateway_routing_decisions_total``         counter by ``model``, ``policy``,
                                                     ``replica``
 ``kvserve_gateway_routing_overrides_total``         counter by ``model``: prefix routes sent
-                                                    elsewhere (load bound or retry)
+                                                    elsewhere (load bound or retry); LoRA
+                                                    requests past the adapter's replicas
 ``kvserve_gateway_upstream_errors_total``           counter by ``model``, ``code`` (gRPC)
 ``kvserve_gateway_retries_total``                   counter by ``model``
 ``kvserve_gateway_time_to_first_token_seconds``     histogram by ``model``: TTFT = f − s
 ``kvserve_gateway_e2e_request_latency_seconds``     histogram by ``model``: E2E = e − s
 ``kvserve_gateway_client_disconnects_total``        counter by ``model``
+``kvserve_gateway_lora_loads_total``                counter by ``model``, ``outcome``:
+                                                    loaded, failed (LoRA adapters the
+                                                    gateway had a replica load on demand)
 =================================================== =======================================
 """
 
@@ -112,6 +116,11 @@ class GatewayMetrics:
         self.disconnects = Counter(
             p + "client_disconnects", "Clients that went away before their answer ended.",
             ("model",), registry=reg,
+        )  # fmt: skip
+
+        self.lora_loads = Counter(
+            p + "lora_loads", "LoRA adapters loaded on a replica on demand, by outcome.",
+            ("model", "outcome"), registry=reg,
         )  # fmt: skip
 
     def add_model(self, model: str) -> None:

@@ -5,6 +5,10 @@ Health is active and passive: a poller calls every replica's ``GetLoad`` each
 request that fails to reach it marks it unhealthy at once. A replica removed from
 discovery is *draining*: it gets no new requests, its in-flight ones finish, then its
 channel closes.
+
+The same poll reports the LoRA adapters each replica serves (``GetLoadResponse``'s
+``lora_adapters`` and ``max_loras``); the gateway adds an adapter it has just loaded
+there at once, without waiting for the next poll (``kvserve.gateway.adapters``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ class Replica:
     kv_cache_usage: float = 0.0
     max_model_len: int = 0  # from GetLoad; 0 until the first poll answers
     failures: int = 0  # consecutive failed polls / calls
+    lora_adapters: frozenset[str] = frozenset()  # served by name (GetLoad, or loaded here)
+    max_loras: int = 0  # the replica's adapter slots (0: LoRA off)
+    # Adapters this gateway is loading there now: requests for them wait for the one load.
+    loading: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    def adapters(self) -> frozenset[str]:
+        """What routing counts as there: served, or being loaded by this gateway."""
+        return self.lora_adapters.union(self.loading) if self.loading else self.lora_adapters
 
 
 @dataclass
@@ -85,9 +97,23 @@ class Fleet:
                 capacity=rep.capacity,
                 healthy=rep.healthy,
                 draining=rep.draining,
+                adapters=rep.adapters(),
+                lora_slots=rep.max_loras,
             )
             for rep in self.replicas.get(model, {}).values()
         ]
+
+    def adapters(self, model: str) -> set[str]:
+        """The LoRA adapters any of the model's replicas serves (or is loading)."""
+        return {name for rep in self.replicas.get(model, {}).values() for name in rep.adapters()}
+
+    def adapter_base(self, name: str) -> str | None:
+        """The model one of whose replicas serves the adapter ``name`` (the first by name
+        if several do)."""
+        for model in sorted(self.replicas):
+            if any(name in rep.adapters() for rep in self.replicas[model].values()):
+                return model
+        return None
 
     def get(self, model: str, address: str) -> Replica | None:
         return self.replicas.get(model, {}).get(address)
@@ -125,6 +151,8 @@ class Fleet:
             rep.waiting, rep.running = int(res.num_waiting), int(res.num_running)
             rep.kv_cache_usage = float(res.kv_cache_usage)
             rep.max_model_len = int(res.max_model_len)
+            rep.lora_adapters = frozenset(res.lora_adapters)
+            rep.max_loras = int(res.max_loras)
             self.mark_ok(rep)
         await self.reap()
         self._changed()

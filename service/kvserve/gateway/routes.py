@@ -3,12 +3,13 @@
 A completion goes through, in order (each step's refusal has its status and metric
 reason): request id and body size (middleware; 400 / 413 ``payload_too_large``) → API
 key (401 ``unauthenticated``; before the body is read, so an anonymous client gets
-nothing parsed and no detailed errors) → JSON schema (400 ``invalid``) → model known
-(404) → key allowed for it (403 ``forbidden``) → the shared request checks and the ``max_tokens``
-ceiling (400 ``invalid``) → per-tenant rate limits (429 ``rate_limited_*``/``concurrency``)
-→ a replica slot, routed and possibly queued (503 ``queue_full``/``queue_timeout``) → the
-request on the replica's shared ``GenerateMany`` call, retried on another replica while
-no output has been received (``call``) → the answer, streamed or whole (``relay``).
+nothing parsed and no detailed errors) → JSON schema (400 ``invalid``) → a known model or
+LoRA adapter (404) → key allowed for that name (403 ``forbidden``) → the shared request
+checks and the ``max_tokens`` ceiling (400 ``invalid``) → per-tenant rate limits (429
+``rate_limited_*``/``concurrency``) → a replica slot, routed and possibly queued (503
+``queue_full``/``queue_timeout``) → the request on the replica's shared ``GenerateMany``
+call, retried on another replica while no output has been received (``call``) → the
+answer, streamed or whole (``relay``).
 
 Response headers go out only once the replica has sent its first message, so a replica
 failing before any output is retried invisibly, and an engine refusal (INVALID_ARGUMENT)
@@ -30,7 +31,7 @@ from opentelemetry.trace import SpanKind
 
 from kvserve.conversation import text_chars
 from kvserve.errors import InvalidRequestError
-from kvserve.gateway import relay
+from kvserve.gateway import adapters, auth, relay
 from kvserve.gateway.auth import AuthError, Tenant
 from kvserve.gateway.call import UpstreamCall
 from kvserve.gateway.ratelimit import LimitExceeded, RateLimited
@@ -86,13 +87,18 @@ def gateway_router(state: GatewayState) -> APIRouter:
     @router.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         tenant = _authenticate(state, request)
-        names = [m for m in state.model_names() if tenant.allows(m)]
-        return {
-            "object": "list",
-            "data": [
-                {"id": m, "object": "model", "created": 0, "owned_by": "kvserve"} for m in names
-            ],
-        }
+        data: list[dict[str, Any]] = []
+        for model in state.model_names():
+            entry = {"id": model, "object": "model", "created": 0, "owned_by": "kvserve"}
+            if tenant.allows(model):
+                data.append({**entry, "root": model, "parent": None})
+            # An adapter shows to keys that may use it, even if not its base model.
+            data.extend(
+                {**entry, "id": name, "root": model, "parent": model}
+                for name in adapters.known(state, model)
+                if tenant.allows(name)
+            )
+        return {"object": "list", "data": data}
 
     @router.post(
         "/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest)
@@ -135,6 +141,20 @@ def _refused(state: GatewayState, exc: AuthError) -> OpenAIError:
     return OpenAIError(exc.status, exc.message, code=exc.code, headers=exc.headers)
 
 
+def _not_found(state: GatewayState, tenant: Tenant, name: str) -> OpenAIError:
+    """404 ``model_not_found``, listing only the names this key may use: an adapter's name
+    (often a customer's) is not shown to other tenants."""
+    names = [m for m in state.model_names() if tenant.allows(m)]
+    names += [a for m in state.model_names() for a in adapters.known(state, m) if tenant.allows(a)]
+    shown = name[: auth.MAX_MODEL_IN_MESSAGE]
+    return OpenAIError(
+        404,
+        f"model {shown!r} is not served here (available: {', '.join(names)})",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def _authenticate(state: GatewayState, request: Request) -> Tenant:
     try:
         return state.keys.authenticate(request.headers.get("authorization"))
@@ -175,19 +195,22 @@ async def _serve(
     s = time.monotonic()
     rid: str = request.state.request_id
     chat = isinstance(body, ChatCompletionRequest)
-    if not state.serves(body.model):
-        raise OpenAIError(
-            404,
-            f"model {body.model!r} is not served here (available: "
-            f"{', '.join(state.model_names())})",
-            param="model",
-            code="model_not_found",
-        )
+    resolved = adapters.resolve(state, body.model)
+    if resolved is None:
+        raise _not_found(state, tenant, body.model)
+    model, adapter = resolved  # the model's replicas serve the request, under the adapter
     try:
-        state.keys.authorize(tenant, body.model)
+        state.keys.authorize(tenant, body.model)  # a key names each adapter it may use
     except AuthError as exc:
         raise _refused(state, exc) from None
-    ceiling = state.config.model_settings(body.model).max_tokens_ceiling
+    if adapter is not None and not adapters.serving(state, model):
+        # Else it would wait in the queue for a replica that can never take it.
+        raise OpenAIError(
+            503,
+            f"no replica of {model!r} serves LoRA adapters now (--enable-lora)",
+            headers={"retry-after": "1"},
+        )
+    ceiling = state.config.model_settings(model).max_tokens_ceiling
     limit = _checked_limit(state, body, ceiling)
     try:
         params = body.sampling_params(limit.value or 1, checks.logprobs_count(body))
@@ -205,11 +228,13 @@ async def _serve(
         tools=tools,
         constraint=constraint,
     )
+    if adapter is not None:
+        upstream.lora_adapter = adapter
 
     # Token reservation: the prompt estimate + the most the request may generate; settled
     # to the real usage at the end, an overrun charged as debt (kvserve.gateway.ratelimit).
     prompt_estimate = _prompt_estimate(prompt, tools)
-    most = _most_output_tokens(state, body.model, limit, ceiling, prompt_estimate)
+    most = _most_output_tokens(state, model, limit, ceiling, prompt_estimate)
     reserve = prompt_estimate + most
     try:
         admission = state.limiter.admit(tenant, reserve)
@@ -230,15 +255,18 @@ async def _serve(
             "gen_ai.request.model": body.model,
             "kvserve.request_id": rid,
             "kvserve.tenant": tenant.name,
+            **({"kvserve.lora_adapter": adapter} if adapter is not None else {}),
         },
     )
     metadata: dict[str, str] = {"x-request-id": rid}
     propagate.inject(metadata, context=trace.set_span_in_context(span))
-    call = UpstreamCall(state, body.model, tenant, admission, span, s, prompt_estimate)
+    call = UpstreamCall(state, model, tenant, admission, span, s, prompt_estimate, adapter)
     try:
-        # Routing groups by the tenant's salt as well: its blocks serve no other namespace.
-        routed = {"messages": prompt} if chat else {"prompt": prompt}
-        key = prefix_key({**routed, "cache_salt": cache_salt}, state.config.routing.prefix_chars)
+        # Routing groups by the tenant's salt and the adapter as well: the engine shares
+        # KV blocks across neither.
+        routed: dict[str, Any] = {"messages": prompt} if chat else {"prompt": prompt}
+        routed |= {"cache_salt": cache_salt, "lora_adapter": adapter}
+        key = prefix_key(routed, state.config.routing.prefix_chars)
         first = await until_disconnected(request, call.start(key, upstream, metadata))
     except BaseException as exc:
         call.close(exc)

@@ -15,6 +15,10 @@ Three policies share one interface, ``route(key, replicas, exclude) → RouteDec
   balance, no cache affinity.
 - ``round_robin`` (:class:`RoundRobinRouter`): a baseline for comparison.
 
+A request for a LoRA adapter goes through :func:`route_adapter` around the policy: the
+replicas that serve the adapter first, while under the same load bound; else the least
+loaded replica with LoRA on, which the caller asks to load the adapter first.
+
 Routers only choose; they never count. The load they read is a snapshot
 (:class:`ReplicaLoad`) built by the caller from the gateway's own in-flight counts
 (exact, see ``admission.ReplicaSlots``) and each replica's last ``GetLoad``.
@@ -35,6 +39,7 @@ ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("prefix", "least_load", "round_ro
 DEFAULT_PREFIX_CHARS = 512
 DEFAULT_LOAD_FACTOR = 1.25
 DEFAULT_VIRTUAL_NODES = 100
+MAX_RINGS = 64  # rings a ConsistentHashRouter keeps (one per replica set it was asked about)
 
 
 def _content_text(content: Any) -> str:
@@ -78,13 +83,17 @@ def prefix_key(body: Mapping[str, Any], prefix_chars: int = DEFAULT_PREFIX_CHARS
     first user message (the system prompt(s) + first user message, with role markers);
     for completions, the prompt (token ids rendered as text). It is cut to
     ``prefix_chars`` so a long unique tail (the part that is never shared) cannot send
-    otherwise-identical prefixes to different replicas. A ``cache_salt`` in the body is
-    part of the key: the engine never shares blocks across salts.
+    otherwise-identical prefixes to different replicas. A ``cache_salt`` and a
+    ``lora_adapter`` in the body are part of the key: the engine shares blocks across
+    neither salts nor adapters.
     """
     if prefix_chars <= 0:
         raise ValueError(f"prefix_chars must be positive, got {prefix_chars}")
     salt = body.get("cache_salt")
     head = f"<|salt|>{salt}\n" if isinstance(salt, str) and salt else ""
+    adapter = body.get("lora_adapter")
+    if isinstance(adapter, str) and adapter:
+        head += f"<|lora|>{adapter}\n"
     messages = body.get("messages")
     if isinstance(messages, list):
         parts: list[str] = []
@@ -107,7 +116,9 @@ class ReplicaLoad:
 
     ``in_flight`` is the gateway's own count of requests it has sent there and not yet
     finished (exact and current); ``waiting``/``running`` come from the replica's last
-    ``GetLoad`` (stale by up to one poll, and they include traffic from other gateways).
+    ``GetLoad`` (stale by up to one poll, and they include traffic from other gateways),
+    as do ``adapters`` (the LoRA adapters it serves, plus any this gateway is loading
+    there) and ``lora_slots`` (0: LoRA off).
     """
 
     address: str
@@ -117,6 +128,8 @@ class ReplicaLoad:
     capacity: int
     healthy: bool = True
     draining: bool = False
+    adapters: frozenset[str] = frozenset()
+    lora_slots: int = 0
 
     @property
     def routable(self) -> bool:
@@ -131,10 +144,13 @@ class ReplicaLoad:
 
 @dataclass(frozen=True)
 class RouteDecision:
-    """Where to send a request; ``overridden`` when that is not the prefix's home replica."""
+    """Where to send a request; ``overridden`` when that is not the prefix's home replica
+    (or, for an adapter, not a replica that serves it); ``load_adapter``: the adapter the
+    caller must have the replica load before sending the request there."""
 
     address: str
     overridden: bool = False
+    load_adapter: str | None = None
 
 
 class Router(Protocol):
@@ -147,6 +163,16 @@ class Router(Protocol):
 
 def _eligible(replica: ReplicaLoad, exclude: Collection[str]) -> bool:
     return replica.routable and not replica.full and replica.address not in exclude
+
+
+def load_bound(replicas: Sequence[ReplicaLoad], load_factor: float) -> int:
+    """The bounded-loads rule: the most in-flight requests a replica may have after taking
+    one more, ``ceil(load_factor × (total + 1) / n)`` over the routable replicas."""
+    routable = [replica for replica in replicas if replica.routable]
+    if not routable:
+        return 0
+    total = sum(replica.in_flight for replica in routable)
+    return math.ceil(load_factor * (total + 1) / len(routable))
 
 
 def _hash64(text: str) -> int:
@@ -207,20 +233,21 @@ class ConsistentHashRouter:
             raise ValueError(f"virtual_nodes must be positive, got {virtual_nodes}")
         self.load_factor = load_factor
         self.virtual_nodes = virtual_nodes
-        self._ring = _Ring(frozenset(), virtual_nodes)
+        # A few rings, by address set: adapter requests route over the subsets that serve
+        # their adapter, and alternating with the whole set must not rebuild a ring each time.
+        self._rings: dict[frozenset[str], _Ring] = {}
 
     def _ring_for(self, addresses: frozenset[str]) -> _Ring:
-        if addresses != self._ring.addresses:
-            self._ring = _Ring(addresses, self.virtual_nodes)
-        return self._ring
+        ring = self._rings.get(addresses)
+        if ring is None:
+            if len(self._rings) >= MAX_RINGS:
+                del self._rings[next(iter(self._rings))]  # the oldest built
+            ring = self._rings[addresses] = _Ring(addresses, self.virtual_nodes)
+        return ring
 
     def bound(self, replicas: Sequence[ReplicaLoad]) -> int:
         """The most in-flight requests a replica may have after taking one more."""
-        routable = [replica for replica in replicas if replica.routable]
-        if not routable:
-            return 0
-        total = sum(replica.in_flight for replica in routable)
-        return math.ceil(self.load_factor * (total + 1) / len(routable))
+        return load_bound(replicas, self.load_factor)
 
     def home(self, key: str, replicas: Sequence[ReplicaLoad]) -> str | None:
         """The key's first routable replica clockwise, ignoring load and exclusion."""
@@ -322,3 +349,45 @@ def make_router(policy: RoutingPolicy, load_factor: float = DEFAULT_LOAD_FACTOR)
     if policy == "round_robin":
         return RoundRobinRouter()
     raise ValueError(f"unknown routing policy {policy!r}; allowed: {', '.join(ROUTING_POLICIES)}")
+
+
+def route_adapter(
+    router: Router,
+    adapter: str,
+    key: str,
+    replicas: Sequence[ReplicaLoad],
+    exclude: Collection[str] = (),
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+) -> RouteDecision | None:
+    """Where a request for the LoRA ``adapter`` goes (``None``: no replica can take it now).
+
+    The replicas that serve the adapter come first, chosen among by the policy's
+    ``router``, but only those within :func:`load_bound` over *all* the model's replicas:
+    the rule of prefix routing, so a hot adapter spills onto other replicas (which then
+    load it too) instead of overloading its holders. Otherwise, the least loaded eligible
+    replica with LoRA on (fewest in-flight + waiting; a holder first on a tie, then by
+    address), with ``load_adapter`` set when it does not serve the adapter yet.
+    """
+    bound = load_bound(replicas, load_factor)
+    holders = [
+        replica
+        for replica in replicas
+        if adapter in replica.adapters
+        and _eligible(replica, exclude)
+        and replica.in_flight + 1 <= bound
+    ]
+    if holders:
+        decision = router.route(key, holders, exclude)
+        if decision is not None:
+            return RouteDecision(decision.address, overridden=decision.overridden)
+    candidates = [
+        replica for replica in replicas if replica.lora_slots > 0 and _eligible(replica, exclude)
+    ]
+    if not candidates:
+        return None
+    least = min(
+        candidates,
+        key=lambda r: (r.in_flight + r.waiting, adapter not in r.adapters, r.address),
+    )
+    load = adapter if adapter not in least.adapters else None
+    return RouteDecision(least.address, overridden=True, load_adapter=load)

@@ -54,6 +54,12 @@ class ReplicaClient:
     async def get_load(self, timeout: float) -> Any:
         return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=timeout)
 
+    async def load_lora_adapter(self, name: str, timeout: float) -> Any:
+        """Have the replica load the adapter ``name`` from its ``--lora-dir/<name>`` (an
+        empty ``lora_path`` says so)."""
+        request = pb.LoadLoRAAdapterRequest(lora_name=name, lora_path="")
+        return await self._stub.LoadLoRAAdapter(request, timeout=timeout)
+
     async def close(self) -> None:
         self._requests.close()
         await self._channel.close()

@@ -853,9 +853,10 @@ def replicas() -> Dashboard:
                     Panel(
                         "Routing overrides",
                         "Prefix-routed requests sent to another replica than their prefix's "
-                        "home (the home was over the load bound or full, or a retry), per "
-                        "second. Overrides trade prefix-cache hits for balance: a high rate "
-                        "means one prefix is hotter than one replica can take.",
+                        "home (the home was over the load bound or full, or a retry), and "
+                        "LoRA-adapter requests sent past the replicas that serve their "
+                        "adapter, per second. Overrides trade prefix-cache hits for balance: "
+                        "a high rate means one prefix is hotter than one replica can take.",
                         "reqps",
                         (Query(q.rate_sum(overrides, gm, ("model",), RATE), "{{model}}"),),
                         min=0,

@@ -123,7 +123,7 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetLoad(self, request, context):
-        """Load signals for routing: queue depth, running batch, KV cache use.
+        """Load signals for routing: queue depth, running batch, KV cache use, LoRA adapters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -228,6 +228,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             num_blocks=num_blocks,
             num_free_blocks=round((1.0 - stats.kv_cache_usage) * num_blocks),
             max_model_len=self.engine.engine.max_model_len,
+            lora_adapters=list(self.lora.adapters),
+            max_loras=self.engine.engine.config.max_loras if self.lora.enabled else 0,
         )
 
     async def LoadLoRAAdapter(

@@ -88,10 +88,14 @@ class LoRAAdapters:
 
     async def load(self, engine: AsyncEngine, name: str, path: str) -> LoRARequest:
         """``POST /v1/load_lora_adapter``: check the path, read the adapter off the event
-        loop, hand it to the engine thread, then serve it under ``name``."""
+        loop, hand it to the engine thread, then serve it under ``name``.
+
+        An empty ``path`` (gRPC only: the HTTP schema requires one) means the folder named
+        ``name`` in ``--lora-dir``: a gateway loads adapters on demand by name alone. The
+        name is then checked as a path, by the same rules."""
         if not self.enabled:
             raise OpenAIError(400, "LoRA adapters are off: start with --enable-lora")
-        lora = LoRARequest(self._new_name(name), str(self.allowed_path(path)))
+        lora = LoRARequest(self._new_name(name), str(self.allowed_path(path or name)))
         llm = engine.engine
         try:
             weights = await asyncio.to_thread(
