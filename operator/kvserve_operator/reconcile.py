@@ -22,6 +22,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from kvserve_operator import metrics
+from kvserve_operator.adapters import replicas_adapters
 from kvserve_operator.autoscaler import (
     METRICS,
     Autoscaler,
@@ -47,7 +48,7 @@ from kvserve_operator.spec import (
     SpecError,
     parse_spec,
 )
-from kvserve_operator.status import compute_status, rfc3339
+from kvserve_operator.status import adapters_status, compute_status, rfc3339
 
 Log = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -161,6 +162,7 @@ class Reconciler:
         status["selector"] = selector_string(name)
         status["endpoint"] = endpoint_status(name, namespace, self.config.render)
         status.update(self._capacity(namespace, spec))
+        status["adapters"] = adapters_status(spec, self._replicas_adapters(namespace, name, spec))
         self._write_status(namespace, name, previous, status)
         if error is not None:
             raise ApiException(status=500, reason=error)
@@ -182,6 +184,15 @@ class Reconciler:
             error=error,
             now=self.now(),
         )
+
+    def _replicas_adapters(
+        self, namespace: str, name: str, spec: InferenceModelSpec
+    ) -> list[frozenset[str]]:
+        """What each ready replica serves, for status.adapters (only when any are listed)."""
+        if not spec.adapters:
+            return []
+        pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
+        return replicas_adapters(pods)
 
     def _capacity(self, namespace: str, spec: InferenceModelSpec) -> dict[str, Any]:
         """status.capacity when the model's config.json is visible to the operator."""

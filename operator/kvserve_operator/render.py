@@ -12,10 +12,14 @@ Children (all named after the InferenceModel, in its namespace, owned by it):
 - Deployment: the engine pods (init container ``model-pull`` + container ``engine``)
 - Service: ClusterIP with ports http 8000, grpc 50051 and metrics 9090 (→ http)
 - PodDisruptionBudget: at most one engine pod evicted at a time
+- ConfigMap ``NAME-adapters`` (only with spec.lora or spec.adapters): spec.adapters as
+  JSON, mounted into the pods, where the ``adapter-sync`` container pulls, loads and
+  unloads them without a restart (docs/inference-model.md, "Adapters")
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +27,7 @@ from typing import Any
 from kvserve.engine_options import flags_from_spec
 from kvserve.model.pull import DEFAULT_PVC_ROOT, PVC_ROOT_ENV, ModelSource
 from kvserve_operator.constants import API_VERSION, GROUP, KIND, MANAGED_BY_LABEL, OPERATOR_NAME
-from kvserve_operator.spec import InferenceModelSpec, SpecError
+from kvserve_operator.spec import InferenceModelSpec, SpecError, check_adapter_names
 
 HTTP_PORT = 8000
 GRPC_PORT = 50051
@@ -36,6 +40,12 @@ HF_HOME = f"{MODEL_CACHE_DIR}/.hf-home"
 PVC_ROOT = DEFAULT_PVC_ROOT  # /mnt/pvc: claim CLAIM is mounted at /mnt/pvc/CLAIM
 TMP_DIR = "/tmp"
 RUN_AS = 1000
+# LoRA adapters: the engine's --lora-dir (an emptyDir the adapter-sync container fills),
+# and where spec.adapters is mounted from the NAME-adapters ConfigMap.
+LORA_DIR = "/adapters"
+ADAPTERS_CONFIG_DIR = "/etc/kvserve/adapters"
+ADAPTERS_CONFIG_KEY = "adapters.json"
+ADAPTER_SYNC_CONTAINER = "adapter-sync"
 
 SERVED_NAME_ANNOTATION = f"{GROUP}/served-name"
 MODEL_LABEL = f"{GROUP}/inference-model"
@@ -166,6 +176,36 @@ def _model_dir(source: ModelSource) -> str:
     return source.path
 
 
+def adapters_config_map_name(name: str) -> str:
+    return f"{name}-adapters"
+
+
+def lora_args(spec: InferenceModelSpec) -> list[str]:
+    """The LoRA flags of ``kvserve serve`` (none when spec.lora and spec.adapters are unset).
+
+    No --lora-modules: every adapter is loaded at run time by the adapter-sync container,
+    so the list can change without a restart."""
+    if not spec.lora_enabled:
+        return []
+    limits = spec.lora_limits
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        str(limits.max_loras),
+        "--max-lora-rank",
+        str(limits.max_rank),
+    ]
+    if limits.max_cpu_loras is not None:
+        args += ["--max-cpu-loras", str(limits.max_cpu_loras)]
+    return [*args, "--lora-dir", LORA_DIR]
+
+
+def adapters_config(spec: InferenceModelSpec) -> str:
+    """The ConfigMap's ``adapters.json``: what ``kvserve adapters sync --config`` reads."""
+    adapters = [{"name": a.name, "source": a.resolved_source} for a in spec.adapters]
+    return json.dumps({"adapters": adapters}, indent=1, sort_keys=True) + "\n"
+
+
 def engine_args(spec: InferenceModelSpec, model_dir: str, served_name: str) -> list[str]:
     """Arguments of ``kvserve serve`` (after the command); extraArgs come last."""
     e = spec.engine
@@ -188,6 +228,7 @@ def engine_args(spec: InferenceModelSpec, model_dir: str, served_name: str) -> l
         *flags_from_spec(e.engine_options()),
         "--drain-timeout",
         str(e.drain_timeout_seconds),
+        *lora_args(spec),
     ]
     return args + list(e.extra_args)
 
@@ -338,6 +379,19 @@ def render_deployment(
         "securityContext": _container_security_context(),
         "volumeMounts": [dict(m) for m in mounts],
     }
+    containers = [engine]
+    if spec.lora_enabled:
+        # Nothing here depends on spec.adapters (only the ConfigMap does), so changing the
+        # list never changes the pod template and never rolls the pods.
+        volumes.append({"name": "adapters", "emptyDir": {}})
+        volumes.append(
+            {
+                "name": "adapters-config",
+                "configMap": {"name": adapters_config_map_name(name)},
+            }
+        )
+        engine["volumeMounts"].append({"name": "adapters", "mountPath": LORA_DIR, "readOnly": True})
+        containers.append(_adapter_sync_container(image, pull_policy, pull_env, mounts))
 
     r = spec.resources
     pod_spec: dict[str, Any] = {
@@ -354,7 +408,7 @@ def render_deployment(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "initContainers": [init_container],
-        "containers": [engine],
+        "containers": containers,
         "volumes": volumes,
     }
     if r.node_selector:
@@ -391,6 +445,51 @@ def render_deployment(
                 "spec": pod_spec,
             },
         },
+    }
+
+
+def _adapter_sync_container(
+    image: str, pull_policy: str, pull_env: list[dict[str, Any]], mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The sidecar that keeps the engine's loaded adapters equal to the mounted list."""
+    return {
+        "name": ADAPTER_SYNC_CONTAINER,
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        "command": [
+            "kvserve",
+            "adapters",
+            "sync",
+            "--config",
+            f"{ADAPTERS_CONFIG_DIR}/{ADAPTERS_CONFIG_KEY}",
+            "--lora-dir",
+            LORA_DIR,
+            "--url",
+            f"http://127.0.0.1:{HTTP_PORT}",
+        ],
+        # The same environment as the model pull: HOME, the Hub cache, the claims' root
+        # and the Hub token (private adapters), never given to the engine.
+        "env": [dict(v) for v in pull_env],
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
+        "securityContext": _container_security_context(),
+        "volumeMounts": [
+            *(dict(m) for m in mounts),
+            {"name": "adapters", "mountPath": LORA_DIR},
+            {"name": "adapters-config", "mountPath": ADAPTERS_CONFIG_DIR, "readOnly": True},
+        ],
+    }
+
+
+def render_adapters_config_map(
+    name: str, namespace: str, uid: str, spec: InferenceModelSpec
+) -> dict[str, Any]:
+    """spec.adapters for the adapter-sync container; the kubelet updates the mounted
+    file in place when this changes, so adapters come and go without a restart."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {**_metadata(name, namespace, uid), "name": adapters_config_map_name(name)},
+        "data": {ADAPTERS_CONFIG_KEY: adapters_config(spec)},
     }
 
 
@@ -443,9 +542,13 @@ def render_children(
     settings: OperatorSettings,
     replicas: int,
 ) -> list[dict[str, Any]]:
-    """Deployment, Service and PodDisruptionBudget, in the order they should be applied."""
+    """The adapters' ConfigMap (with LoRA on: the pods mount it, so it comes first), then
+    Deployment, Service and PodDisruptionBudget, in the order they should be applied."""
     check_name(name)
+    check_adapter_names(spec.adapters, served_name(name, spec))
+    config = [render_adapters_config_map(name, namespace, uid, spec)] if spec.lora_enabled else []
     return [
+        *config,
         render_deployment(name, namespace, uid, spec, settings, replicas),
         render_service(name, namespace, uid, spec),
         render_pdb(name, namespace, uid, spec),

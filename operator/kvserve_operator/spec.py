@@ -34,6 +34,17 @@ METRICS: tuple[str, ...] = ("queueDepth", "inFlight")
 PULL_POLICIES: tuple[str, ...] = ("Always", "IfNotPresent", "Never")
 CACHE_MEDIA: tuple[str, ...] = ("", "Memory")
 
+# `kvserve serve`'s LoRA flags (kvserve.config.EngineConfig's and the server's
+# --lora-dir/--lora-modules), all derived from spec.lora and spec.adapters.
+LORA_FLAGS: tuple[str, ...] = (
+    "--enable-lora",
+    "--max-loras",
+    "--max-lora-rank",
+    "--max-cpu-loras",
+    "--lora-dir",
+    "--lora-modules",
+)
+
 # `kvserve serve` flags that the operator derives itself: the Pod's ports, probes, drain
 # and the gateway's discovery depend on them, so spec.engine.extraArgs may not override
 # them (argparse keeps the last occurrence). The CRD refuses the same list.
@@ -47,6 +58,9 @@ OPERATOR_OWNED_FLAGS: tuple[str, ...] = (
     "--drain-timeout",
     # The autoscaler and the PodMonitor read /metrics on the HTTP port.
     "--metrics-port",
+    # spec.lora and spec.adapters: the adapter-sync sidecar writes into --lora-dir and
+    # loads from it, so the engine must serve exactly the folder and limits rendered.
+    *LORA_FLAGS,
 )
 
 # The Kubernetes resource.Quantity syntax (as in controller-gen's CRDs).
@@ -59,6 +73,12 @@ GPU_RESOURCE_PATTERN = (
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
     r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
+# An adapter's name is what clients send as "model" and its folder in the pod's adapter
+# directory: a DNS-1123 label keeps it a safe file name and a valid label value.
+ADAPTER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+ADAPTER_NAME_MAX_LENGTH = 63
+MAX_ADAPTERS = 64
+_ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
 _QUANTITY = re.compile(QUANTITY_PATTERN)
 _GPU_RESOURCE = re.compile(GPU_RESOURCE_PATTERN)
 
@@ -154,6 +174,32 @@ class SloSpec:
 
 
 @dataclass(frozen=True)
+class LoraSpec:
+    """The engine's adapter limits; defaults are ``EngineConfig``'s."""
+
+    max_loras: int = engine_options.default_of("max_loras")
+    max_rank: int = engine_options.default_of("max_lora_rank")
+    max_cpu_loras: int | None = engine_options.default_of("max_cpu_loras")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    source: str
+    revision: str | None = None
+
+    @property
+    def parsed_source(self) -> ModelSource:
+        """The source with ``revision`` folded in (validated by parse_spec)."""
+        return parse_source(self.resolved_source)
+
+    @property
+    def resolved_source(self) -> str:
+        """``source``, with ``@revision`` appended when one is given (hf:// only)."""
+        return f"{self.source}@{self.revision}" if self.revision else self.source
+
+
+@dataclass(frozen=True)
 class InferenceModelSpec:
     model: ModelSpec
     replicas: int = 1
@@ -165,10 +211,21 @@ class InferenceModelSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     model_cache: ModelCacheSpec = field(default_factory=ModelCacheSpec)
     slo: SloSpec = field(default_factory=SloSpec)
+    lora: LoraSpec | None = None
+    adapters: tuple[AdapterSpec, ...] = ()
 
     @property
     def source(self) -> ModelSource:
         return self.model.parsed_source
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Serve adapters: spec.lora is set or spec.adapters lists any."""
+        return self.lora is not None or bool(self.adapters)
+
+    @property
+    def lora_limits(self) -> LoraSpec:
+        return self.lora or LoraSpec()
 
 
 # ---- parsing --------------------------------------------------------------------------
@@ -188,6 +245,8 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
         "env",
         "modelCache",
         "slo",
+        "lora",
+        "adapters",
     )
     kw: dict[str, Any] = {"model": _parse_model(r.required_object("model"))}
     _put(kw, "replicas", r.get_int("replicas", minimum=0, maximum=INT32_MAX))
@@ -205,7 +264,42 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
         kw["model_cache"] = _parse_model_cache(mc)
     if (slo := r.get_object("slo")) is not None:
         kw["slo"] = _parse_slo(slo)
+    if (lora := r.get_object("lora")) is not None:
+        kw["lora"] = _parse_lora(lora)
+    if (adapters := r.get_list("adapters")) is not None:
+        kw["adapters"] = _parse_adapters(adapters, f"{r.path}.adapters")
+        _check_adapter_claims(kw["adapters"], kw["model"].parsed_source)
     return InferenceModelSpec(**kw)
+
+
+def _check_adapter_claims(adapters: Sequence[AdapterSpec], model: ModelSource) -> None:
+    """A pvc:// adapter must be on the model's own claim, the one the pod already mounts:
+    mounting another claim would change the pod template, and adapters are added and
+    removed without restarting pods (docs/inference-model.md, "Adapters")."""
+    for i, adapter in enumerate(adapters):
+        src = adapter.parsed_source
+        if src.kind == "pvc" and (model.kind != "pvc" or src.claim != model.claim):
+            mounted = f"the model's claim {model.claim!r}" if model.kind == "pvc" else "none"
+            raise SpecError(
+                f"spec.adapters[{i}].source",
+                f"pvc://{src.claim}: a pvc:// adapter must live on a claim the engine pods "
+                f"already mount ({mounted}); use hf:// or file://, or put it on that claim",
+            )
+
+
+def check_adapter_names(adapters: Sequence[AdapterSpec], served_name: str) -> None:
+    """No adapter may take the base model's served name: clients choose by ``model``.
+
+    The served name defaults to the resource's name, so this runs where both are known
+    (the renderer); the CRD's rule on the whole object says the same.
+    """
+    for i, adapter in enumerate(adapters):
+        if adapter.name == served_name:
+            raise SpecError(
+                f"spec.adapters[{i}].name",
+                f"{adapter.name!r} is the base model's served name; "
+                "an adapter needs a name of its own",
+            )
 
 
 def _parse_model(r: _Reader) -> ModelSpec:
@@ -366,6 +460,55 @@ def _parse_env(items: Sequence[Any], path: str) -> tuple[Mapping[str, Any], ...]
             raise SpecError(f"{path}[{i}].name", f"duplicate variable {name!r}")
         seen.add(name)
         out.append(dict(item))
+    return tuple(out)
+
+
+def _parse_lora(r: _Reader) -> LoraSpec:
+    r.known("maxLoras", "maxRank", "maxCpuLoras")
+    kw: dict[str, Any] = {}
+    _put(kw, "max_loras", r.get_int("maxLoras", minimum=1, maximum=INT32_MAX))
+    _put(kw, "max_rank", r.get_int("maxRank", minimum=1, maximum=INT32_MAX))
+    _put(kw, "max_cpu_loras", r.get_int("maxCpuLoras", minimum=0, maximum=INT32_MAX))
+    return LoraSpec(**kw)
+
+
+def _parse_adapters(items: Sequence[Any], path: str) -> tuple[AdapterSpec, ...]:
+    if len(items) > MAX_ADAPTERS:
+        raise SpecError(path, f"at most {MAX_ADAPTERS} adapters (got {len(items)})")
+    out: list[AdapterSpec] = []
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        r = _Reader(item, f"{path}[{i}]")
+        r.known("name", "source", "revision")
+        name = r.get_str("name", max_length=ADAPTER_NAME_MAX_LENGTH)
+        if name is None:
+            raise SpecError(f"{r.path}.name", "required")
+        if not _ADAPTER_NAME.fullmatch(name):
+            raise SpecError(
+                f"{r.path}.name",
+                f"{name!r} must be a DNS-1123 label (lowercase letters, digits and '-', "
+                "starting and ending with a letter or digit)",
+            )
+        if name in seen:
+            # A list keyed by name in the CRD: the API server refuses duplicates too.
+            raise SpecError(f"{r.path}.name", f"duplicate adapter {name!r}")
+        seen.add(name)
+        source = r.get_str("source", min_length=1)
+        if source is None:
+            raise SpecError(f"{r.path}.source", "required")
+        revision = r.get_str("revision", min_length=1)
+        if revision is not None and (not source.startswith("hf://") or "@" in source):
+            raise SpecError(
+                f"{r.path}.revision",
+                "applies only to an hf:// source without its own @revision",
+            )
+        adapter = AdapterSpec(name=name, source=source, revision=revision)
+        try:
+            parse_source(adapter.resolved_source)
+        except ModelPullError as e:
+            where = "revision" if revision is not None else "source"
+            raise SpecError(f"{r.path}.{where}", str(e)) from None
+        out.append(adapter)
     return tuple(out)
 
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from kvserve_operator.spec import InferenceModelSpec
+
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
@@ -135,3 +137,23 @@ def compute_status(
             )
         ],
     }
+
+
+def adapters_status(
+    spec: InferenceModelSpec, replicas: Sequence[frozenset[str]]
+) -> list[dict[str, Any]] | None:
+    """status.adapters: each adapter of spec.adapters, its source, and how many of the
+    replicas that answered (``replicas``: the adapters each one serves) have it loaded.
+
+    ``None`` (no list) when the spec lists no adapters.
+    """
+    if not spec.adapters:
+        return None
+    return [
+        {
+            "name": a.name,
+            "source": a.resolved_source,
+            "loadedReplicas": sum(a.name in served for served in replicas),
+        }
+        for a in spec.adapters
+    ]

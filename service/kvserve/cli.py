@@ -124,6 +124,16 @@ COMMANDS: dict[str, Command | Group] = {
         add="add_report_arguments",
         run="run_report",
     ),
+    "adapters": Group(
+        "LoRA adapters of a running engine",
+        {
+            "sync": Command(
+                "kvserve.adapter_sync",
+                "keep an engine's loaded LoRA adapters equal to a list file",
+                doc=True,
+            ),
+        },
+    ),
     "model": Group(
         "fetch and check model checkpoints",
         {

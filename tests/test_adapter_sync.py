@@ -1,0 +1,264 @@
+"""``kvserve adapters sync`` (the InferenceModel pods' adapter-sync container) against a
+real ``kvserve serve --enable-lora --lora-dir`` process on 127.0.0.1, with tiny PEFT
+adapters: the listed adapters get pulled and loaded, removed ones unloaded, a repeated
+pass does nothing, and the long-running command follows edits of its file, waits for an
+engine that is not up yet and exits 0 on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvserve.adapter_sync import (
+    MARKER,
+    Backoff,
+    EngineClient,
+    EngineUnavailable,
+    read_config,
+    sync_once,
+)
+from kvserve_operator.adapters import replicas_adapters
+from kvserve_operator.spec import parse_spec
+from kvserve_operator.status import adapters_status
+from tests.lora.peft_adapters import build_adapter
+from tests.support.cli_server import start_cli_server
+from tests.support.net import free_port
+from tests.support.processes import LoggedProcess, start_logged
+from tests.support.waiting import poll
+
+
+@dataclass
+class Engine:
+    url: str
+    base: Path
+    lora_dir: Path
+    sources: Path  # adapter folders outside --lora-dir, given as file:// sources
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def source(self, name: str) -> str:
+        return f"file://{self.sources / name}"
+
+    def models(self) -> dict[str, str | None]:
+        data = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"]
+        return {m["id"]: m["parent"] for m in data}
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_dir, tmp_path_factory) -> Iterator[Engine]:  # type: ignore[no-untyped-def]
+    base = checkpoint_dir("llama")
+    root = tmp_path_factory.mktemp("adapter-sync")
+    sources = root / "sources"
+    for seed, name in enumerate(("alpha", "beta", "alpha-v2", "fixed"), start=1):
+        build_adapter(base, sources / name, r=4, seed=seed)
+    build_adapter(base, sources / "too-big", r=16, seed=9)  # over --max-lora-rank
+    lora_dir = root / "adapters"
+    lora_dir.mkdir()
+    proc, url, _ = start_cli_server(
+        base,
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-dir",
+        str(lora_dir),
+        # Loaded at startup from outside --lora-dir: not the sync command's to manage.
+        "--lora-modules",
+        f"fixed={sources / 'fixed'}",
+    )
+    try:
+        yield Engine(url, base, lora_dir, sources)
+    finally:
+        proc.stop()
+
+
+def pod(name: str, ip: str, ready: bool = True) -> dict[str, object]:
+    """A Pod object as the API server returns it, reduced to what the operator reads."""
+    return {
+        "metadata": {"name": name, "namespace": "models"},
+        "status": {
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def write_list(path: Path, adapters: dict[str, str]) -> None:
+    """Replace the file in one rename, as the kubelet swaps a ConfigMap's files."""
+    body = {"adapters": [{"name": n, "source": s} for n, s in adapters.items()]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body))
+    os.replace(tmp, path)
+
+
+def complete(engine: Engine, model: str) -> httpx.Response:
+    return httpx.post(
+        f"{engine.url}/v1/completions",
+        json={"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
+
+
+def sync_command(engine_url: str, config: Path, lora_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "kvserve",
+        "adapters",
+        "sync",
+        "--config",
+        str(config),
+        "--lora-dir",
+        str(lora_dir),
+        "--url",
+        engine_url,
+        *extra,
+    ]
+
+
+def test_sync_loads_unloads_and_a_rerun_is_a_no_op(engine: Engine, tmp_path: Path) -> None:
+    config = tmp_path / "adapters.json"
+    write_list(config, {"alpha": engine.source("alpha"), "beta": engine.source("beta")})
+
+    # Once through the command the pods run.
+    proc = start_logged(
+        sync_command(engine.url, config, engine.lora_dir, "--once"), "adapters-sync-once"
+    )
+    assert proc.wait(timeout=120) == 0, proc.tail()
+    models = engine.models()
+    assert models["alpha"] == models["beta"] == models["fixed"] == "m"
+    assert (engine.lora_dir / "alpha" / MARKER).is_file()
+    assert complete(engine, "alpha").status_code == 200
+
+    client = EngineClient(engine.url)
+    again = sync_once(read_config(config), engine.lora_dir, client)
+    assert not again.changed, again
+
+    # What the operator counts in status.adapters, read from this replica.
+    replicas = replicas_adapters(
+        [pod("ready", "127.0.0.1"), pod("unready", "127.0.0.1", ready=False)],
+        f"http://{{pod_ip}}:{engine.port}/v1/models",
+    )
+    assert replicas == [frozenset({"alpha", "beta", "fixed"})]
+    listed = [{"name": n, "source": engine.source(n)} for n in ("alpha", "beta", "gamma")]
+    im = parse_spec({"model": {"source": "file:///m"}, "adapters": listed})
+    counts = {a["name"]: a["loadedReplicas"] for a in adapters_status(im, replicas) or []}
+    assert counts == {"alpha": 1, "beta": 1, "gamma": 0}
+    closed = f"http://{{pod_ip}}:{free_port()}/v1/models"  # a replica that does not answer
+    assert replicas_adapters([pod("gone", "127.0.0.1")], closed) == []
+
+    write_list(config, {"alpha": engine.source("alpha")})
+    removed = sync_once(read_config(config), engine.lora_dir, client)
+    assert (removed.unloaded, removed.loaded, removed.failed) == (["beta"], [], {})
+    assert "beta" not in engine.models()
+    assert not (engine.lora_dir / "beta").exists()  # nobody can load it by name again
+    assert complete(engine, "beta").status_code == 404
+    assert "fixed" in engine.models()  # --lora-modules adapters are left alone
+
+    third = sync_once(read_config(config), engine.lora_dir, client)
+    assert not third.changed, third
+
+    # A new source for a listed name: pulled again and reloaded under the same name.
+    write_list(config, {"alpha": engine.source("alpha-v2")})
+    changed = sync_once(read_config(config), engine.lora_dir, client)
+    assert changed.reloaded == ["alpha"]
+    marker = json.loads((engine.lora_dir / "alpha" / MARKER).read_text())
+    assert marker["source"] == engine.source("alpha-v2")
+    assert complete(engine, "alpha").status_code == 200
+
+    write_list(config, {})
+    assert sync_once(read_config(config), engine.lora_dir, client).unloaded == ["alpha"]
+    assert set(engine.models()) == {"m", "fixed"}
+
+
+def test_a_refused_adapter_is_reported_and_retried_later(engine: Engine, tmp_path: Path) -> None:
+    config = tmp_path / "adapters.json"
+    write_list(
+        config,
+        {
+            "too-big": engine.source("too-big"),
+            "missing": engine.source("no-such-adapter"),
+            "beta": engine.source("beta"),
+            "fixed": engine.source("alpha"),  # the name of a --lora-modules adapter
+        },
+    )
+    client = EngineClient(engine.url)
+    moment = [0.0]
+    backoff = Backoff(now=lambda: moment[0])
+    first = sync_once(read_config(config), engine.lora_dir, client, backoff=backoff)
+    assert first.loaded == ["beta"]
+    assert set(first.failed) == {"too-big", "missing", "fixed"}
+    assert "max_lora_rank" in first.failed["too-big"]  # the engine's own refusal
+    assert "no-such-adapter" in first.failed["missing"]
+    assert "another adapter" in first.failed["fixed"]
+    # Within their backoff the failed ones are not tried again; after it, they are.
+    assert set(sync_once(read_config(config), engine.lora_dir, client, backoff=backoff).failed) == {
+        "fixed"
+    }
+    moment[0] += 60
+    later = sync_once(read_config(config), engine.lora_dir, client, backoff=backoff)
+    assert set(later.failed) == {"too-big", "missing", "fixed"}
+
+    write_list(config, {})
+    assert sync_once(read_config(config), engine.lora_dir, client).unloaded == ["beta"]
+
+
+def test_sync_waits_for_the_engine_follows_the_file_and_stops_on_sigterm(
+    engine: Engine, tmp_path: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    lora_dir = tmp_path / "adapters"
+    config = tmp_path / "adapters.json"
+    write_list(config, {"alpha": engine.source("alpha")})
+    with pytest.raises(EngineUnavailable):
+        sync_once(read_config(config), lora_dir, EngineClient(url))
+
+    sync = start_logged(
+        sync_command(url, config, lora_dir, "--interval", "0.2"), "adapters-sync-loop"
+    )
+    server: LoggedProcess | None = None
+    try:
+        poll("the sync command to find no engine", lambda: "engine not ready" in log(sync))
+        server = start_logged(
+            [
+                sys.executable, "-m", "kvserve", "serve", "--model", str(engine.base),
+                "--served-model-name", "m", "--dtype", "float32", "--port", str(port),
+                "--no-grpc", "--enable-lora", "--max-lora-rank", "8",
+                "--lora-dir", str(lora_dir), "--log-level", "warning",
+            ],
+            "kvserve-serve-late",
+        )  # fmt: skip
+        started = Engine(url, engine.base, lora_dir, engine.sources)
+
+        def served() -> set[str]:
+            try:
+                return set(started.models())
+            except httpx.TransportError:
+                return set()
+
+        poll("alpha loaded once the engine is up", lambda: "alpha" in served(), timeout=120)
+        write_list(config, {"beta": engine.source("beta")})
+        poll("the edited list applied", lambda: served() == {"m", "beta"}, timeout=60)
+        assert sync.poll() is None, log(sync)
+        sync.send_signal(signal.SIGTERM)
+        assert sync.wait(timeout=30) == 0, log(sync)
+    finally:
+        sync.stop()
+        if server is not None:
+            server.stop()
+
+
+def log(proc: LoggedProcess) -> str:
+    return proc.log.read_text(errors="replace")
