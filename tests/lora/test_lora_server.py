@@ -211,6 +211,14 @@ def test_lora_info_metric(served: Served) -> None:
     assert sample.labels["max_lora"] == "2"
     assert sample.labels["running_lora_adapters"] == ""  # nothing in flight now
     assert sample.value > 1e9  # a Unix time
+    counted = {
+        s.labels["lora_adapter"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "kvserve_lora_requests"
+        for s in f.samples
+        if s.name == "kvserve_lora_requests_total"
+    }
+    assert counted.get("first", 0) >= 1, counted
 
 
 def test_lora_flags_need_enable_lora() -> None:

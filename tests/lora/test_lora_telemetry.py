@@ -1,4 +1,5 @@
-"""The adapter's name on spans and request log lines, and ``kvserve_lora_requests_info``."""
+"""The adapter's name on spans and request log lines, ``kvserve_lora_requests_info``, and
+the per-adapter request counters."""
 
 from __future__ import annotations
 
@@ -76,3 +77,25 @@ def test_lora_requests_info_has_one_series_the_current_one() -> None:
             "waiting_lora_adapters": "",
         }
     ]
+
+
+def lora_counts(metrics: EngineMetrics) -> dict[str, float]:
+    text = metrics.render()[0].decode()
+    return {
+        s.labels["lora_adapter"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "kvserve_lora_requests"
+        for s in f.samples
+        if s.name == "kvserve_lora_requests_total"
+    }
+
+
+def test_per_adapter_counters_keep_only_the_adapters_the_engine_can_hold() -> None:
+    metrics = EngineMetrics("base")
+    metrics.observe_finished(finished(ADAPTER))
+    assert lora_counts(metrics) == {}  # LoRA off (no limit set): no series at all
+    metrics.set_lora_limit(2)
+    for name in ("a", "b", "a", "c"):  # c drops b, the least recently counted
+        metrics.observe_finished(finished(LoRARequest(name, f"/adapters/{name}")))
+    metrics.observe_finished(finished(None))  # the base model: not an adapter series
+    assert lora_counts(metrics) == {"a": 2.0, "c": 1.0}

@@ -42,6 +42,12 @@ class LoRAManager:
         self.removed: set[LoRARequest] = set()  # unloaded, dropped once idle
         self.disk_loads = 0  # adapters read from their directories (a statistic)
 
+    @property
+    def capacity(self) -> int:
+        """How many adapters stay in memory while idle: the slots' and the host copies'
+        (what bounds the per-adapter metrics' cardinality)."""
+        return self.slots.num_slots + self.max_cpu_loras
+
     def add(self, lora: LoRARequest) -> LoRAWeights:
         """The adapter's weights, read (and checked: ``LoRAError``) if not in host memory."""
         weights = self.host.get(lora)

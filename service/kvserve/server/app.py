@@ -83,6 +83,8 @@ def create_app(
     adapters.add_startup(engine, lora_modules or {})
     metrics = metrics or EngineMetrics(served_model_name)
     metrics.set_cache_info(engine.config.block_size, engine.num_kv_blocks)
+    if engine.lora is not None:
+        metrics.set_lora_limit(engine.lora.capacity)
     telemetry = RequestTelemetry(served_model_name, tracer_provider or tracer_provider_from_env())
 
     def finished(out: RequestOutput) -> None:

@@ -50,6 +50,12 @@ Metric                                          Definition
                                                 ``vllm:lora_requests_info``, which the
                                                 Inference Extension's endpoint pickers
                                                 read); one series, the current one
+``kvserve_lora_requests_total``                 counter, with LoRA on: finished requests
+                                                per adapter (label ``lora_adapter``); only
+                                                the adapters the engine can hold in memory
+                                                (``set_lora_limit``) have a series, the
+                                                least recently counted one's is dropped
+                                                first, so its cardinality is bounded
 =============================================== ============================================
 
 Counters are exposed with the ``_total`` suffix (and prometheus_client's ``_created``
@@ -61,6 +67,7 @@ preemption counters follow the engine's cumulative totals (``EngineStats``): eac
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import (
@@ -216,6 +223,14 @@ class EngineMetrics:
             (*m, "max_lora", "running_lora_adapters", "waiting_lora_adapters"),
         )
         self._lora_labels: tuple[str, str, str] | None = None
+        self._lora_requests = counter(
+            "kvserve_lora_requests",
+            "Finished requests per LoRA adapter (series only for the adapters the engine "
+            "can hold in memory; the least recently counted is dropped first).",
+            (*m, "lora_adapter"),
+        )
+        self._lora_series: OrderedDict[str, None] = OrderedDict()  # least recent first
+        self._lora_series_limit = 0  # 0: LoRA off, no series
 
         # Engine totals at the previous observe_engine call, to turn them into deltas.
         self._lock = threading.Lock()
@@ -228,6 +243,23 @@ class EngineMetrics:
         with self._lock:
             self._cache_info.clear()
             self._cache_info.labels(self.model_name, str(block_size), str(num_blocks)).set(1)
+
+    def set_lora_limit(self, adapters: int) -> None:
+        """How many adapters may have a ``kvserve_lora_requests_total`` series: those the
+        engine can hold in memory (slots + host copies), which bounds its cardinality."""
+        with self._lock:
+            self._lora_series_limit = adapters
+
+    def _count_lora(self, name: str) -> None:
+        with self._lock:
+            if self._lora_series_limit <= 0:
+                return
+            self._lora_series[name] = None
+            self._lora_series.move_to_end(name)
+            while len(self._lora_series) > self._lora_series_limit:
+                dropped, _ = self._lora_series.popitem(last=False)
+                self._lora_requests.remove(self.model_name, dropped)
+            self._lora_requests.labels(self.model_name, name).inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished request (``out.finished``); call once per request."""
@@ -249,6 +281,8 @@ class EngineMetrics:
         self._generation_tokens.inc(num_output)
         self._prompt_len.observe(num_prompt)
         self._gen_len.observe(num_output)
+        if out.lora_request is not None:
+            self._count_lora(out.lora_request.lora_name)
 
         m = out.metrics
         s = m.arrival_time
