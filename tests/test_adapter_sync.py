@@ -28,9 +28,9 @@ from kvserve.adapter_sync import (
 from kvserve_operator.adapters import replicas_adapters
 from kvserve_operator.spec import parse_spec
 from kvserve_operator.status import adapters_status
-from tests.lora.peft_adapters import build_adapter
 from tests.support.cli_server import start_cli_server
 from tests.support.net import free_port
+from tests.support.peft_adapters import build_adapter
 from tests.support.processes import LoggedProcess, start_logged
 from tests.support.waiting import poll
 

@@ -21,6 +21,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from kvserve.gateway.adapters import route_adapter
 from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.keys import hash_key
 from kvserve.gateway.routing import (
@@ -29,12 +30,11 @@ from kvserve.gateway.routing import (
     ReplicaLoad,
     RouteDecision,
     prefix_key,
-    route_adapter,
 )
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc
-from tests.lora.peft_adapters import build_adapter
 from tests.support.gateway import KEY_A, Gateway, keys_file, serve_gateway
+from tests.support.peft_adapters import build_adapter
 from tests.support.replicas import REPLICA_MODEL as MODEL
 from tests.support.replicas import Replica, start_replicas
 from tests.support.waiting import wait_until

@@ -14,7 +14,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.lora import LoRARequest
 from kvserve.lora.adapter import LoRAError, load_adapter, read_config
 from kvserve.model.config import ModelConfig
-from tests.lora.peft_adapters import ALL_LINEAR, build_adapter, edit_config
+from tests.support.peft_adapters import ALL_LINEAR, build_adapter, edit_config
 
 
 @pytest.fixture(scope="module")

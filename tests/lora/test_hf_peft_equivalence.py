@@ -10,8 +10,8 @@ import transformers
 
 from kvserve import LLM, SamplingParams
 from kvserve.lora import LoRARequest
-from tests.lora.peft_adapters import ALL_LINEAR, ATTENTION, build_adapter, peft_greedy
 from tests.support.checkpoints import make_prompts
+from tests.support.peft_adapters import ALL_LINEAR, ATTENTION, build_adapter, peft_greedy
 
 MAX_TOKENS = 8
 # name → build arguments: ranks 8 and 64, attention-only and all-linear, rsLoRA.

@@ -23,10 +23,10 @@ from kvserve.lora import LoRARequest
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc
 from kvserve.server.main import add_arguments, lora_problem
-from tests.lora.peft_adapters import ALL_LINEAR, build_adapter
 from tests.support.cli_server import start_cli_server
 from tests.support.net import free_port
 from tests.support.openapi_fuzz import fuzz_operation
+from tests.support.peft_adapters import ALL_LINEAR, build_adapter
 
 PROMPT = [5, 17, 42, 9, 33, 70, 11]  # token ids: the same prompt under every model
 MAX_TOKENS = 8

@@ -4,7 +4,7 @@ replica on demand.
 A request's ``model`` names a model or one of its adapters. The adapters the gateway
 knows are those the model's replicas report serving (``GetLoad``) and those listed in
 the config's ``models.<name>.lora_adapters``; any other name is a 404. Routing prefers
-the replicas that serve the adapter (``kvserve.gateway.routing.route_adapter``); when
+the replicas that serve the adapter (``route_adapter`` below); when
 none can take the request, the least loaded replica is asked to load it by name, which a
 replica reads from ``<its --lora-dir>/<name>`` (docs/gateway-config.md, "LoRA adapters").
 
@@ -17,11 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection, Sequence
 
 import grpc
 
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.replicas import Replica
+from kvserve.gateway.routing import (
+    DEFAULT_LOAD_FACTOR,
+    ReplicaLoad,
+    RouteDecision,
+    Router,
+    eligible,
+    load_bound,
+)
 from kvserve.gateway.state import GatewayState
 
 log = logging.getLogger("kvserve.gateway")
@@ -111,3 +120,45 @@ async def _serves(replica: Replica, name: str, timeout: float) -> bool:
 def forget(replica: Replica, name: str) -> None:
     """The replica answered that it does not serve ``name`` (unloaded since the last poll)."""
     replica.lora_adapters = replica.lora_adapters - {name}
+
+
+def route_adapter(
+    router: Router,
+    adapter: str,
+    key: str,
+    replicas: Sequence[ReplicaLoad],
+    exclude: Collection[str] = (),
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+) -> RouteDecision | None:
+    """Where a request for the LoRA ``adapter`` goes (``None``: no replica can take it now).
+
+    The replicas that serve the adapter come first, chosen among by the policy's
+    ``router``, but only those within ``routing.load_bound`` over *all* the model's replicas:
+    the rule of prefix routing, so a hot adapter spills onto other replicas (which then
+    load it too) instead of overloading its holders. Otherwise, the least loaded eligible
+    replica with LoRA on (fewest in-flight + waiting; a holder first on a tie, then by
+    address), with ``load_adapter`` set when it does not serve the adapter yet.
+    """
+    bound = load_bound(replicas, load_factor)
+    holders = [
+        replica
+        for replica in replicas
+        if adapter in replica.adapters
+        and eligible(replica, exclude)
+        and replica.in_flight + 1 <= bound
+    ]
+    if holders:
+        decision = router.route(key, holders, exclude)
+        if decision is not None:
+            return RouteDecision(decision.address, overridden=decision.overridden)
+    candidates = [
+        replica for replica in replicas if replica.lora_slots > 0 and eligible(replica, exclude)
+    ]
+    if not candidates:
+        return None
+    least = min(
+        candidates,
+        key=lambda r: (r.in_flight + r.waiting, adapter not in r.adapters, r.address),
+    )
+    load = adapter if adapter not in least.adapters else None
+    return RouteDecision(least.address, overridden=True, load_adapter=load)

@@ -22,7 +22,6 @@ from kvserve.gateway.admission import AdmissionRejected, Slot
 from kvserve.gateway.auth import Tenant
 from kvserve.gateway.ratelimit import Admission
 from kvserve.gateway.replicas import Replica
-from kvserve.gateway.routing import route_adapter
 from kvserve.gateway.state import GatewayState
 from kvserve.openai.errors import OpenAIError
 from kvserve.rpc import codec
@@ -145,7 +144,7 @@ class UpstreamCall:
             decision = self.state.router.route(key, views, exclude)
         else:
             load_factor = self.state.config.routing.load_factor
-            decision = route_adapter(
+            decision = adapters.route_adapter(
                 self.state.router, self.adapter, key, views, exclude, load_factor
             )
         if decision is None:

@@ -15,9 +15,10 @@ Three policies share one interface, ``route(key, replicas, exclude) → RouteDec
   balance, no cache affinity.
 - ``round_robin`` (:class:`RoundRobinRouter`): a baseline for comparison.
 
-A request for a LoRA adapter goes through :func:`route_adapter` around the policy: the
-replicas that serve the adapter first, while under the same load bound; else the least
-loaded replica with LoRA on, which the caller asks to load the adapter first.
+A request for a LoRA adapter goes through ``gateway.adapters.route_adapter`` around the
+policy: the replicas that serve the adapter first, while under the same load bound
+(:func:`load_bound`); else the least loaded replica with LoRA on, which the caller asks
+to load the adapter first.
 
 Routers only choose; they never count. The load they read is a snapshot
 (:class:`ReplicaLoad`) built by the caller from the gateway's own in-flight counts
@@ -161,7 +162,8 @@ class Router(Protocol):
     ) -> RouteDecision | None: ...
 
 
-def _eligible(replica: ReplicaLoad, exclude: Collection[str]) -> bool:
+def eligible(replica: ReplicaLoad, exclude: Collection[str]) -> bool:
+    """Whether a router may pick ``replica`` now: routable, not full, not excluded."""
     return replica.routable and not replica.full and replica.address not in exclude
 
 
@@ -270,7 +272,7 @@ class ConsistentHashRouter:
                 continue
             if home is None:
                 home = address
-            if not _eligible(replica, exclude):
+            if not eligible(replica, exclude):
                 continue
             if replica.in_flight + 1 <= bound:
                 return RouteDecision(address, overridden=address != home)
@@ -307,7 +309,7 @@ class LeastLoadRouter:
     def route(
         self, key: str, replicas: Sequence[ReplicaLoad], exclude: Collection[str] = ()
     ) -> RouteDecision | None:
-        candidates = [replica for replica in replicas if _eligible(replica, exclude)]
+        candidates = [replica for replica in replicas if eligible(replica, exclude)]
         if not candidates:
             return None
         least = min(replica.in_flight + replica.waiting for replica in candidates)
@@ -333,7 +335,7 @@ class RoundRobinRouter:
     def route(
         self, key: str, replicas: Sequence[ReplicaLoad], exclude: Collection[str] = ()
     ) -> RouteDecision | None:
-        candidates = sorted({r.address for r in replicas if _eligible(r, exclude)})
+        candidates = sorted({r.address for r in replicas if eligible(r, exclude)})
         if not candidates:
             return None
         self._last = _next_after(candidates, self._last)
@@ -349,45 +351,3 @@ def make_router(policy: RoutingPolicy, load_factor: float = DEFAULT_LOAD_FACTOR)
     if policy == "round_robin":
         return RoundRobinRouter()
     raise ValueError(f"unknown routing policy {policy!r}; allowed: {', '.join(ROUTING_POLICIES)}")
-
-
-def route_adapter(
-    router: Router,
-    adapter: str,
-    key: str,
-    replicas: Sequence[ReplicaLoad],
-    exclude: Collection[str] = (),
-    load_factor: float = DEFAULT_LOAD_FACTOR,
-) -> RouteDecision | None:
-    """Where a request for the LoRA ``adapter`` goes (``None``: no replica can take it now).
-
-    The replicas that serve the adapter come first, chosen among by the policy's
-    ``router``, but only those within :func:`load_bound` over *all* the model's replicas:
-    the rule of prefix routing, so a hot adapter spills onto other replicas (which then
-    load it too) instead of overloading its holders. Otherwise, the least loaded eligible
-    replica with LoRA on (fewest in-flight + waiting; a holder first on a tie, then by
-    address), with ``load_adapter`` set when it does not serve the adapter yet.
-    """
-    bound = load_bound(replicas, load_factor)
-    holders = [
-        replica
-        for replica in replicas
-        if adapter in replica.adapters
-        and _eligible(replica, exclude)
-        and replica.in_flight + 1 <= bound
-    ]
-    if holders:
-        decision = router.route(key, holders, exclude)
-        if decision is not None:
-            return RouteDecision(decision.address, overridden=decision.overridden)
-    candidates = [
-        replica for replica in replicas if replica.lora_slots > 0 and _eligible(replica, exclude)
-    ]
-    if not candidates:
-        return None
-    least = min(
-        candidates,
-        key=lambda r: (r.in_flight + r.waiting, adapter not in r.adapters, r.address),
-    )
-    load = adapter if adapter not in least.adapters else None
-    return RouteDecision(least.address, overridden=True, load_adapter=load)
