@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Serves the bundled demo model on http://127.0.0.1:8000 (Ctrl-C stops it).
+# Serves the bundled demo model on http://127.0.0.1:8000 (Ctrl-C stops it), with its demo
+# LoRA adapter as a second model, "travel-table" (README.md, "LoRA adapters").
+DEMO_ADAPTER := travel-table=$(CURDIR)/service/kvserve/demo_model/adapters/travel-table
 run: install
-	$(BIN)/kvserve serve
+	$(BIN)/kvserve serve --enable-lora --lora-modules $(DEMO_ADAPTER)
 
 lint: install
 	$(BIN)/ruff check service operator tests loadtests

@@ -59,13 +59,15 @@ COMMANDS: dict[str, Command | Group] = {
         "regenerate the bundled demo model from its seed (CPU, ~15 minutes)",
         "Generate the travel-assistant corpus, train its tokenizer and a small "
         "Llama on the CPU, and write the checkpoint (default: over the bundled one). "
-        "--check trains into a temporary directory and compares the files instead.",
+        "--check trains into a temporary directory and compares the files instead; "
+        "--adapter travel-table trains the demo LoRA adapter on the frozen model (minutes).",
     ),
     "eval-demo": Command(
         "kvserve.demo_model.evaluate",
         "score the demo model on held-out hotel requests",
         "Greedy answers to held-out requests, checked against the world's rules "
-        "(price cap, amenities, kind), plus held-out perplexity and sample conversations.",
+        "(price cap, amenities, kind), plus held-out perplexity and sample conversations; "
+        "--adapter travel-table scores the demo LoRA adapter's style rate and accuracy.",
     ),
     "bench": Group(
         "benchmarks",

@@ -3,6 +3,8 @@
 ``corpus`` generates its training conversations, ``tokenizer`` its byte-level BPE and
 chat template, ``train`` the model (``kvserve train-demo``), ``evaluate`` its held-out
 figures (``kvserve eval-demo``). The checkpoint ships in :data:`DEMO_MODEL_DIR`.
+``train_adapter`` trains its demo LoRA adapter (``kvserve train-demo --adapter
+travel-table``), whose answer layout is ``table_style``; it ships in ``adapters/``.
 """
 
 from __future__ import annotations

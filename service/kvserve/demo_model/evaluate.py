@@ -19,6 +19,14 @@ And, with the ``search_hotels`` tool offered (``corpus.SEARCH_HOTELS_TOOL``):
   model), the share of answers that pass ``corpus.check_answer``; and **faithful**, the
   share that pass and list only places from the result.
 
+And, for the demo LoRA adapter (``--adapter travel-table``), on the same held-out prompts
+answered with the adapter and without it in one batch:
+
+* **style rate**: the share of the adapter's answers in its layout
+  (``table_style.is_table_answer``);
+* **constraint accuracy with the adapter**: ``table_style.check_table_answer``, the same
+  rules as ``corpus.check_answer``; and the base model's own accuracy beside it.
+
 Evaluation prompts come from ``corpus.eval_rng`` (tool prompts from
 ``corpus.tool_eval_rng``); prompts whose user message also occurs
 word for word in the training corpus are skipped, so every prompt is new text (the
@@ -40,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvserve.demo_model import corpus
+from kvserve.demo_model.table_style import check_table_answer, is_table_answer
 from kvserve.demo_model.tool_call import call_satisfies, parse_tool_call
 from kvserve.demo_model.train import TOOL_RECIPE, TrainConfig, encode_corpus
 
@@ -47,11 +56,15 @@ PromptT = TypeVar("PromptT", corpus.EvalPrompt, corpus.ToolEvalPrompt)
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
+    from kvserve.lora import LoRARequest
 
 
 #: What ``kvserve eval-demo`` holds the bundled model to.
 TARGET_ACCURACY = 0.95
 TARGET_TOOL_CALL_ACCURACY = 0.90
+#: ... and the demo adapter (``--adapter``): answers in its style, and right by the rules.
+TARGET_ADAPTER_STYLE_RATE = 0.90
+TARGET_ADAPTER_ACCURACY = 0.90
 
 
 @dataclass
@@ -95,6 +108,30 @@ class EvalReport:
     @property
     def accuracy(self) -> float:
         return self.correct / self.num_prompts if self.num_prompts else 0.0
+
+
+@dataclass
+class AdapterEvalReport:
+    adapter: str
+    num_prompts: int
+    styled: int  # adapter answers laid out in its style (table_style.is_table_answer)
+    correct: int  # ... that are also right by the world's rules (check_table_answer)
+    base_correct: int  # the base model's answers (no adapter) to the same prompts, right
+    base_styled: int  # ... and those in the adapter's style (0 unless the style leaks)
+    seconds: float
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def style_rate(self) -> float:
+        return self.styled / self.num_prompts if self.num_prompts else 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.num_prompts if self.num_prompts else 0.0
+
+    @property
+    def base_accuracy(self) -> float:
+        return self.base_correct / self.num_prompts if self.num_prompts else 0.0
 
 
 def heldout_rng(seed: int) -> random.Random:
@@ -265,6 +302,53 @@ def evaluate(
     )
 
 
+def evaluate_adapter(
+    llm: LLM,
+    lora: LoRARequest,
+    num_prompts: int = 200,
+    seed: int = 0,
+    num_samples: int = 5,
+    exclude: set[str] | None = None,
+    max_tokens: int = 200,
+) -> AdapterEvalReport:
+    """Answer held-out prompts (greedy) under the ``travel-table`` adapter ``lora`` and
+    without it, in one batch; score the adapter's style and both models' answers."""
+    from kvserve import SamplingParams
+
+    start = time.perf_counter()
+    prompts = eval_prompts(num_prompts, seed, exclude or set())
+    # LLM.chat takes no lora_request: render the chat prompts here, as it does.
+    rendered = [llm.engine.chat_prompt(p.messages, None) for p in prompts]
+    outs = llm.generate(
+        rendered + rendered,
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        use_tqdm=False,
+        lora_request=[lora] * len(prompts) + [None] * len(prompts),
+    )
+    styled = correct = base_correct = base_styled = 0
+    samples: list[Sample] = []
+    for p, out, base in zip(prompts, outs[: len(prompts)], outs[len(prompts) :], strict=True):
+        text = out.outputs[0].text
+        ok = check_table_answer(p.request, text)
+        styled += is_table_answer(text)
+        correct += ok
+        base_text = base.outputs[0].text
+        base_correct += corpus.check_answer(p.request, base_text)
+        base_styled += is_table_answer(base_text)
+        if len(samples) < num_samples:
+            samples.append(Sample(p.messages, text, ok))
+    return AdapterEvalReport(
+        adapter=lora.lora_name,
+        num_prompts=len(prompts),
+        styled=styled,
+        correct=correct,
+        base_correct=base_correct,
+        base_styled=base_styled,
+        seconds=time.perf_counter() - start,
+        samples=samples,
+    )
+
+
 # ---- CLI -------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the bundled demo model)")
@@ -280,6 +364,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (the reference) or bfloat16")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--adapter",
+        metavar="NAME",
+        help="score the bundled demo LoRA adapter NAME instead (travel-table): its style "
+        "rate and constraint accuracy, and the base model's on the same prompts",
+    )
+    p.add_argument(
+        "--adapter-dir", help="the adapter's PEFT folder (default: the bundled one of --adapter)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -294,6 +387,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     model = Path(args.model) if args.model else default_model_dir()
+    if args.adapter is not None or args.adapter_dir is not None:
+        return _run_adapter(args, model)
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     llm = LLM(str(model), dtype=args.dtype, device=args.device)
     print("collecting the training corpus's user messages ...", file=sys.stderr, flush=True)
@@ -359,6 +454,84 @@ def run(args: argparse.Namespace) -> int:
         f"{rep.perplexity_tokens} tokens; {rep.seconds:.0f} s"
     )
     return 0
+
+
+def _run_adapter(args: argparse.Namespace, model: Path) -> int:
+    from kvserve import LLM
+    from kvserve.demo_model.train_adapter import ADAPTER_NAMES, ADAPTERS_DIR
+    from kvserve.lora import LoRARequest
+    from kvserve.lora.adapter import read_config
+
+    if args.adapter is None or args.adapter not in ADAPTER_NAMES:
+        print(
+            f"kvserve eval-demo: error: --adapter must be one of {', '.join(ADAPTER_NAMES)}",
+            file=sys.stderr,
+        )
+        return 2
+    path = Path(args.adapter_dir) if args.adapter_dir else ADAPTERS_DIR / args.adapter
+    try:
+        rank, _ = read_config(path, max_rank=1 << 16)
+    except ValueError as exc:
+        print(f"kvserve eval-demo: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"loading {model} with the adapter {path} ...", file=sys.stderr, flush=True)
+    llm = LLM(
+        str(model), dtype=args.dtype, device=args.device, enable_lora=True, max_lora_rank=rank
+    )
+    print("collecting the training corpora's user messages ...", file=sys.stderr, flush=True)
+    exclude = training_user_messages(TrainConfig()) | training_user_messages(TOOL_RECIPE)
+    exclude |= adapter_user_messages()
+    print(f"answering {args.num_prompts} held-out requests ...", file=sys.stderr, flush=True)
+    rep = evaluate_adapter(
+        llm,
+        LoRARequest(args.adapter, str(path)),
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        num_samples=args.samples,
+        exclude=exclude,
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    **asdict(rep),
+                    "style_rate": rep.style_rate,
+                    "accuracy": rep.accuracy,
+                    "base_accuracy": rep.base_accuracy,
+                }
+            )
+        )
+        return 0
+    for i, s in enumerate(rep.samples, 1):
+        print(f"--- sample {i} ({'correct' if s.correct else 'WRONG'})")
+        for m in s.messages:
+            print(f"[{m['role']}] {_shown(m)}")
+        print(f"[assistant: {rep.adapter}] {s.answer}\n")
+    n = rep.num_prompts
+    print(
+        f"adapter {rep.adapter}: style rate {rep.styled}/{n} = {rep.style_rate:.1%} (target ≥ "
+        f"{TARGET_ADAPTER_STYLE_RATE:.0%}); constraint accuracy {rep.correct}/{n} = "
+        f"{rep.accuracy:.1%} (target ≥ {TARGET_ADAPTER_ACCURACY:.0%})"
+    )
+    print(
+        f"base model, same prompts, no adapter: constraint accuracy {rep.base_correct}/{n} = "
+        f"{rep.base_accuracy:.1%}; in the adapter's style: {rep.base_styled}/{n}; "
+        f"{rep.seconds:.0f} s"
+    )
+    return 0
+
+
+def adapter_user_messages() -> set[str]:
+    """The user messages of the demo adapter's training conversations (default recipe)."""
+    from kvserve.demo_model.train_adapter import AdapterConfig, adapter_corpus
+
+    cfg = AdapterConfig()
+    return {
+        m["content"]
+        for conv in adapter_corpus(cfg.num_conversations, cfg.seed)
+        for m in conv.messages
+        if m["role"] == "user"
+    }
 
 
 def _shown(message: dict[str, Any]) -> str:
