@@ -100,6 +100,7 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them.
 
@@ -107,6 +108,7 @@ class LLM:
         that the template renders; messages may carry ``tool_calls`` (their ``arguments``
         a dict, as Hugging Face templates take them) and ``tool`` results. The outputs
         are the raw text: reading calls out of it is the server's (``--tool-call-parser``).
+        ``lora_request``: as for ``generate``, one for all conversations or one each.
         """
         conversations: list[list[Message]] = (
             [messages]  # type: ignore[list-item]
@@ -114,7 +116,7 @@ class LLM:
             else messages  # type: ignore[assignment]
         )
         prompts: list[Prompt] = [self.engine.chat_prompt(conv, tools) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         show = len(ids) >= PROGRESS_BAR_MIN_PROMPTS if use_tqdm is None else use_tqdm

@@ -78,10 +78,9 @@ def test_bundled_adapter_is_a_peft_folder_within_the_served_limits() -> None:
 
 def test_adapter_answers_in_table_style_while_the_base_model_does_not(llm: LLM) -> None:
     prompts = _prompts(6)
-    rendered = [llm.engine.chat_prompt(p.messages, None) for p in prompts]
     lora = LoRARequest(NAME, str(ADAPTER_DIR))
-    outs = llm.generate(
-        rendered * 2,
+    outs = llm.chat(
+        [p.messages for p in prompts] * 2,
         SamplingParams(temperature=0, max_tokens=160),
         use_tqdm=False,
         lora_request=[lora] * len(prompts) + [None] * len(prompts),  # one mixed batch
