@@ -1,0 +1,256 @@
+"""The container images of docker/, built and run with podman for the image tests.
+
+Built on the debootstrap Debian base (``make container-tools``) with Debian's Python and
+PyTorch from the pip index, through ``docker/build`` (the same script as ``make images``),
+and cached between test runs: each image is tagged with a hash of its Dockerfile, the
+build script, the base image, the build arguments and every file of the build context,
+and is rebuilt only when that hash changes. The settings this machine needs (runc,
+explicit ulimits, the host's network) are the ones docs/test-cluster.md lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.support.processes import LoggedProcess, start_logged
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_IMAGE = "localhost/kvserve-debian-base:bookworm"
+# crun fails on this machine's hybrid cgroups; runc works.
+PODMAN = ["podman", "--runtime", "runc"]
+# podman's default ulimits exceed the machine's hard limits ("setrlimit: Operation not
+# permitted"), so every build and run sets them.
+ULIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+BUILD_FLAGS = ["--network", "host", *ULIMITS]
+# A cold engine build installs PyTorch with its CUDA libraries (several GB).
+BUILD_TIMEOUT = 3600.0
+
+# What a pod of the chart or of the operator runs with (charts/kvserve/values.yaml
+# securityContext; kvserve_operator/render.py): uid/gid 1000, a read-only root
+# filesystem with an emptyDir at /tmp, every capability dropped, no privilege
+# escalation, the runtime's default seccomp profile (podman's default).
+POD_SECURITY = [
+    "--user", "1000:1000",
+    "--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp:rw,mode=1777",
+    "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    name: str  # engine | operator
+    dockerfile: Path
+    build_args: tuple[str, ...]
+
+    @property
+    def repository(self) -> str:
+        return f"localhost/kvserve-test-{self.name}"
+
+
+ENGINE = ImageSpec(
+    "engine",
+    REPO / "docker" / "kvserve.Dockerfile",
+    # TORCH_INDEX_URL="": PyTorch from the pip index (PyPI), which this machine reaches.
+    (f"BASE_IMAGE={BASE_IMAGE}", "TORCH_INDEX_URL="),
+)
+OPERATOR = ImageSpec(
+    "operator", REPO / "docker" / "operator.Dockerfile", (f"BASE_IMAGE={BASE_IMAGE}",)
+)
+
+
+def podman(
+    *args: str, timeout: float = 120.0, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [*PODMAN, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)}: exit {proc.returncode}\n{proc.stderr}")
+    return proc
+
+
+def unavailable() -> str | None:
+    """Why the image tests cannot run here, or None when podman runs containers."""
+    for tool in ("podman", "runc"):
+        if shutil.which(tool) is None:
+            return (
+                f"container image tests need podman and runc ({tool} not found; as root, "
+                f"`make container-tools` installs them and builds the base image)"
+            )
+    try:
+        if podman("image", "exists", BASE_IMAGE, check=False).returncode != 0:
+            return (
+                f"container image tests need the base image {BASE_IMAGE} (`make container-tools`)"
+            )
+        probe = podman("run", "--rm", *ULIMITS, BASE_IMAGE, "true", check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"container image tests: podman does not work here ({exc})"
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return f"container image tests: podman cannot run a container here ({last})"
+    return None
+
+
+def _context_files() -> Iterator[Path]:
+    """The build context as .dockerignore leaves it (tests/test_dockerfiles.py checks
+    that file): pyproject.toml, README.md, service/ and operator/, without caches."""
+    yield REPO / "pyproject.toml"
+    yield REPO / "README.md"
+    for top in ("service", "operator"):
+        for path in sorted((REPO / top).rglob("*")):
+            rel = path.relative_to(REPO).parts
+            if path.is_dir() or "__pycache__" in rel or path.suffix == ".pyc":
+                continue
+            if any(part.endswith(".egg-info") for part in rel):
+                continue
+            yield path
+
+
+def image_hash(spec: ImageSpec) -> str:
+    h = hashlib.sha256()
+    base_id = podman("image", "inspect", "--format", "{{.Id}}", BASE_IMAGE).stdout.strip()
+    for item in (base_id, *spec.build_args, *BUILD_FLAGS):
+        h.update(item.encode() + b"\0")
+    for path in (spec.dockerfile, REPO / "docker" / "build", *_context_files()):
+        h.update(str(path.relative_to(REPO)).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _build_lock() -> Iterator[None]:
+    """One build at a time on this machine (two test sessions share the image cache)."""
+    root = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "images.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure_built(spec: ImageSpec) -> str:
+    """The image's reference, building it first when no image has its current hash;
+    older test tags of the same image are removed after a build."""
+    ref = f"{spec.repository}:{image_hash(spec)}"
+    with _build_lock():
+        if podman("image", "exists", ref, check=False).returncode == 0:
+            return ref
+        args = [str(REPO / "docker" / "build"), " ".join(PODMAN), str(spec.dockerfile), ref]
+        for arg in spec.build_args:
+            args += ["--build-arg", arg]
+        proc = start_logged([*args, *BUILD_FLAGS], f"build-{spec.name}-image", cwd=REPO)
+        try:
+            status = proc.wait(timeout=BUILD_TIMEOUT)
+        finally:
+            proc.stop()
+        if status != 0:
+            raise AssertionError(f"building {ref} failed (exit {status})\n{proc.tail()}")
+        listed = podman("images", "--format", "{{.Repository}}:{{.Tag}}", spec.repository)
+        for old in set(listed.stdout.split()) - {ref}:
+            # Untags; the layers stay while the build cache (intermediate images) uses them.
+            podman("rmi", old, check=False)
+    return ref
+
+
+def inspect(ref: str) -> dict[str, Any]:
+    (info,) = json.loads(podman("image", "inspect", ref).stdout)
+    return info  # type: ignore[no-any-return]
+
+
+@dataclass
+class Container:
+    """A container started with ``podman run --rm`` (its output in ``proc.log``)."""
+
+    name: str
+    proc: LoggedProcess
+
+    def alive(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"container {self.name} exited with {self.proc.poll()}\n{self.proc.tail()}"
+            )
+        return True
+
+    def signal(self, sig: str) -> None:
+        podman("kill", "--signal", sig, self.name)
+
+    def remove(self) -> None:
+        """Kill and remove it if it still exists (``--rm`` removes it when it exits)."""
+        podman("rm", "--force", "--time", "0", "--ignore", self.name, check=False)
+        self.proc.stop()
+
+
+def start(ref: str, args: Sequence[str], *, name: str, options: Sequence[str] = ()) -> Container:
+    """``podman run --rm`` of ``ref`` on the host's network (so 127.0.0.1 is the host's)."""
+    cname = f"kvserve-test-{name}-{uuid.uuid4().hex[:8]}"
+    proc = start_logged(run_command(cname, ref, args, options), f"container-{name}")
+    return Container(cname, proc)
+
+
+def run_command(cname: str, ref: str, args: Sequence[str], options: Sequence[str]) -> list[str]:
+    """``podman run --rm`` of ``ref`` named ``cname``, on the host's network."""
+    return [
+        *PODMAN,
+        "run",
+        "--rm",
+        "--name",
+        cname,
+        "--network",
+        "host",
+        *ULIMITS,
+        *options,
+        ref,
+        *args,
+    ]
+
+
+@contextlib.contextmanager
+def running(
+    ref: str, args: Sequence[str], *, name: str, options: Sequence[str] = ()
+) -> Iterator[Container]:
+    container = start(ref, args, name=name, options=options)
+    try:
+        yield container
+    finally:
+        container.remove()
+
+
+def run(
+    ref: str, args: Sequence[str], *, options: Sequence[str] = (), timeout: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """Runs a container to completion (removed after); returns its exit status and output."""
+    cname = f"kvserve-test-run-{uuid.uuid4().hex[:8]}"
+    try:
+        return subprocess.run(
+            run_command(cname, ref, args, options),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    finally:
+        podman("rm", "--force", "--time", "0", "--ignore", cname, check=False)
+
+
+@contextlib.contextmanager
+def volume() -> Iterator[str]:
+    """An empty named volume, removed afterwards."""
+    name = f"kvserve-test-{uuid.uuid4().hex[:8]}"
+    podman("volume", "create", name)
+    try:
+        yield name
+    finally:
+        podman("volume", "rm", "--force", name, check=False)
