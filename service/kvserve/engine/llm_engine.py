@@ -461,10 +461,13 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         tables = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in sched.scheduled}
-        lora_slots = None
+        lora_slots, batch = None, sched.scheduled
         if self.lora is not None:  # each request's slot (-1: the base model)
             lora_slots = {r.request_id: self.lora.slot(r.lora) for r, _ in sched.scheduled}
-        sampled_reqs, sampled = self.runner.execute(sched.scheduled, tables, lora_slots)
+            # Ordered by slot (stable), each adapter's tokens are one contiguous range,
+            # which the LoRA layers use as views (kvserve.lora.layers).
+            batch = sorted(batch, key=lambda item: lora_slots[item[0].request_id])
+        sampled_reqs, sampled = self.runner.execute(batch, tables, lora_slots)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
         now = self.clock()

@@ -7,11 +7,12 @@ sub-projection's rank columns to its output columns, both zero-padded to
 ``max_lora_rank``. A rank- or target-less part adds exact zeros.
 
 Formulation, chosen by measurement (``python -m kvserve.lora.measure``, docs/engine.md):
-**per-adapter segments**. Once per step the batch's tokens are grouped by slot; in each
-projection, for each adapter present, its rows are picked, multiplied by its ``A`` then
-its ``B`` (PEFT's order: ``B(A(x)) * scaling``) and added back to those rows. Base-model
-tokens cost nothing, a batch with one adapter needs no gather at all, and only adapters
-in the batch are computed (the stacked-slots and gathered-``bmm`` alternatives pay for
+**per-adapter segments**. Once per step the batch's tokens are grouped by slot (the
+engine orders the batch by slot, so each group is a contiguous range of rows); in each
+projection, for each adapter present, its rows are multiplied by its ``A`` then its ``B``
+(PEFT's order: ``B(A(x)) * scaling``) and added in place to those rows of the output:
+two ops on views, no gather or scatter. Base-model tokens cost nothing, and only
+adapters in the batch are computed (the stacked-slots and gathered-``bmm`` alternatives pay for
 every slot, or for a copy of each token's weights).
 """
 
@@ -29,9 +30,11 @@ from kvserve.model.llama import CausalLM, DecoderLayer, Linear
 
 @dataclass
 class _Batch:
-    """This step's tokens grouped by slot: (slot, rows), rows None for every token."""
+    """This step's tokens grouped by slot: (slot, rows), where rows is a ``slice`` when
+    the slot's tokens are contiguous (the engine orders its batch by slot, so they are),
+    else their indices."""
 
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
 
 
 class _ProjectionLoRA:
@@ -72,8 +75,8 @@ class _ProjectionLoRA:
             if not self.active[slot]:
                 continue
             a, b = self.a[slot], self.b[slot]
-            if rows is None:
-                y.add_(F.linear(F.linear(x, a), b) * scaling[slot])
+            if isinstance(rows, slice):  # views: two ops, B's product added in place
+                y[rows].addmm_(F.linear(x[rows], a), b.t(), alpha=scaling[slot])
             else:
                 delta = F.linear(F.linear(x.index_select(0, rows), a), b) * scaling[slot]
                 y.index_add_(0, rows, delta)
@@ -141,16 +144,15 @@ class LoRALayers:
 
     def set_batch(self, token_slots: list[int]) -> None:
         """This step's slot of each token of the flattened batch (-1: the base model)."""
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        present = sorted(set(token_slots) - {-1})
-        if len(present) == 1 and -1 not in token_slots:
-            groups.append((present[0], None))
-        else:
-            rows: dict[int, list[int]] = {s: [] for s in present}
-            for i, s in enumerate(token_slots):
-                if s >= 0:
-                    rows[s].append(i)
-            for s in present:
-                t = torch.tensor(rows[s], dtype=torch.long).to(self.device, non_blocking=True)
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        rows: dict[int, list[int]] = {}
+        for i, s in enumerate(token_slots):
+            if s >= 0:
+                rows.setdefault(s, []).append(i)
+        for s, where in sorted(rows.items()):
+            if where[-1] - where[0] + 1 == len(where):  # contiguous
+                groups.append((s, slice(where[0], where[-1] + 1)))
+            else:
+                t = torch.tensor(where, dtype=torch.long).to(self.device, non_blocking=True)
                 groups.append((s, t))
         self.batch.groups = groups
