@@ -101,19 +101,25 @@ class Scheduler:
         slots = self.lora_slots
         if slots is not None:
             slots.begin_step()
-        for req in list(self.waiting) if not out.preempted else ():
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
-                break
+        passed_over: list[Request] = []  # back at the head, in order, after the scan
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
             if req.lora is not None:
                 assert slots is not None, "LLMEngine refuses adapters when LoRA is off"
                 if not slots.reserve(req.lora):
+                    passed_over.append(self.waiting.popleft())
                     continue
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
-            self.waiting.remove(req)
+            self.waiting.popleft()
             if req.lora is not None and slots is not None:
                 slots.pin(req.lora)
             if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
@@ -125,6 +131,7 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
 
         by_id = {r.request_id: r for r in self.running}
         out.scheduled = [(by_id[rid], n) for rid, n in scheduled.items()]
