@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
 import transformers
 
 from kvserve import LLM, SamplingParams
 from tests.support.checkpoints import CHECKPOINTS, make_prompts
+from tests.support.peft_adapters import hf_greedy
 
 MAX_TOKENS = 12
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outs = []
-    for ids in prompts:
-        gen = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        outs.append(gen[0, len(ids) :].tolist())
-    return outs
 
 
 # Each setup stresses a different path through the scheduler and KV cache than the

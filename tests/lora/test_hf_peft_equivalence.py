@@ -11,7 +11,7 @@ import transformers
 from kvserve import LLM, SamplingParams
 from kvserve.lora import LoRARequest
 from tests.support.checkpoints import make_prompts
-from tests.support.peft_adapters import ALL_LINEAR, ATTENTION, build_adapter, peft_greedy
+from tests.support.peft_adapters import ALL_LINEAR, ATTENTION, build_adapter, hf_greedy
 
 MAX_TOKENS = 8
 # name → build arguments: ranks 8 and 64, attention-only and all-linear, rsLoRA.
@@ -41,7 +41,7 @@ def reference(checkpoint_dir, tmp_path_factory):  # type: ignore[no-untyped-def]
             adapters = {a: build_adapter(ckpt, root / a, **kw) for a, kw in ADAPTERS.items()}  # type: ignore[arg-type]
             prompts = make_prompts(transformers.AutoTokenizer.from_pretrained(ckpt), n=4)
             by_adapter: dict[str | None, list[list[int]]] = {
-                a: peft_greedy(ckpt, adapters[a] if a else None, prompts, MAX_TOKENS)
+                a: hf_greedy(ckpt, prompts, MAX_TOKENS, adapters[a] if a else None)
                 for a in (None, *ADAPTERS)
             }
             for a in ADAPTERS:

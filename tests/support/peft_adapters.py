@@ -52,11 +52,14 @@ def edit_config(adapter_dir: Path, **changes: Any) -> None:
     path.write_text(json.dumps(cfg))
 
 
-def peft_greedy(
-    base_dir: Path, adapter_dir: Path | None, prompts: list[list[int]], max_tokens: int
+def hf_greedy(
+    base_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    adapter_dir: Path | None = None,
 ) -> list[list[int]]:
-    """Greedy fp32 tokens of transformers, under the adapter through ``PeftModel``
-    (unmerged), or of the base model."""
+    """Greedy fp32 tokens of transformers: of the base model, or under the adapter through
+    ``PeftModel`` (unmerged). The reference of every equivalence test."""
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         from peft import PeftModel
