@@ -105,6 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds to let in-flight requests finish on shutdown",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log every HTTP request, probes and refusals included (uvicorn's access log; "
+        "off by default: generation requests have their own log line, kvserve.requests, and "
+        "a line per refused request is a cost a flooding client would set)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        access_log=args.access_log,
         timeout_graceful_shutdown=1,
         http=protocol_with(limits),
     )
