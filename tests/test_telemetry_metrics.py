@@ -354,3 +354,18 @@ def test_request_record(
     assert line.levelno == logging.INFO
     assert " " not in line.getMessage()  # compact separators
     assert json.loads(line.getMessage()) == request_record(drv.finished["long"], MODEL, "t-1")
+
+
+def test_vllm_names_only_with_metrics_compat() -> None:
+    plain = EngineMetrics("m")
+    plain.set_cache_info(16, 100)
+    assert b"vllm:" not in plain.render()[0]
+    compat = EngineMetrics("m", compat="vllm")
+    compat.set_cache_info(16, 100)
+    assert (
+        b'vllm:cache_config_info{block_size="16",engine="0",model_name="m",'
+        b'num_gpu_blocks="100"} 1.0'
+        in compat.render()[0]
+    )
+    with pytest.raises(ValueError, match="'sglang' is not one of"):
+        EngineMetrics("m", compat="sglang")

@@ -69,6 +69,8 @@ def served(checkpoint_dir, tmp_path_factory) -> Iterator[Served]:  # type: ignor
         f"first={outside}",
         "--lora-dir",
         str(lora_dir),
+        "--metrics-compat",
+        "vllm",
         grpc=True,
     )
     try:
@@ -219,6 +221,31 @@ def test_lora_info_metric(served: Served) -> None:
         if s.name == "kvserve_lora_requests_total"
     }
     assert counted.get("first", 0) >= 1, counted
+
+
+def test_vllm_compat_metrics_mirror_the_load_gauges_and_infos(served: Served) -> None:
+    """``--metrics-compat vllm``: what a Gateway API Inference Extension endpoint picker
+    reads by vLLM's names (queue, running, KV usage, cache info, LoRA info) carries the
+    same figures and labels as kvserve's own series."""
+    complete(served, "first")
+    text = httpx.get(f"{served.url}/metrics").text
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    for ours, theirs in [
+        ("kvserve_num_requests_waiting", "vllm:num_requests_waiting"),
+        ("kvserve_num_requests_running", "vllm:num_requests_running"),
+        ("kvserve_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+    ]:
+        assert samples[theirs].labels == {"model_name": "m", "engine": "0"}
+        assert samples[theirs].value == samples[ours].value, theirs
+    info, ours_info = samples["vllm:cache_config_info"], samples["kvserve_cache_config_info"]
+    assert info.labels["block_size"] == ours_info.labels["block_size"]
+    assert info.labels["num_gpu_blocks"] == ours_info.labels["num_gpu_blocks"]
+    assert int(info.labels["num_gpu_blocks"]) > 0 and info.value == 1
+    lora, ours_lora = samples["vllm:lora_requests_info"], samples["kvserve_lora_requests_info"]
+    assert set(lora.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+    assert lora.labels["max_lora"] == "2"
+    assert lora.labels == {k: v for k, v in ours_lora.labels.items() if k != "model"}
+    assert lora.value > 1e9  # the time of the last update, which pickers compare
 
 
 def test_lora_flags_need_enable_lora() -> None:

@@ -15,6 +15,7 @@ from kvserve.openai.reasoning import REASONING_PARSERS
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.openai.tool_parsers import TOOL_CALL_PARSERS
 from kvserve.sampling_params import StopLimits
+from kvserve.telemetry.vllm_compat import METRICS_COMPAT
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help="serve /metrics on this port of --host instead of the HTTP port, which then "
         "answers it 404 (default: on the HTTP port; docs/security.md)",
+    )
+    p.add_argument(
+        "--metrics-compat",
+        choices=METRICS_COMPAT,
+        help="also export the load gauges, cache and LoRA info under vLLM's names "
+        "(vllm:num_requests_waiting, ...), for Gateway API Inference Extension endpoint "
+        "pickers and autoscalers written for vLLM (default: kvserve's names only)",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -170,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             stop_limits=StopLimits(args.max_stop_strings, args.max_stop_string_chars),
             write_stall_timeout=args.write_stall_timeout,
             body_timeout=args.body_timeout,
-            metrics=EngineMetrics(name),
+            metrics=EngineMetrics(name, compat=args.metrics_compat),
             grpc_address=grpc_address,
             metrics_address=metrics_address,
             http_limits=limits,

@@ -58,6 +58,9 @@ Metric                                          Definition
                                                 first, so its cardinality is bounded
 =============================================== ============================================
 
+With ``compat="vllm"`` (``kvserve serve --metrics-compat vllm``), the load gauges and the
+cache and LoRA info are also exported under vLLM's names (``kvserve.telemetry.vllm_compat``).
+
 Counters are exposed with the ``_total`` suffix (and prometheus_client's ``_created``
 timestamps); histograms as ``_bucket``/``_count``/``_sum``. The prefix-cache and
 preemption counters follow the engine's cumulative totals (``EngineStats``): each
@@ -81,6 +84,7 @@ from prometheus_client import (
 
 from kvserve.outputs import RequestOutput
 from kvserve.telemetry import definitions as d
+from kvserve.telemetry.vllm_compat import METRICS_COMPAT, VllmGauges
 
 if TYPE_CHECKING:  # the engine module loads torch; the gateway, which uses this one, needs not
     from kvserve.engine.llm_engine import EngineStats
@@ -115,10 +119,19 @@ class EngineMetrics:
     aborts; ``render`` returns the exposition for ``/metrics``. Thread-safe.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        compat: str | None = None,
+    ) -> None:
+        """``compat="vllm"``: also the load gauges under vLLM's names (``vllm_compat``)."""
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
+        if compat not in (None, *METRICS_COMPAT):
+            raise ValueError(f"metrics compat {compat!r} is not one of {METRICS_COMPAT}")
+        self._vllm = VllmGauges(model_name, reg) if compat == "vllm" else None
         m = ("model",)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -243,6 +256,8 @@ class EngineMetrics:
         with self._lock:
             self._cache_info.clear()
             self._cache_info.labels(self.model_name, str(block_size), str(num_blocks)).set(1)
+            if self._vllm is not None:
+                self._vllm.set_cache_info(block_size, num_blocks)
 
     def set_lora_limit(self, adapters: int) -> None:
         """How many adapters may have a ``kvserve_lora_requests_total`` series: those the
@@ -318,6 +333,8 @@ class EngineMetrics:
             self._running.set(stats.num_running)
             self._waiting.set(stats.num_waiting)
             self._kv_usage.set(stats.kv_cache_usage)
+            if self._vllm is not None:
+                self._vllm.observe(stats)
             self._prefix_queried.inc(_growth(self._last_queried, stats.prefix_cache_queried_tokens))
             self._prefix_hit.inc(_growth(self._last_hit, stats.prefix_cache_hit_tokens))
             self._preemptions.inc(_growth(self._last_preemptions, stats.num_preemptions))
@@ -330,10 +347,13 @@ class EngineMetrics:
                     ",".join(stats.running_lora_adapters),
                     ",".join(stats.waiting_lora_adapters),
                 )
-                if labels != self._lora_labels:  # one series: the current adapters
+                changed = labels != self._lora_labels
+                if changed:  # one series: the current adapters
                     self._lora_info.clear()
                     self._lora_labels = labels
                 self._lora_info.labels(self.model_name, *labels).set_to_current_time()
+                if self._vllm is not None:
+                    self._vllm.set_lora(labels, changed)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text of this registry and its HTTP content type."""
