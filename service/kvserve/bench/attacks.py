@@ -1,27 +1,5 @@
-"""``kvserve bench attacks``: what hostile clients cost the other clients of a replica.
-
-One ``kvserve serve`` replica; a victim stream measures its ITL p50 and a prober its
-``/health`` p99 while attacker processes (on loopback, bounded, stopped after each phase)
-do one thing each, side by side in one run (docs/security.md):
-
-- ``load``: requests with no stop strings (the control for ``stops``);
-- ``stops``: the same requests with 16 stop strings of 256 characters (the limits);
-- ``huge``: 3.8 MB prompts posted in a loop;
-- ``flood``: the control for ``huge``: the same loop of refused requests on a new
-  connection each, with a 60-byte body (an unknown model, 404), so that what remains of
-  ``huge`` against it is the prompts' size and what ``flood`` costs is the connections;
-- then streams that stop reading (chats of 450 tokens with ``top_logprobs`` 20, on
-  sockets with a small receive buffer), held until the replica has generated all their
-  tokens, and four connections each sending 32 MB of one unterminated header line (the
-  replica's peak RSS before and after each), and one head sent a byte a second (when it
-  is answered).
-
-Where there are two CPUs or more, the replica runs on CPUs of its own and every client
-(victim, prober, attackers) on the others, the attackers at the lowest priority: as in
-production, where the clients are other machines, the figures are what the attacks cost
-the replica, not what the attackers' own loops cost a shared CPU. On one CPU nothing is
-placed, and the ``huge`` phase also measures the attackers' own cost.
-"""
+"""``kvserve bench attacks``: what hostile clients cost the other clients of a replica
+(docs/bench-methods.md, "kvserve bench attacks")."""
 
 from __future__ import annotations
 
@@ -44,6 +22,7 @@ import httpx
 from kvserve.bench.cpu import cpu_list, running_on, split_cpus
 from kvserve.bench.launcher import Launcher, LaunchSettings, metric_samples
 from kvserve.bench.processes import Proc
+from kvserve.bench.results import text_row
 from kvserve.bench.sse_client import (
     COMPLETIONS,
     MODEL_NAME,
@@ -80,9 +59,8 @@ class Phase:
 
 
 def _victim_itl(url: str, tokens: int) -> tuple[float, float]:
-    """ITL p50 and TPOT (ms) of one greedy stream of ``tokens`` tokens. Both: when the
-    replica falls behind, tokens arrive in bursts, their gaps are ~0 and the p50 falls
-    while the stream slows, which the TPOT (the mean gap) shows."""
+    """ITL p50 and TPOT (ms) of one greedy stream of ``tokens`` tokens (the TPOT shows
+    bursts that the p50 hides: docs/bench-methods.md)."""
     conn = Connection(url)
     try:
         rec = run_on_uvloop(conn.stream(COMPLETIONS, completion_body("Plan a trip to", tokens)))
@@ -225,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.model = str(default_model_dir())
     settings = LaunchSettings(model=args.model, dtype=args.dtype)
-    # The replica on CPUs of its own, the clients on the others (see the module's doc).
+    # The replica on CPUs of its own, the clients on the others (docs/bench-methods.md).
     placement = split_cpus(True)
     replica_cpus, client_cpus = placement.others, placement.gateway
     with (
@@ -257,9 +235,10 @@ def run(args: argparse.Namespace) -> int:
             f"placement: the replica on CPU {cpu_list(replica_cpus)}, the clients on CPU "
             f"{cpu_list(client_cpus)} (attackers at nice 19)"
         )
-    print(f"{'phase':<10}{'ITL p50 ms':>12}{'TPOT ms':>10}{'/health p99 ms':>16}")
+    widths = (10, 12, 10, 16)
+    print(text_row(["phase", "ITL p50 ms", "TPOT ms", "/health p99 ms"], widths))
     for p in phases:
-        print(f"{p.name:<10}{p.itl_p50_ms:>12.2f}{p.tpot_ms:>10.2f}{p.health_p99_ms:>16.1f}")
+        print(text_row([p.name, p.itl_p50_ms, p.tpot_ms, p.health_p99_ms], widths, ".2f .2f .1f"))
 
     def ratio(a: str, b: str) -> str:
         x, y = by[a], by[b]

@@ -1,20 +1,5 @@
-"""Static vs continuous batching in kvserve itself, at concurrency 1, 4 and 16.
-
-The same engine, the same requests (a burst of random prompts with mixed output lengths,
-greedy, no EOS), two ways of feeding it at concurrency ``C``:
-
-* **static**: ``C`` requests at a time; the next ``C`` start only when the whole group
-  has finished (the slot of a short request idles until the longest one is done);
-* **continuous**: all requests queued at once with ``max_num_seqs = C``; a finished
-  request's slot is refilled at the next step.
-
-Each concurrency gets ``REQUESTS_PER_SLOT × C`` requests (the first ones of one seeded
-workload), so every run is several batches deep: with only one or two batches' worth of
-requests, both modes spend most of the run in the same tail. All requests arrive at t=0,
-so TTFT includes the wait for a slot. At ``C = 1`` the two are the same schedule (a
-control: their figures differ only by noise). The two modes
-alternate for ``rounds`` rounds at each concurrency; each one's best round is reported.
-"""
+"""Static vs continuous batching in kvserve itself, at concurrency 1, 4 and 16
+(docs/bench-methods.md, "batching")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""CPU accounting for the benchmarks: how many CPUs this process may use, the CPU time a
-window of work cost this process, its child processes and the whole machine (so a report
-can say what else competed for the CPUs), and which CPUs the gateway benchmarks give to
-which process."""
+"""CPU accounting for the benchmarks: usable CPUs, the CPU time of a window of work (this
+process, its children, the rest of the machine), and the gateway benchmarks' placement."""
 
 from __future__ import annotations
 
@@ -76,10 +74,8 @@ def cpu_use(children: Sequence[Proc] = ()) -> Iterator[CpuUse]:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the gateway benchmarks run their processes: the gateway alone on its own
-    CPU(s), as in production (its own pod, away from the replicas), and everything else
-    (replicas, the stub replica, the benchmark's client) on the rest; or, with ``None``
-    for both, all on every CPU."""
+    """Where the gateway benchmarks run their processes: the gateway alone on its CPU and
+    everything else on the rest, or (``None`` for both) all on every CPU."""
 
     gateway: frozenset[int] | None
     others: frozenset[int] | None

@@ -1,23 +1,5 @@
-"""kvserve vs Hugging Face transformers on one model and one mixed workload, one process.
-
-Three engines, the same requests (random token ids, greedy, no EOS, each request's own
-output length), the same dtype and device, the same concurrency ``C``:
-
-* **kvserve**: ``LLM.generate`` over the whole workload with ``max_num_seqs = C``;
-* **transformers static**: ``generate`` on left-padded batches of ``C`` requests in input
-  order; each batch runs until its longest request is done (the usual way to batch with
-  ``generate``). Token times come from a ``StoppingCriteria`` that only records the
-  clock, called once per generated position;
-* **transformers continuous**: transformers' own continuous batching (the manager behind
-  ``generate_batch``; used directly because ``generate_batch`` takes one
-  ``max_new_tokens`` for all), ``max_requests_per_batch = C``, per-token timestamps.
-
-All requests arrive at once (an offline burst): TTFT is measured from the start of the
-run, so it includes waiting for earlier batches. Throughput counts the output tokens the
-requests asked for, not the padding rows static batching computes past a request's end.
-The engines alternate for ``rounds`` rounds (this machine's speed drifts); each one's
-best round is reported, with that round's latency.
-"""
+"""kvserve vs Hugging Face transformers (static and continuous batching) on one model and
+one mixed workload, in one process (docs/bench-methods.md, "engine_vs_transformers")."""
 
 from __future__ import annotations
 
@@ -115,10 +97,8 @@ def hf_static_runner(
 def hf_continuous_runner(
     model_dir: Path, work: Workload, concurrency: int, dtype: str, device: str
 ) -> Runner:
-    """transformers' continuous batching. Its manager steps the model in a thread of its
-    own; a manager lives for one run only, so that its OpenMP thread team is gone when
-    the other engines compute (see ``kvserve.engine.cpu_threads``: two live teams on a
-    small machine slow every matmul)."""
+    """transformers' continuous batching, with a manager (and so an OpenMP thread team)
+    that lives for one run only (docs/bench-methods.md)."""
     import transformers
 
     if not hasattr(transformers, "ContinuousBatchingConfig"):
@@ -127,9 +107,7 @@ def hf_continuous_runner(
     gen = transformers.GenerationConfig(
         do_sample=False, max_new_tokens=max(work.output_lens), eos_token_id=None, pad_token_id=0
     )
-    # Sized like kvserve's engine: room for `concurrency` full-length requests and the
-    # same 2048-token step budget. Left to itself it sizes the cache from the device's
-    # free memory, which on a CPU means zeroing most of the RAM.
+    # Sized like kvserve's engine; left to itself it zeroes most of a CPU machine's RAM.
     page = 256
     cb = transformers.ContinuousBatchingConfig(
         max_requests_per_batch=concurrency,

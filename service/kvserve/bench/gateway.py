@@ -1,24 +1,12 @@
-"""``kvserve bench gateway``: what the gateway adds to a streaming workload, how many
-streamed chunks it can serve on one core, and what prefix routing buys over round-robin
-(docs/gateway-config.md, "Gateway benchmark", says what each figure means).
-
-Everything runs as separate processes on 127.0.0.1, as in production (``bench.launcher``:
-``kvserve serve`` replicas, a ``kvserve gateway`` with a generated config and key), with
-this process as the client (``bench.sse_client``); separate processes let the gateway's
-own CPU time be read from ``/proc/PID/stat`` around each measured window. Three phases
-(``--phase``; ``all`` runs them in this order), one module each: ``gateway_overhead``,
-``gateway_capacity`` and ``gateway_routing``. This module holds the command's arguments,
-its report and the run. ``--placement separate`` (overhead and capacity) runs the gateway
-alone on the first CPU and everything else on the others, as a gateway has its own pod.
-"""
+"""``kvserve bench gateway``: the command's arguments, report and run over its three phases
+(docs/bench-methods.md, "kvserve bench gateway"; docs/gateway-config.md, "Gateway
+benchmark")."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +17,6 @@ from kvserve.bench.gateway_routing import print_routing, run_routing
 from kvserve.bench.launcher import Launcher, LaunchSettings
 from kvserve.bench.results import say
 from kvserve.config import DEFAULT_BLOCK_SIZE, DTYPES
-
-DESCRIPTION = (
-    "The gateway's added latency and CPU cost on a streaming workload, and prefix vs "
-    "round-robin routing on a shared-prefix agent workload (docs/gateway-config.md)."
-)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -210,14 +193,3 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         say(f"{failed} requests failed")
     return 0 if failed == 0 else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark without the ``kvserve`` CLI (``python -m kvserve.bench.gateway``)."""
-    p = argparse.ArgumentParser(prog="kvserve bench gateway", description=DESCRIPTION)
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,15 +1,5 @@
 """The gateway's capacity on one core: ``kvserve bench gateway --phase capacity``
-(docs/gateway-config.md, "Gateway benchmark").
-
-The target is a rate on one core (streamed chunks per second), so the gateway must be the
-bottleneck: it runs alone on one CPU, fed by a stub replica (``bench.stub_replica``: a
-token for every open request every 1 ms, no model) and by this process as the load
-generator on the others, with the light client of ``bench.sse_client`` (a client library
-would need more CPU than the gateway). Per round: chunks received per wall second, the
-gateway's CPU time (``/proc/PID/stat``), its busy share of one CPU and chunks per
-gateway CPU-second; the chunks per second are its capacity only when it was busy ≥ 90%
-in every round. Last, the gateway's peak resident memory, which its pod must cover.
-"""
+(docs/gateway-config.md, "Gateway benchmark")."""
 
 from __future__ import annotations
 
@@ -19,7 +9,7 @@ from typing import Any
 
 from kvserve.bench.cpu import cpu_use, running_on, split_cpus
 from kvserve.bench.launcher import Launcher
-from kvserve.bench.results import say
+from kvserve.bench.results import say, text_row
 from kvserve.bench.sse_client import CHAT, MODEL_NAME, StreamPool, run_on_uvloop
 
 TARGET_CHUNKS_PER_SECOND = 10_000.0
@@ -50,8 +40,8 @@ async def offer_load(
 
 
 def run_capacity(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -> dict[str, Any]:
-    """A stub replica and a gateway, then ``--rounds`` timed rounds (after one untimed).
-    (No model: the tokenizer goes unused.)"""
+    """A stub replica and a gateway, then ``--rounds`` timed rounds after one untimed (no
+    model: the tokenizer goes unused)."""
     placement = split_cpus(args.placement == "separate")
     say(f"capacity: starting a stub replica and the gateway; {placement.describe()}")
     address = launcher.start_stub_replica(placement.others)
@@ -122,13 +112,13 @@ def print_capacity(c: dict[str, Any]) -> None:
         f"{c['max_tokens']}-token chat answers from a stub replica (no model; a message "
         f"every {c['stub_step_ms']:g} ms); {c['placement']}"
     )
-    print(f"{'round':<8}{'chunks':>9}{'seconds':>9}{'chunks/s':>10}{'GW busy':>9}{'per CPU-s':>11}")
+    widths = (8, 9, 9, 10, 9, 11)
+    print(text_row(["round", "chunks", "seconds", "chunks/s", "GW busy", "per CPU-s"], widths))
     for x in c["rounds"]:
-        print(
-            f"{x['round']:<8}{x['chunks']:>9}{x['seconds']:>9.2f}{x['chunks_per_second']:>10,.0f}"
-            f"{x['gateway_busy']:>9.0%}{_count(x['chunks_per_cpu_second']):>11}"
-            + (f"  ({x['requests_failed']} failed)" if x["requests_failed"] else "")
-        )
+        figures = ("round", "chunks", "seconds", "chunks_per_second", "gateway_busy")
+        cells = [*(x[k] for k in figures), x["chunks_per_cpu_second"]]
+        failed = f"  ({x['requests_failed']} failed)" if x["requests_failed"] else ""
+        print(text_row(cells, widths, "d .2f ,.0f .0% ,.0f") + failed)
     per_cpu = _count(c["chunks_per_cpu_second"])
     if c["gateway_alone"] and c["saturated"]:
         print(

@@ -1,15 +1,5 @@
 """What the gateway adds to a streaming workload: ``kvserve bench gateway --phase overhead``
-(docs/gateway-config.md, "Gateway benchmark", defines every figure).
-
-One replica (prefix caching off, so every pass costs the engine the same; its request log
-on). The same seeded workload of ``--requests`` streamed completions from ``--streams``
-clients goes direct to the replica's HTTP API and through the gateway, alternated in ABBA
-order over ``--rounds`` rounds so drift falls on both paths alike. Reported: the
-difference of the medians, each request split at the replica's engine (from its request
-log, on the client's clock), the gateway's chunks per CPU-second next to the floor of its
-gRPC client alone, and ``--lone-pairs`` lone requests on each path, interleaved, for what
-the gateway adds without batching noise.
-"""
+(docs/gateway-config.md, "Gateway benchmark", defines every figure)."""
 
 from __future__ import annotations
 
@@ -23,7 +13,7 @@ from typing import Any
 
 from kvserve.bench.cpu import cpu_use, running_on, split_cpus, usable_cpus
 from kvserve.bench.launcher import Gateway, Launcher, Replica
-from kvserve.bench.results import fixed, say
+from kvserve.bench.results import fixed, say, text_row
 from kvserve.bench.sse_client import (
     COMPLETIONS,
     ClientRecord,
@@ -103,9 +93,8 @@ def _latencies(records: Sequence[ClientRecord], *qs: int) -> dict[str, float | N
 
 
 def _path_stats(passes: Passes, split: Sequence[EngineSplit]) -> dict[str, Any]:
-    """One path over all rounds: medians and p90s of the pooled requests, and the medians
-    of the split at the engine over the requests found in the request log (None: no log,
-    or not one clock on this OS)."""
+    """One path over all rounds: the pooled requests' figures, and the medians of the
+    split at the engine (None: no request log, or not one clock on this OS)."""
     records = [rec for _, recs in passes for rec in recs]
     seconds = sum(x["seconds"] for x, _ in passes)
     chunks = text_chunks(records)
@@ -128,11 +117,8 @@ def _path_stats(passes: Passes, split: Sequence[EngineSplit]) -> dict[str, Any]:
 async def _grpc_client_pass(
     address: str, work: Workload, streams: int, tag: str
 ) -> tuple[int, float]:
-    """The gRPC floor: ``streams`` workers read the workload's streams straight from the
-    replica with the gateway's own upstream client (``ReplicaClient``: one shared
-    ``GenerateMany`` call) in this process, nothing else running in it meanwhile.
-    Returns the delta messages with text and this process's CPU seconds over the timed
-    window."""
+    """The gRPC floor: the workload's streams read straight from the replica with the
+    gateway's own ``ReplicaClient``: the deltas with text, and this process's CPU-s."""
     from kvserve.gateway.upstream import ReplicaClient
     from kvserve.rpc.codec import encode_request
 
@@ -164,10 +150,8 @@ async def _grpc_client_pass(
 async def _lone_pairs(
     direct_url: str, gateway: Gateway, work: Workload, n: int
 ) -> list[tuple[float, float]]:
-    """``n`` lone requests on each path, one at a time, the order swapped every pair (so
-    drift falls on both alike). Returns what the gateway added to each pair where both
-    requests succeeded (seconds, gateway − direct): to the TTFT, and to the median of
-    the request's own gaps."""
+    """``n`` lone requests on each path, the order swapped every pair: what the gateway
+    added (seconds) to each pair's TTFT and to the median of its own gaps."""
     added: list[tuple[float, float]] = []
     direct, via = Connection(direct_url), Connection(gateway.url, gateway.key)
     try:
@@ -196,9 +180,7 @@ def run_overhead(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -
         f"overhead: starting 1 replica (prefix caching off) and the gateway; {placement.describe()}"
     )
     # Prefix caching off: every pass repeats the same prompts, and must cost the same.
-    # The replica's OpenMP team leaves one CPU to the gateway (and, shared, the client): a
-    # team as wide as the machine stalls at every barrier while those run, which swamped
-    # the comparison (5x slower steps on 2 cores) unless the caller set OMP_NUM_THREADS.
+    # The replica's OpenMP team leaves one CPU to the others (docs/bench-methods.md).
     threads = len(placement.others) if placement.others else max(1, usable_cpus() - 1)
     (rep,) = launcher.start_replicas(
         1, prefix_caching=False, threads=threads, cpus=placement.others, log_level="info"
@@ -274,9 +256,7 @@ def _measure(
     args: argparse.Namespace, work: Workload, rep: Replica, gateway: Gateway
 ) -> tuple[Passes, tuple[int, float], list[tuple[float, float]]]:
     """The rounds of passes on both paths, each round's gRPC floor, then the lone pairs."""
-    # An untimed pass of one request per stream on each path first: the engine's first
-    # steps at each batch size, and the gRPC path's first calls, are several times slower
-    # than later ones, and would otherwise fall on whichever path runs first.
+    # Untimed first (docs/bench-methods.md): first steps and first calls are slow.
     n = min(args.streams, args.requests)
     warm = Workload(work.prompts[:n], work.output_lens[:n])
     say(f"  warm-up: {n} requests on each path (not measured) ...")
@@ -337,23 +317,18 @@ def print_overhead(o: dict[str, Any]) -> None:
         f"ignore_eos), {o['rounds']} round(s) alternating direct and gateway"
     )
     print(f"CPUs: {o['placement']}")
-    print(
-        f"{'':<26}{'TTFT p50 ms':>12}{'TTFT p90 ms':>12}{'ITL p50 ms':>12}{'ITL p90 ms':>12}"
-        f"{'chunks':>9}{'chunks/s':>10}{'failed':>8}"
-    )
+    widths = (26, 12, 12, 12, 12, 9, 10, 8)
+    header = ("TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "chunks", "chunks/s")
+    print(text_row(["", *header, "failed"], widths))
     figures = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
     d, g = o["direct"], o["gateway"]
     for label, s in (("direct (HTTP)", d), ("through the gateway", g)):
-        print(
-            f"{label:<26}{''.join(fixed(s[f'{x}_ms']) for x in figures)}{s['chunks']:>9}"
-            f"{s['chunks_per_second']:>10.0f}{s['requests_failed']:>8}"
-        )
+        cells = [label, *(s[f"{x}_ms"] for x in figures), s["chunks"], s["chunks_per_second"]]
+        print(text_row([*cells, s["requests_failed"]], widths, ".2f .2f .2f .2f d .0f d"))
     added = "".join(fixed(o[f"{x}_added_ms"], sign=True) for x in figures)
     print(f"{'added by the gateway':<26}{added}")
-    print(
-        f"{'target (added, median)':<26}{'≤ ' + format(o['target_ttft_added_ms'], '.1f'):>12}"
-        f"{'':>12}{'≤ ' + format(o['target_itl_added_ms'], '.1f'):>12}"
-    )
+    ttft, itl = ("≤ " + format(o[f"target_{x}_added_ms"], ".1f") for x in ("ttft", "itl"))
+    print(text_row(["target (added, median)", ttft, "", itl], widths))
     if d["split_requests"] and g["split_requests"]:
 
         def both(key: str, spec: str = ".2f") -> str:

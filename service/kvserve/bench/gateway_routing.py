@@ -1,18 +1,5 @@
 """Prefix vs round-robin routing: ``kvserve bench gateway --phase routing``
-(docs/gateway-config.md, "Gateway benchmark").
-
-``--agents`` agents share one system prompt of about ``--system-tokens`` tokens (seeded,
-counted with the model's tokenizer) and each asks ``--questions`` questions in turn,
-keeping its conversation (``--no-history``: each question alone). It runs once per
-policy, each on freshly started replicas and gateway (cold caches). Reported: the
-cached-token ratio from the streams' usage, TTFT, and the gateway's routing decisions.
-
-Why conversations by default: the gateway's prefix key is a chat's messages up to the
-first user message, cut to ``routing.prefix_chars`` (512). A ~200-token system prompt is
-shorter than that with the demo tokenizer, so the key also holds the agent's first
-question: prefix routing keeps each agent on the replica that caches its conversation,
-while round-robin scatters its turns.
-"""
+(docs/gateway-config.md, "Gateway benchmark")."""
 
 from __future__ import annotations
 
@@ -27,7 +14,7 @@ from typing import Any
 
 from kvserve.bench.cpu import usable_cpus
 from kvserve.bench.launcher import Launcher, Replica, metric_samples
-from kvserve.bench.results import fixed, say
+from kvserve.bench.results import say, text_row
 from kvserve.bench.sse_client import CHAT, ClientRecord, Connection, chat_body, ttfts
 from kvserve.bench.timelines import ms, percentile_ms
 
@@ -68,11 +55,8 @@ def agent_questions(agents: int, questions: int, seed: int) -> list[list[str]]:
 
 
 async def _warm_replicas(replicas: Sequence[Replica]) -> None:
-    """One tiny request to each replica directly (first forward passes, lazy set-up).
-
-    It starts with a user message, so it shares no KV block with the agents' prompts
-    (which start with the system prompt): the caches stay cold for what is measured.
-    """
+    """One tiny request to each replica directly, sharing no KV block with the agents'
+    prompts: the caches stay cold for what is measured."""
     for rep in replicas:
         conn = Connection(rep.http_url)
         rec = await conn.stream(CHAT, chat_body([{"role": "user", "content": "warm up"}], 2))
@@ -129,8 +113,7 @@ def _routing_counts(url: str, replicas: Sequence[Replica]) -> tuple[list[int], i
 def run_routing(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -> dict[str, Any]:
     system, system_tokens = system_prompt(tokenizer, args.system_tokens, args.seed)
     questions = agent_questions(args.agents, args.questions, args.seed)
-    # Replicas share the CPUs: one OpenMP thread team each sized to its share, unless the
-    # caller set OMP_NUM_THREADS (oversubscribed teams spin and throttle each other).
+    # One OpenMP team per replica, sized to its share of the CPUs (docs/bench-methods.md).
     threads = max(1, usable_cpus() // args.replicas)
     results: list[dict[str, Any]] = []
     for policy in POLICIES:
@@ -190,18 +173,14 @@ def print_routing(r: dict[str, Any]) -> None:
         + f", {r['max_tokens']} output tokens per answer, cold caches for each policy; "
         "every process may run on every CPU"
     )
-    print(
-        f"{'policy':<14}{'requests':>9}{'prompt tok':>11}{'cached tok':>11}{'cached':>8}"
-        f"{'TTFT mean':>10}{'TTFT p50':>10}{'TTFT p90':>10}{'seconds':>9}  per replica"
-    )
+    widths = (14, 9, 11, 11, 8, 10, 10, 10, 9)
+    header = ("requests", "prompt tok", "cached tok", "cached", "TTFT mean", "TTFT p50")
+    print(text_row(["policy", *header, "TTFT p90", "seconds"], widths) + "  per replica")
     for p in r["policies"]:
-        ratio = "-" if p["cached_ratio"] is None else f"{p['cached_ratio']:.1%}"
-        print(
-            f"{p['policy']:<14}{p['requests_ok']:>9}{p['prompt_tokens']:>11}"
-            f"{p['cached_tokens']:>11}{ratio:>8}"
-            + "".join(fixed(p[f"ttft_{x}_ms"], 10, ".1f") for x in ("mean", "p50", "p90"))
-            + f"{p['seconds']:>9.2f}  "
-            f"{'/'.join(map(str, p['requests_per_replica']))}"
-            + (f"  ({p['requests_failed']} failed)" if p["requests_failed"] else "")
-        )
+        figures = ("policy", "requests_ok", "prompt_tokens", "cached_tokens", "cached_ratio")
+        cells = [p[k] for k in figures] + [p[f"ttft_{x}_ms"] for x in ("mean", "p50", "p90")]
+        failed = f"  ({p['requests_failed']} failed)" if p["requests_failed"] else ""
+        per_replica = "/".join(map(str, p["requests_per_replica"]))
+        row = text_row([*cells, p["seconds"]], widths, "d d d .1% .1f .1f .1f .2f")
+        print(f"{row}  {per_replica}{failed}")
     print("  (TTFT in ms; cached = Σ cached_tokens / Σ prompt_tokens from the streams' usage)")

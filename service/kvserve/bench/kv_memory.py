@@ -1,19 +1,5 @@
-"""KV memory efficiency: allocated token slots vs tokens actually held, over a mixed run.
-
-A mixed workload (random prompt and output lengths) runs through the engine's step
-API. After every step the section reads, for the running requests:
-
-* **held**: Σ ``num_computed_tokens`` — tokens whose keys and values are in the cache;
-* **allocated**: Σ blocks in the request's block table × block size — the slots paged
-  allocation gave them (the unfilled tail of each request's last block is the waste);
-* **reserved**: running requests × ``max_model_len`` — what an allocator that reserves
-  the longest possible sequence per request (a static cache) would have set aside.
-
-Waste = 1 − Σ held / Σ allocated, summed over steps (every step weighs the same: the
-figure depends on the schedule only, not on this machine's speed). Prefix caching is
-off: the prompts are random and share nothing, and shared blocks would be counted once
-per holder. The run is repeated for a few block sizes; the engine default is 16.
-"""
+"""KV memory efficiency: allocated token slots vs tokens actually held, over a mixed run
+(docs/bench-methods.md, "kv_memory")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The servers a benchmark starts: ``kvserve serve`` replicas, stub replicas and
-``kvserve gateway`` processes on 127.0.0.1, each with its output in a log file, all
-stopped together at the end (also on errors and Ctrl-C: use the launcher in a ``with``).
-"""
+"""The servers a benchmark starts (replicas, stub replicas, gateways on 127.0.0.1), each
+with its output in a log file, all stopped together when the ``with`` ends."""
 
 from __future__ import annotations
 

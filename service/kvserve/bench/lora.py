@@ -1,13 +1,5 @@
-"""LoRA adapters: throughput under adapters vs the base model, load time, memory.
-
-At concurrency 16 the same random workload runs on the base model and with its requests
-spread evenly over 4 rank-16 adapters (all seven projections, ``max_loras`` 4): the
-ratio of output throughputs is the issue's target (≥ 75%). The same workload also runs
-with 1 and 16 distinct adapters in flight (16 over 4 slots: requests wait for slots, and
-adapters move between host memory and the slots). The adapters are random PEFT folders
-written here (no peft needed); the load time is ``load_adapter`` from local disk
-(read + checks), the memory per adapter its host copy and one device slot.
-"""
+"""LoRA adapters: throughput under adapters vs the base model, load time, memory
+(docs/bench-methods.md, "lora")."""
 
 from __future__ import annotations
 

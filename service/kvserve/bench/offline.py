@@ -1,12 +1,5 @@
-"""``kvserve bench offline``: continuous batching vs transformers static batching.
-
-Both run the same workload, in the same process, in the same dtype, at the same
-concurrency: ``max_num_seqs`` requests at a time for kvserve; static batches of that
-size for transformers (left-padded, each batch runs until its longest request is done).
-Throughput counts only the output tokens each request asked for. A quick check of one
-ratio; ``kvserve bench suite --only engine_vs_transformers`` runs the same engines (and
-transformers' own continuous batching) and reports latency percentiles too.
-"""
+"""``kvserve bench offline``: continuous batching vs transformers static batching, one
+process (docs/bench-methods.md, "engine_vs_transformers")."""
 
 from __future__ import annotations
 
@@ -15,6 +8,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from kvserve.bench.results import text_row
 from kvserve.bench.suite import MODEL_SHAPES, SuiteContext
 from kvserve.bench.timelines import Workload, random_workload
 from kvserve.config import DTYPES
@@ -97,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res))
         return 0
     print(f"model: random Llama, {params / 1e6:.1f}M parameters, {args.dtype}, {args.device}")
-    print(f"{'engine':<34}{'seconds':>9}{'output tok/s':>14}")
+    widths = (34, 9, 14)
+    print(text_row(["engine", "seconds", "output tok/s"], widths))
     for name, label in (("kvserve", "continuous batching"), ("transformers", "static batches")):
-        seconds, rate = res[f"{name}_seconds"], res[f"{name}_output_tok_s"]
-        print(f"{f'{name} ({label})':<34}{seconds:>9.2f}{rate:>14.1f}")
+        cells = [f"{name} ({label})", res[f"{name}_seconds"], res[f"{name}_output_tok_s"]]
+        print(text_row(cells, widths, ".2f .1f"))
     print(
         f"ratio (kvserve / transformers): {res['ratio']:.2f}x  (best of {args.rounds} "
         "interleaved rounds each)"

@@ -1,21 +1,5 @@
-"""Prefix caching on vs off in the shared-prefix agent scenario.
-
-``agents`` agents share one system prompt of ``SYSTEM_TOKENS`` tokens; each sends its
-own question (random length) after it and asks for a short answer. Requests run as a
-closed loop of ``CONCURRENCY`` clients straight on the engine's step API: a new request
-is added as soon as one finishes, so each request's TTFT is its own (engine arrival to
-first token), not a burst's queue.
-
-Reported for each mode: prefill tokens computed (Σ prompt tokens − Σ tokens served from
-the prefix cache), mean and p99 TTFT. The target: the cut in computed prefill tokens is
-at least 80% of the shared share (shared tokens / all prompt tokens) — the most caching
-can save is the shared share minus the first request's copy and the partial last block
-(only full blocks are cached).
-
-Both modes use the same engine settings; the cache is emptied before every "on" round
-so each round starts cold. Rounds alternate; each mode's best round (by wall time) is
-reported.
-"""
+"""Prefix caching on vs off in the shared-prefix agent scenario
+(docs/bench-methods.md, "prefix_caching")."""
 
 from __future__ import annotations
 

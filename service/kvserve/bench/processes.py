@@ -1,7 +1,5 @@
-"""Child processes of the benchmarks (``kvserve serve`` replicas, gateways): start them
-with their output in a log file, wait until they answer, read their CPU time and peak
-memory, stop them.
-"""
+"""Child processes of the benchmarks: start them with their output in a log file, wait
+until they answer, read their CPU time and peak memory, stop them."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""What every ``kvserve bench suite`` section returns, and how results are written.
-
-A section measures one thing and returns a :class:`Section`: its setup (model shape,
-dtype, workload), tables whose columns carry their units, the targets it checks, notes
-(why a figure is what it is), and the PNG files it drew. The suite stamps the whole run
-with the date and the hardware (:func:`hardware`) and writes ``results.json`` (the same
-data, machine-readable) and ``results.md`` (the tables for ``docs/performance.md``).
-"""
+"""What every ``kvserve bench suite`` section returns (:class:`Section`), how a run is
+written (``results.json``, ``results.md``), and the commands' plain-text tables."""
 
 from __future__ import annotations
 
@@ -14,6 +8,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,6 +168,15 @@ def fixed(x: float | None, width: int = 12, spec: str = ".2f", sign: bool = Fals
     if x is None:
         return f"{'-':>{width}}"
     return format(x, f">{'+' if sign else ''}{width}{spec}")
+
+
+def text_row(cells: Sequence[Any], widths: Sequence[int], specs: str = "") -> str:
+    """One line of a command's plain-text table: the first cell left-aligned, the others
+    right-aligned in their ``widths``, formatted by ``specs`` (space-separated, one per
+    cell after the first; ``-`` for None)."""
+    formats = specs.split() or [""] * (len(cells) - 1)
+    rest = zip(cells[1:], widths[1 : len(cells)], formats, strict=True)
+    return f"{cells[0]:<{widths[0]}}" + "".join(fixed(x, w, spec) for x, w, spec in rest)
 
 
 def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:

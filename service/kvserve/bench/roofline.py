@@ -1,43 +1,5 @@
-"""Roofline: decode and prefill against this machine's memory bandwidth and matmul peak.
-
-Both ceilings are measured in this run, on ``ctx.device``, in the caller's thread. The
-engine steps in that thread too, so one OpenMP thread team does all the work (see
-``kvserve.engine.cpu_threads``). The torch thread count is left as it is.
-
-* **Bandwidth**: bytes / best time of ``x.sum()`` over a 512 MiB fp32 tensor (2 GiB on
-  CUDA), far beyond the last-level cache: a streaming read.
-* **Matmul peak** per dtype: 2·n³ / best time of ``F.linear(a, b)`` = a·bᵀ, n×n (n = 2048
-  on CPU, 8192 on CUDA). That is the weight layout of the model's linears. On CPUs
-  without native bf16, a plain a·b in bf16 takes a path about 10× slower than a·bᵀ.
-
-**Decode** at batch 1, 8, 32. The batch grows in place: 1 request with a 64-token
-random prompt, then 7 more, then 24 more. So each prompt is prefilled once, which matters
-because bf16 prefill is slow on CPUs without native bf16. The token budget
-(max_num_batched_tokens) admits each growth in one step. After each growth, the engine
-steps until every request decodes and takes one more step. It then times pure decode
-steps one by one (16 steps, or as many as fit in 4 s, at least 3) and reports the median.
-
-Bytes per step = the weights a step reads + the KV cache read (Σ context × KV bytes per
-token). The weights are every linear, including the LM head, plus the norms. The input
-embedding table is left out, since a step reads only one row of it per token (unless
-it is tied to the LM head). Also left out, under 0.1% of the bytes: the new tokens'
-K/V writes and the embedding rows. The engine's attention gathers each context into a
-padded copy, so it moves about 3× the KV bytes counted; the bound counts what must be
-read. Bandwidth bound = bytes / bandwidth. The step's compute bound (FLOPs / peak) is
-reported too: where it is the larger one, the bandwidth bound is out of reach, and the
-notes say so.
-
-**Prefill**: one fresh request of 512 tokens, computed in one step (median of 3 runs).
-FLOPs = 2 × the layers' linear weights × T
-      + 2 × LM head × 1 (logits of the last token only)
-      + causal attention, 2·2·layers·q_size·T(T+1)/2 (scores and weighted sums;
-        included, about 4% here).
-Matmul bound = FLOPs / peak of that dtype.
-
-Fraction of a bound = bound / measured time (100% = at the bound). Units are decimal:
-1 MB = 10⁶ bytes. The machine may be shared, so the section reports the CPU share that
-other processes used meanwhile (from /proc/stat); that share slows every figure here.
-"""
+"""Roofline: decode and prefill against this machine's measured memory bandwidth and
+matmul peak (docs/bench-methods.md, "roofline")."""
 
 from __future__ import annotations
 

@@ -1,32 +1,5 @@
-"""``kvserve bench serve``: ``kvserve serve`` under load vs the offline engine.
-
-Both sides run the same workload (random token-id prompts, greedy, ``ignore_eos``, each
-request's own ``max_tokens``) on engines with the same settings, at the same concurrency:
-offline, ``LLM.generate`` over the whole workload with ``max_num_seqs = concurrency`` in
-this process; serving, a ``kvserve serve`` process on 127.0.0.1 (its request log at
-INFO) and ``concurrency`` streaming clients here (``bench.sse_client``, on uvloop where
-installed, like the server), each taking the next prompt when its last one ends.
-Throughput is output tokens / wall seconds on each side (the serving side counts each
-response's ``usage``); the rounds alternate the two sides.
-
-TTFT: one lone request (a 32-token prompt, prefix caching off, so always the same engine
-work) alternates between the offline engine's step API and the server, one pair at a
-time, so drift falls on both alike. Reported: the median paired difference (server −
-offline, client side against engine side; an offline output is visible when ``step()``
-returns it, detokenized), and the decomposition of docs/engine.md ("The serving path"):
-the server's request log, on the client's monotonic clock, splits the client's TTFT into
-HTTP in, to the engine, compute and out; TTFT − compute per request is what the server
-adds, and net of the engine's own time outside compute (measured offline) it is the
-figure held to the 2 ms target. Every figure comes from ``kvserve.telemetry.definitions``
-(docs/architecture.md §3): ``s`` = the request's last byte written (client) or its
-arrival (engine), ``f``/``e`` = the first/last output with visible text on both sides.
-
-The offline engine computes in one long-lived thread of this process, never the main
-thread, which runs the clients (``kvserve.engine.cpu_threads``: one OpenMP team). The
-model has ``kvserve bench offline``'s layer dimensions with the test tokenizer's own
-vocabulary, so every generated id decodes to text (with the offline bench's 8192-token
-vocabulary most ids could not be shown, and the streams would be nearly empty).
-"""
+"""``kvserve bench serve``: ``kvserve serve`` under load vs the offline engine
+(docs/bench-methods.md, "kvserve bench serve")."""
 
 from __future__ import annotations
 
@@ -43,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvserve.bench.launcher import Launcher, LaunchSettings, Replica
 from kvserve.bench.offline import MODEL_SIZES, make_workload, workload_arguments
-from kvserve.bench.results import fixed, say
+from kvserve.bench.results import say, text_row
 from kvserve.bench.sse_client import (
     COMPLETIONS,
     ClientRecord,
@@ -87,7 +60,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-# ---- results ---------------------------------------------------------------------------
 @dataclass
 class TtftPair:
     """One lone request on each side; the server's with its engine timeline (from the
@@ -102,17 +74,11 @@ class TtftPair:
     http_out: float | None = None  # the visible token → its chunk read by the client
 
 
-# ---- TTFT, one request at a time -------------------------------------------------------
 def _engine_ttft(
     engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int
 ) -> tuple[float, float, int] | None:
-    """Engine-side TTFT of a lone request, the first visible output − arrival (engine
-    clock), its compute part (first scheduled → that token sampled), and the index of
-    that output token; None if no output was visible.
-
-    The output is visible when ``step()`` returns it, detokenized, to its caller (as the
-    server's is when its chunk reaches the client), not when its token was sampled.
-    """
+    """A lone request's engine-side TTFT (to the step that returns its first visible
+    output), its compute part, and that output's index; None if none was visible."""
     engine.add_request(rid, prompt, greedy(max_tokens))
     found: tuple[float, float, int] | None = None
     while engine.has_unfinished_requests():
@@ -133,14 +99,8 @@ def _engine_ttft(
 async def _ttft_pairs(
     url: str, run_offline: Callable[..., Any], engine: LLMEngine, work: Workload, n: int
 ) -> tuple[list[TtftPair], list[tuple[str, ClientRecord]], int]:
-    """``n`` lone requests on each side, one offline then one through the server, in turn.
-
-    A probe finds the index k of the first visible output token. Both sides then ask for
-    max(k + 1, 2) tokens: the visible token is the request log's ``first_token_time``
-    when k = 0, else its ``last_token_time`` (and then also the request's last, whose
-    bookkeeping runs before it is handed over). Returns the pairs (without the
-    decomposition), each server request's id and client record, and k.
-    """
+    """``n`` lone requests on each side, in turn, after a probe for the index k of the
+    first visible token: the pairs, each server request's id and record, and k."""
     # The one request repeated (prefix caching is off): the same work every time.
     prompt = work.prompts[0][:TTFT_PROMPT_LEN]
     max_tokens = min(TTFT_MAX_TOKENS, max(work.output_lens))
@@ -189,7 +149,6 @@ def decompose(
         pair.http_out = rec.first - token
 
 
-# ---- the run ---------------------------------------------------------------------------
 def _summarise(
     args: argparse.Namespace,
     params: int,
@@ -244,10 +203,8 @@ def _summarise(
     for name, (values, qs) in latencies.items():
         for q in qs:
             res[f"serving_{name}_p{q}_ms"] = percentile_ms([v for v in values if v is not None], q)
-    # The lone requests, interleaved; the decomposition is over the pairs whose server
-    # request was in the log. The offline engine's own time outside compute (arrival →
-    # scheduled, the token → its step returning it) is spent by the server's requests in
-    # the engine too: "net" is the server's share per pair without it.
+    # The decomposition is over the pairs whose server request was in the log; "net" is
+    # the server's share per pair without the engine's own time outside compute.
     diffs = [p.server - p.offline for p in pairs]
     parts = [p for p in pairs if p.compute is not None]
     res |= {
@@ -276,9 +233,6 @@ def _summarise(
 
 
 def _print_table(res: dict[str, Any]) -> None:
-    def f(x: float | None) -> str:
-        return fixed(x, 12, ".1f")
-
     print(
         f"model: random Llama ({res['model_size']} dims, {res['vocab_size']}-token vocabulary), "
         f"{res['model_params'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}"
@@ -288,19 +242,16 @@ def _print_table(res: dict[str, Any]) -> None:
         f"{res['output_tokens']} output tokens, concurrency {res['concurrency']}, "
         f"best of {res['rounds']} interleaved round(s)"
     )
-    print(
-        f"{'':<28}{'seconds':>9}{'output tok/s':>14}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}"
-        f"{'TPOT p50 ms':>12}{'ITL p99 ms':>12}"
-    )
-    print(
-        f"{'offline (LLM.generate)':<28}{res['offline_seconds']:>9.2f}"
-        f"{res['offline_output_tok_s']:>14.1f}{'-':>12}{'-':>12}{'-':>12}{'-':>12}"
-    )
-    print(
-        f"{'serving (kvserve serve)':<28}{res['serving_seconds']:>9.2f}"
-        f"{res['serving_output_tok_s']:>14.1f}{f(res['serving_ttft_p50_ms'])}"
-        f"{f(res['serving_ttft_p99_ms'])}{f(res['serving_tpot_p50_ms'])}{f(res['serving_itl_p99_ms'])}"
-    )
+    widths = (28, 9, 14, 12, 12, 12, 12)
+    header = ("seconds", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "ITL p99 ms")
+    print(text_row(["", *header], widths))
+    served = [res[f"serving_{x}_ms"] for x in ("ttft_p50", "ttft_p99", "tpot_p50", "itl_p99")]
+    for label, side, figures in (
+        ("offline (LLM.generate)", "offline", [None] * 4),
+        ("serving (kvserve serve)", "serving", served),
+    ):
+        cells = [label, res[f"{side}_seconds"], res[f"{side}_output_tok_s"], *figures]
+        print(text_row(cells, widths, ".2f .1f .1f .1f .1f .1f"))
     print(
         f"requests: {res['serving_requests_completed']} completed, "
         f"{res['serving_requests_failed']} failed over {res['rounds']} round(s); "
@@ -352,9 +303,8 @@ def _measure(
     async def on_torch(fn: Callable[..., T], *fn_args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(torch_thread, fn, *fn_args)
 
-    # As `kvserve serve` does before serving (kvserve.heap): both sides then run with the
-    # garbage collector off their start-up heaps, and neither pays for collections the
-    # other skips. Undone at the end (a caller may go on running).
+    # As `kvserve serve` does (kvserve.heap), so neither side pays for collections the
+    # other skips; undone at the end (a caller may go on running).
     freeze_startup_heap()
     try:
         offline_times: list[float] = []

@@ -1,46 +1,5 @@
-"""Serving path: ``kvserve gateway`` + ``kvserve serve`` vs the offline engine, 32 streams.
-
-The same workload (random token-id prompts of 16-256 tokens, 16-128 output tokens each,
-greedy, ``ignore_eos``), the same engine settings (dtype, ``max_num_seqs`` 32, prefix
-caching off so every round costs the same), the same concurrency, on two paths:
-
-* **offline engine**: an ``LLM``'s engine in this process, driven as a closed loop of 32
-  streams: 32 requests are added at the start and each finished request's slot goes to
-  the next one, as the serving side's clients do (``LLM.generate`` would add all 64 at
-  once, and the TTFT of the last 32 would include their wait in the engine's queue, a
-  wait the clients spend in their own queue, before sending). Same scheduling, same
-  throughput as ``generate``.
-* **gateway + server**: one ``kvserve serve`` replica process behind a ``kvserve gateway``
-  process (``bench.launcher``), and 32 streaming clients in this process (HTTP + SSE to
-  the gateway with ``bench.sse_client.stream_workload``, gRPC from it to the replica),
-  each taking the next request of the workload when its last one ends.
-
-Per request ``s`` = arrival in the engine (offline) or the request's one write to the
-socket (client, stamped just before it); ``f``/``e`` = the first/last output with
-visible text, ``n`` = the outputs with text (definitions' "visible output tokens":
-engine steps whose ``delta_text`` is non-empty; SSE chunks with text), so TPOT is the
-mean gap between visible outputs on both sides. Every figure comes from
-``kvserve.telemetry.definitions`` (via ``bench.timelines``). Throughput = output tokens
-/ wall seconds (the serving side counts each stream's ``usage``). With random weights,
-greedy decoding often emits byte tokens the byte-level tokenizer cannot show yet (not
-valid UTF-8); a request stuck on such bytes shows text late, which stretches TTFT's tail
-on both sides alike; the section counts those requests.
-
-Threads: both engines compute with the same number of threads, ``CPUs − 1`` (at least 1;
-``OMP_NUM_THREADS`` when set, for both), so the comparison measures the path and not the
-thread count. On the serving side the free CPU is where the gateway and the clients run:
-an OpenMP team as wide as the machine stalls at every barrier while other processes run
-(``bench.gateway``'s overhead phase saw 5x slower steps on 2 cores). On the offline side
-it is left idle. The offline engine loads and steps in short-lived threads
-(``kvserve.engine.cpu_threads``). The replica and gateway stay up across rounds and idle
-during the offline passes. Each pass is charged the CPU time of this process, the replica
-and the gateway (``/proc/PID/stat``), and of every other process on the machine
-(``/proc/stat`` minus those three): on a shared machine that shows what each side competed
-with.
-
-The paths alternate for ``ctx.rounds`` rounds after an untimed warm-up of each; each
-side's best round (throughput) is reported with that round's latency.
-"""
+"""Serving path: ``kvserve gateway`` + ``kvserve serve`` vs the offline engine, 32 streams
+(docs/bench-methods.md, "serving_path")."""
 
 from __future__ import annotations
 
@@ -149,9 +108,7 @@ def _serving_pass(url: str, key: str, work: Workload, streams: int) -> Pass:
 
 
 def _with_cpu(procs: list[Proc], pass_: Callable[[], Pass]) -> Pass:
-    """Run a pass and charge it the CPU time of each process over the whole call (a
-    window slightly longer than the timed pass: the serving pass's tiny warm-up
-    requests are in it)."""
+    """Run a pass and charge it the CPU time of each process over the whole call."""
     with cpu_use(procs) as use:
         x = pass_()
     replica, gateway = use.children
@@ -210,9 +167,7 @@ def run(ctx: SuiteContext) -> Section:
 
 def _section(ctx: SuiteContext, config: ModelConfig, work: Workload, streams: int, threads: int,
              cpus: int, passes: list[Pass], off: Pass, srv: Pass) -> Section:  # fmt: skip
-    # TTFT from the steady part only: the first wave of `streams` requests all arrive at
-    # once offline but over a spread on the serving side, which moves their TTFTs (the
-    # first steps pack as many prompts as the token budget holds). TPOT from all requests.
+    # TTFT from the steady part only (docs/bench-methods.md), TPOT from all requests.
     lat = {}
     for x in (off, srv):
         ttft, tpot = latency(x.steady or x.timelines), latency(x.timelines)

@@ -1,22 +1,5 @@
-"""The benchmarks' one client: streamed completions over keep-alive HTTP/1.1 connections,
-at little CPU cost.
-
-The benchmarks time servers, so their client must cost little: on a small machine it
-shares a CPU with the processes it measures. httpx with a JSON parse per event costs
-~100 µs of CPU per streamed chunk, as much as the gateway itself. This client writes each
-request in one write, reads the chunked body with asyncio streams, and recognises a text
-delta without parsing it: ``"finish_reason": null`` is in every event that carries a text
-delta and nothing else (completions and chat, engine server and gateway, which send one
-event per chunk and no such event without text), and in no other event. Only the events
-that end a stream are parsed (finish reason, usage, errors, and the text the last one may
-carry), with ``kvserve.sse_events``; ``keep_text`` parses every event, for a caller that
-needs the reply.
-
-Timing (``time.perf_counter``, the engine's clock on Linux): ``send`` is stamped just
-before the request's single write (a client preempted right after its write would
-otherwise stamp it late and hide part of the server's time); a chunk is stamped when the
-read that returns it completes, before anything is parsed.
-"""
+"""The benchmarks' one client: streamed completions over keep-alive HTTP/1.1
+connections, at little CPU cost (docs/bench-methods.md, "The streaming client")."""
 
 from __future__ import annotations
 
@@ -176,9 +159,7 @@ class Connection:
 
 def _read_events(data: bytes, rec: ClientRecord, now: float, keep_text: bool) -> None:
     """The events of one chunk of the body: the finish reason, usage and errors, and the
-    text of every event (``keep_text``), or else only the text an event that ends the
-    stream may carry (the engine server sends the last token's text with the finish
-    reason: the other text deltas were counted without parsing them)."""
+    text of every event (``keep_text``) or else only of an event that ends the stream."""
     for line in data.split(b"\n"):
         payload = event_data(line)
         if payload is None or not payload.startswith("{"):
@@ -274,11 +255,7 @@ async def stream_workload(
 
 def run_on_uvloop(coro: Coroutine[Any, Any, T]) -> T:
     """Run a benchmark's clients (or stand-in server) on uvloop where it is installed, as
-    the servers run.
-
-    A client's own wake-ups fall inside the latencies it measures (the offline side has
-    no client), so a slower client loop would be charged to the server.
-    """
+    the servers run (a slower client loop would be charged to the server)."""
     try:
         import uvloop
     except ImportError:  # not on Windows

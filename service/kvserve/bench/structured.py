@@ -1,13 +1,5 @@
-"""Structured outputs: constrained vs unconstrained throughput, mask and compile costs.
-
-At concurrency 16, the same prompts run twice per round: constrained by a 10-property
-JSON schema (greedy: the best allowed token), and unconstrained with ``ignore_eos`` and
-``max_tokens`` set to the lengths the constrained run produced, so both sides generate
-exactly the same number of tokens per request. The throughput ratio is the issue's
-target (≥ 85%). The mask time per token is the engine's own count (``TokenMasker``); the
-cold compile is a new grammar's validation and compile (what its request waits before
-its first step), the cached one the same schema again.
-"""
+"""Structured outputs: constrained vs unconstrained throughput, mask and compile costs
+(docs/bench-methods.md, "structured")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""A stand-in replica for measuring the gateway alone (``python -m kvserve.bench.stub_replica``).
-
-It speaks the engine's gRPC API as the gateway uses it (``GenerateMany``, ``GetLoad``,
-``Health``) with canned output and no model. Every ``--step-ms`` one
-``GenerateManyResponse`` carries one token for every open request, as a real replica
-sends one message per engine step; a request ends with a ``Final`` (``length``) after
-its ``max_tokens`` tokens, or ``abort`` when the gateway cancels it.
-
-A token costs this process a small fraction of what it costs a real engine on a CPU, so
-a load generator can offer the gateway more streamed chunks than it can handle, which
-is how ``kvserve bench gateway --phase capacity`` measures the gateway's capacity on
-one core. Nothing else uses it.
-"""
+"""A stand-in replica for measuring the gateway alone: the engine's gRPC API with canned
+output and no model (docs/bench-methods.md, "kvserve bench gateway")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Per-request timelines and their latency figures, for the benchmark sections.
-
-Every engine (kvserve, transformers static or continuous batching) is reduced to the same
-four numbers per request — ``s`` (arrival), ``f`` (first output token), ``e`` (last
-output token), ``n`` (output tokens) — on one clock, and every figure is computed from
-them by ``kvserve.telemetry.definitions`` (docs/architecture.md §3).
-"""
+"""Per-request timelines (``s``, ``f``, ``e``, ``n``) and their latency figures, workloads
+and greedy requests (docs/bench-methods.md, "Timelines")."""
 
 from __future__ import annotations
 
@@ -120,10 +115,8 @@ def greedy(max_tokens: int) -> SamplingParams:
 def timed_generate(
     llm: LLM, work: Workload, group: int | None = None
 ) -> tuple[float, list[Timeline]]:
-    """``LLM.generate`` over the workload, every request arriving at the start: in one call
-    (continuous batching), or in groups of ``group`` requests, each group started when the
-    one before has finished (static batching). Returns the wall seconds (engine clock) and
-    the requests' timelines."""
+    """``LLM.generate`` over the workload, every request arriving at the start, in one call
+    or in groups of ``group`` (static batching): the wall seconds and the timelines."""
     params = [greedy(n) for n in work.output_lens]
     size = group or len(work.prompts)
     t0 = llm.engine.clock()
