@@ -15,9 +15,8 @@ from kvserve.gateway.ratelimit import (
     RateLimited,
     RateLimiter,
     RequestTooLarge,
-    format_duration,
-    retry_after_header,
 )
+from kvserve.gateway.token_bucket import format_duration, retry_after_header
 
 
 class FakeClock:
