@@ -19,3 +19,13 @@ CRD_NAME: Final = f"{PLURAL}.{GROUP}"
 # the managed-by label on its children (the label its Deployment watch selects on).
 OPERATOR_NAME: Final = "kvserve-operator"
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+
+# The Gateway API Inference Extension's InferencePool (GIE v1), which the operator renders
+# for an InferenceModel with spec.inferencePool.enabled. Its CRD comes from GIE, not from
+# this project; the operator only writes objects of it.
+INFERENCE_POOL_GROUP: Final = "inference.networking.k8s.io"
+INFERENCE_POOL_VERSION: Final = "v1"
+INFERENCE_POOL_API_VERSION: Final = f"{INFERENCE_POOL_GROUP}/{INFERENCE_POOL_VERSION}"
+INFERENCE_POOL_KIND: Final = "InferencePool"
+INFERENCE_POOL_PLURAL: Final = "inferencepools"
+INFERENCE_POOL_CRD_NAME: Final = f"{INFERENCE_POOL_PLURAL}.{INFERENCE_POOL_GROUP}"

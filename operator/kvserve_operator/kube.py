@@ -15,7 +15,14 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from kvserve_operator.constants import API_VERSION, KIND, PLURAL
+from kvserve_operator.constants import (
+    API_VERSION,
+    INFERENCE_POOL_API_VERSION,
+    INFERENCE_POOL_KIND,
+    INFERENCE_POOL_PLURAL,
+    KIND,
+    PLURAL,
+)
 
 PLURALS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
@@ -24,6 +31,7 @@ PLURALS: dict[tuple[str, str], str] = {
     (API_VERSION, KIND): PLURAL,
     ("v1", "Pod"): "pods",
     ("v1", "ConfigMap"): "configmaps",
+    (INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND): INFERENCE_POOL_PLURAL,
 }
 
 
@@ -97,6 +105,16 @@ class Kube:
             if error.status == 404:
                 return None
             raise
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete one object; False when it was not there."""
+        try:
+            self._call("DELETE", f"{collection_path(api_version, kind, namespace)}/{name}")
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
 
     def list(
         self, api_version: str, kind: str, namespace: str, selector: str

@@ -33,12 +33,19 @@ from kvserve_operator.autoscaler import (
 )
 from kvserve_operator.capacity import capacity_status
 from kvserve_operator.config import OperatorConfig
-from kvserve_operator.constants import API_VERSION, KIND
+from kvserve_operator.constants import (
+    API_VERSION,
+    INFERENCE_POOL_API_VERSION,
+    INFERENCE_POOL_CRD_NAME,
+    INFERENCE_POOL_KIND,
+    KIND,
+)
 from kvserve_operator.kube import Kube
 from kvserve_operator.render import (
     desired_replicas,
     endpoint_status,
     render_children,
+    render_inference_pool,
     selector_string,
 )
 from kvserve_operator.spec import (
@@ -48,13 +55,30 @@ from kvserve_operator.spec import (
     SpecError,
     parse_spec,
 )
-from kvserve_operator.status import adapters_status, compute_status, rfc3339
+from kvserve_operator.status import (
+    POOL_CRD_MISSING,
+    POOL_FORBIDDEN,
+    adapters_status,
+    compute_status,
+    inference_pool_status,
+    rfc3339,
+)
 
 Log = logging.Logger | logging.LoggerAdapter[Any]
 
 
 class SpecInvalid(Exception):
     """The spec got past the API server's schema but cannot be rendered."""
+
+
+@dataclass(frozen=True)
+class PoolOutcome:
+    """The InferencePool part of a reconcile: status.inferencePool, a Ready=False
+    (reason, message) when the pool could not be written, and an API error to retry."""
+
+    status: dict[str, Any] | None
+    problem: tuple[str, str] | None
+    error: str | None
 
 
 @dataclass
@@ -150,6 +174,9 @@ class Reconciler:
         except ApiException as exc:
             error = f"apply failed: {_api_reason(exc)}"
             logger.error("reconcile of %s/%s failed: %s", namespace, name, error)
+        pool = self._inference_pool(namespace, name, meta["uid"], spec, previous, logger)
+        if pool.error is not None and error is None:
+            error = pool.error
 
         deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
         status = self._status(
@@ -158,11 +185,13 @@ class Reconciler:
             deployment,
             previous,
             error,
+            pool.problem,
         )
         status["selector"] = selector_string(name)
         status["endpoint"] = endpoint_status(name, namespace, self.config.render)
         status.update(self._capacity(namespace, spec))
         status["adapters"] = adapters_status(spec, self._replicas_adapters(namespace, name, spec))
+        status["inferencePool"] = pool.status
         self._write_status(namespace, name, previous, status)
         if error is not None:
             raise ApiException(status=500, reason=error)
@@ -175,6 +204,7 @@ class Reconciler:
         deployment: Mapping[str, Any] | None,
         previous: Mapping[str, Any],
         error: str | None,
+        pool_problem: tuple[str, str] | None = None,
     ) -> dict[str, Any]:
         return compute_status(
             generation=int(generation),
@@ -183,7 +213,77 @@ class Reconciler:
             previous=previous,
             error=error,
             now=self.now(),
+            pool_problem=pool_problem,
         )
+
+    def _inference_pool(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        spec: InferenceModelSpec,
+        previous: Mapping[str, Any],
+        logger: Log,
+    ) -> PoolOutcome:
+        """Apply (or, turned off, delete) the InferencePool; what status says about it.
+
+        Its CRD is GIE's and its RBAC optional, so a missing CRD (404) or a missing
+        permission (403) becomes a Ready=False reason that says what to install, not an
+        error that Kopf retries in a loop; the drift timer applies the pool once it can.
+        """
+        pool = render_inference_pool(name, namespace, uid, spec)
+        if pool is None:
+            if previous.get("inferencePool"):
+                # Turned off: owner references remove the pool only with the model.
+                try:
+                    self.kube.delete(
+                        INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND, namespace, name
+                    )
+                except ApiException as exc:
+                    if exc.status != 403:
+                        return PoolOutcome(
+                            previous["inferencePool"],
+                            None,
+                            f"deleting the InferencePool failed: {_api_reason(exc)}",
+                        )
+                    # No right to delete it any more: it stays until the model is deleted.
+                    logger.warning(
+                        "cannot delete InferencePool %s/%s: %s", namespace, name, _api_reason(exc)
+                    )
+            return PoolOutcome(None, None, None)
+        try:
+            applied = self.kube.apply(pool)
+        except ApiException as exc:
+            if exc.status == 404:
+                return PoolOutcome(
+                    None,
+                    (
+                        POOL_CRD_MISSING,
+                        f"spec.inferencePool.enabled is true, but the API server does not "
+                        f"serve {INFERENCE_POOL_API_VERSION} InferencePool (CRD "
+                        f"{INFERENCE_POOL_CRD_NAME}): install the Gateway API Inference "
+                        f"Extension's CRDs; the pool is created once they exist",
+                    ),
+                    None,
+                )
+            if exc.status == 403:
+                return PoolOutcome(
+                    None,
+                    (
+                        POOL_FORBIDDEN,
+                        f"the operator may not write {INFERENCE_POOL_CRD_NAME} "
+                        f"({_api_reason(exc)}): install the Helm chart with "
+                        f"operator.inferencePool.enabled=true, or bind the ClusterRole of "
+                        f"manifests/rbac-inference-pool.yaml to the operator",
+                    ),
+                    None,
+                )
+            return PoolOutcome(
+                previous.get("inferencePool"),
+                None,
+                f"applying the InferencePool failed: {_api_reason(exc)}",
+            )
+        return PoolOutcome(inference_pool_status(name, applied), None, None)
 
     def _replicas_adapters(
         self, namespace: str, name: str, spec: InferenceModelSpec

@@ -15,6 +15,9 @@ Children (all named after the InferenceModel, in its namespace, owned by it):
 - ConfigMap ``NAME-adapters`` (only with spec.lora or spec.adapters): spec.adapters as
   JSON, mounted into the pods, where the ``adapter-sync`` container pulls, loads and
   unloads them without a restart (docs/inference-model.md, "Adapters")
+- InferencePool (``inference.networking.k8s.io/v1``, only with spec.inferencePool.enabled;
+  ``render_inference_pool``): the pods as a Gateway API Inference Extension pool. Its CRD
+  is GIE's and may be missing, so the reconciler applies it apart from the others.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ from typing import Any
 
 from kvserve.engine_options import flags_from_spec
 from kvserve.model.pull import DEFAULT_PVC_ROOT, PVC_ROOT_ENV, ModelSource
-from kvserve_operator.constants import API_VERSION, GROUP, KIND, MANAGED_BY_LABEL, OPERATOR_NAME
+from kvserve_operator.constants import (
+    API_VERSION,
+    GROUP,
+    INFERENCE_POOL_API_VERSION,
+    INFERENCE_POOL_KIND,
+    KIND,
+    MANAGED_BY_LABEL,
+    OPERATOR_NAME,
+)
 from kvserve_operator.spec import InferenceModelSpec, SpecError, check_adapter_names
 
 HTTP_PORT = 8000
@@ -49,6 +60,13 @@ ADAPTER_SYNC_CONTAINER = "adapter-sync"
 
 SERVED_NAME_ANNOTATION = f"{GROUP}/served-name"
 MODEL_LABEL = f"{GROUP}/inference-model"
+# With spec.inferencePool.enabled, the pods carry this label and the InferencePool selects
+# on it. Only pods of a template rendered with the pool on have it, so during the rollout
+# that turns the pool on, pods still running without --metrics-compat vllm (whose metrics
+# an endpoint picker cannot read) never join the pool.
+POOL_LABEL = f"{GROUP}/inference-pool"
+# What the endpoint pickers of GIE and llm-d read by default: vLLM's metric names.
+POOL_ENGINE_ARGS: tuple[str, ...] = ("--metrics-compat", "vllm")
 ENGINE_APP_NAME = "kvserve-engine"
 
 # preStop sleep: endpoints controllers and the gateway drop the pod before SIGTERM starts
@@ -102,6 +120,19 @@ def child_labels(name: str, spec: InferenceModelSpec | None = None) -> dict[str,
         MANAGED_BY_LABEL: OPERATOR_NAME,
         MODEL_LABEL: name,
     }
+
+
+def pod_labels(name: str, spec: InferenceModelSpec) -> dict[str, str]:
+    """Labels of the engine pods: ``child_labels``, plus the pool's label with the pool on."""
+    labels = child_labels(name)
+    if spec.inference_pool.enabled:
+        labels[POOL_LABEL] = name
+    return labels
+
+
+def pool_selector_labels(name: str) -> dict[str, str]:
+    """What the InferencePool selects: this model's engine pods rendered with the pool on."""
+    return {**selector_labels(name), POOL_LABEL: name}
 
 
 def served_name(name: str, spec: InferenceModelSpec) -> str:
@@ -229,6 +260,7 @@ def engine_args(spec: InferenceModelSpec, model_dir: str, served_name: str) -> l
         "--drain-timeout",
         str(e.drain_timeout_seconds),
         *lora_args(spec),
+        *(POOL_ENGINE_ARGS if spec.inference_pool.enabled else ()),
     ]
     return args + list(e.extra_args)
 
@@ -434,7 +466,7 @@ def render_deployment(
             "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
             "template": {
                 "metadata": {
-                    "labels": child_labels(name),
+                    "labels": pod_labels(name, spec),
                     "annotations": {
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(HTTP_PORT),
@@ -530,6 +562,40 @@ def render_pdb(name: str, namespace: str, uid: str, spec: InferenceModelSpec) ->
             "maxUnavailable": 1,
             # A pod that never became ready (stuck loading) must not block a drain.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def render_inference_pool(
+    name: str, namespace: str, uid: str, spec: InferenceModelSpec
+) -> dict[str, Any] | None:
+    """The GIE InferencePool of the model's pods; None unless spec.inferencePool.enabled.
+
+    Named after the InferenceModel. The gateway sends each request to the pod that the
+    endpoint picker named in endpointPickerRef chooses, on the engine's HTTP port (where
+    it also reads the pod's /metrics).
+    """
+    pool = spec.inference_pool
+    if not pool.enabled:
+        return None
+    picker = pool.endpoint_picker_ref
+    assert picker is not None  # parse_spec requires it when enabled
+    return {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": INFERENCE_POOL_KIND,
+        "metadata": _metadata(name, namespace, uid),
+        "spec": {
+            "selector": {"matchLabels": pool_selector_labels(name)},
+            "targetPorts": [{"number": HTTP_PORT}],
+            # group and kind are GIE's defaults, written out so the applied object says
+            # what it refers to: a Service in the pool's namespace.
+            "endpointPickerRef": {
+                "group": "",
+                "kind": "Service",
+                "name": picker.name,
+                "port": {"number": picker.port},
+                "failureMode": picker.failure_mode,
+            },
         },
     }
 

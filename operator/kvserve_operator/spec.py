@@ -33,6 +33,13 @@ DTYPES: tuple[str, ...] = tuple(engine_options.crd_properties()["dtype"]["enum"]
 METRICS: tuple[str, ...] = ("queueDepth", "inFlight")
 PULL_POLICIES: tuple[str, ...] = ("Always", "IfNotPresent", "Never")
 CACHE_MEDIA: tuple[str, ...] = ("", "Memory")
+# What the gateway does when the endpoint picker does not answer (GIE's
+# EndpointPickerFailureMode): FailOpen picks an endpoint itself, FailClose drops the request.
+FAILURE_MODES: tuple[str, ...] = ("FailOpen", "FailClose")
+# The port GIE's inferencepool chart gives the picker's ext_proc gRPC service.
+DEFAULT_PICKER_PORT = 9002
+# GIE's ObjectName: the picker Service's name.
+PICKER_NAME_MAX_LENGTH = 253
 
 # `kvserve serve`'s LoRA flags (kvserve.config.EngineConfig's and the server's
 # --lora-dir/--lora-modules), all derived from spec.lora and spec.adapters.
@@ -200,6 +207,23 @@ class AdapterSpec:
 
 
 @dataclass(frozen=True)
+class EndpointPickerRefSpec:
+    """The endpoint picker's Service, as the InferencePool's ``endpointPickerRef``."""
+
+    name: str
+    port: int = DEFAULT_PICKER_PORT
+    failure_mode: str = "FailClose"
+
+
+@dataclass(frozen=True)
+class InferencePoolSpec:
+    """Publish the model's pods as a GIE InferencePool (docs/inference-model.md)."""
+
+    enabled: bool = False
+    endpoint_picker_ref: EndpointPickerRefSpec | None = None
+
+
+@dataclass(frozen=True)
 class InferenceModelSpec:
     model: ModelSpec
     replicas: int = 1
@@ -213,6 +237,7 @@ class InferenceModelSpec:
     slo: SloSpec = field(default_factory=SloSpec)
     lora: LoraSpec | None = None
     adapters: tuple[AdapterSpec, ...] = ()
+    inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
 
     @property
     def source(self) -> ModelSource:
@@ -247,6 +272,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
         "slo",
         "lora",
         "adapters",
+        "inferencePool",
     )
     kw: dict[str, Any] = {"model": _parse_model(r.required_object("model"))}
     _put(kw, "replicas", r.get_int("replicas", minimum=0, maximum=INT32_MAX))
@@ -269,6 +295,8 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
     if (adapters := r.get_list("adapters")) is not None:
         kw["adapters"] = _parse_adapters(adapters, f"{r.path}.adapters")
         _check_adapter_claims(kw["adapters"], kw["model"].parsed_source)
+    if (pool := r.get_object("inferencePool")) is not None:
+        kw["inference_pool"] = _parse_inference_pool(pool)
     return InferenceModelSpec(**kw)
 
 
@@ -510,6 +538,29 @@ def _parse_adapters(items: Sequence[Any], path: str) -> tuple[AdapterSpec, ...]:
             raise SpecError(f"{r.path}.{where}", str(e)) from None
         out.append(adapter)
     return tuple(out)
+
+
+def _parse_inference_pool(r: _Reader) -> InferencePoolSpec:
+    r.known("enabled", "endpointPickerRef")
+    kw: dict[str, Any] = {}
+    _put(kw, "enabled", r.get_bool("enabled"))
+    if (ref := r.get_object("endpointPickerRef")) is not None:
+        ref.known("name", "port", "failureMode")
+        name = ref.get_str("name", min_length=1, max_length=PICKER_NAME_MAX_LENGTH)
+        if name is None:
+            raise SpecError(f"{ref.path}.name", "required")
+        picker: dict[str, Any] = {"name": name}
+        _put(picker, "port", ref.get_int("port", minimum=1, maximum=65535))
+        _put(picker, "failure_mode", ref.get_enum("failureMode", FAILURE_MODES))
+        kw["endpoint_picker_ref"] = EndpointPickerRefSpec(**picker)
+    pool = InferencePoolSpec(**kw)
+    if pool.enabled and pool.endpoint_picker_ref is None:
+        # The pool cannot exist without its picker (GIE requires endpointPickerRef).
+        raise SpecError(
+            f"{r.path}.endpointPickerRef",
+            "inferencePool.endpointPickerRef is required when inferencePool.enabled is true",
+        )
+    return pool
 
 
 def _parse_model_cache(r: _Reader) -> ModelCacheSpec:

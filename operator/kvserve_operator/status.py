@@ -17,6 +17,23 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 
+# Ready=False reasons when spec.inferencePool.enabled cannot be honoured: the model's
+# pods may serve, but the pool the user asked for does not exist.
+POOL_CRD_MISSING = "InferencePoolCRDMissing"
+POOL_FORBIDDEN = "InferencePoolForbidden"
+
+# What status.inferencePool copies from the InferencePool's status (GIE v1 ParentStatus);
+# the InferenceModel's status schema is strict, so only these keys are taken.
+_PARENT_REF_KEYS = ("group", "kind", "namespace", "name")
+_CONDITION_KEYS = (
+    "type",
+    "status",
+    "reason",
+    "message",
+    "lastTransitionTime",
+    "observedGeneration",
+)
+
 
 def rfc3339(moment: datetime) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -86,8 +103,12 @@ def compute_status(
     previous: Mapping[str, Any],
     error: str | None,
     now: datetime,
+    pool_problem: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Replica counts and the Ready / Progressing / Degraded conditions."""
+    """Replica counts and the Ready / Progressing / Degraded conditions.
+
+    ``pool_problem`` (reason, message): the InferencePool asked for could not be written;
+    Ready is then False with that reason, whatever the replicas."""
     counts = deployment_counts(deployment)
     conditions = previous.get("conditions") or []
     ready = counts["readyReplicas"]
@@ -99,6 +120,8 @@ def compute_status(
         ready_c = (True, "ReplicasReady", f"{ready}/{desired_replicas} replicas ready")
     else:
         ready_c = (False, "ReplicasNotReady", f"{ready}/{desired_replicas} replicas ready")
+    if pool_problem is not None:
+        ready_c = (False, *pool_problem)
 
     progressing = deployment is not None and rollout_in_progress(deployment, desired_replicas)
     progressing_c = (
@@ -157,3 +180,23 @@ def adapters_status(
         }
         for a in spec.adapters
     ]
+
+
+def inference_pool_status(name: str, pool: Mapping[str, Any] | None) -> dict[str, Any]:
+    """status.inferencePool: the pool's name and, per parent (a Gateway) that reports on
+    it, the parent and its conditions (Accepted, ResolvedRefs) as the gateway wrote them.
+
+    ``pool``: the InferencePool as the API server returned it (None: not read back)."""
+    parents = []
+    for parent in ((pool or {}).get("status") or {}).get("parents") or []:
+        ref = parent.get("parentRef") or {}
+        entry: dict[str, Any] = {
+            "parentRef": {k: ref[k] for k in _PARENT_REF_KEYS if k in ref},
+            "conditions": [
+                {k: c[k] for k in _CONDITION_KEYS if k in c} for c in parent.get("conditions") or []
+            ],
+        }
+        if parent.get("controllerName"):
+            entry["controllerName"] = parent["controllerName"]
+        parents.append(entry)
+    return {"name": name, "parents": parents}

@@ -209,6 +209,7 @@ def test_status_schema(schema: dict[str, Any]) -> None:
         "capacityError",
         "autoscaling",
         "adapters",
+        "inferencePool",
     }
     conditions = status["properties"]["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map"
