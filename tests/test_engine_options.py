@@ -68,6 +68,7 @@ def test_the_crd_properties_are_the_options_with_a_crd_name() -> None:
     props = engine_options.crd_properties()
     assert list(props) == [
         "dtype",
+        "quantization",
         "blockSize",
         "maxNumSeqs",
         "maxNumBatchedTokens",
@@ -84,5 +85,7 @@ def test_the_crd_properties_are_the_options_with_a_crd_name() -> None:
         "description": "Tokens per KV-cache block (--block-size).",
     }
     assert props["dtype"]["enum"] == ["auto", "float32", "bfloat16", "float16"]  # no aliases
+    assert props["quantization"]["enum"] == ["int8"]
+    assert "default" not in props["quantization"]  # none: the weights stay in dtype
     assert props["kvCacheMemoryFraction"]["exclusiveMinimum"] is True
     assert "--model" in engine_options.operator_owned_flags()

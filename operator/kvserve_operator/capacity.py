@@ -58,7 +58,13 @@ def capacity_status(
         f"{spec.engine.kv_cache_memory_fraction:g} = {memory_gib:g} GiB per replica"
     )
     try:
-        report = estimate(config, dtype=dtype, block_size=block_size, memory_gib=memory_gib)
+        report = estimate(
+            config,
+            dtype=dtype,
+            block_size=block_size,
+            memory_gib=memory_gib,
+            quantization=spec.engine.quantization,
+        )
     except ValueError as e:
         raise ValueError(f"{e} ({budget})") from None
     assert report.max_kv_tokens is not None  # memory_gib was given

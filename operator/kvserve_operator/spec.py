@@ -153,6 +153,7 @@ class EngineSpec:
     defaults are ``EngineConfig``'s."""
 
     dtype: str = _engine_default("dtype")
+    quantization: str | None = _engine_default("quantization")
     max_model_len: int | None = _engine_default("maxModelLen")
     max_num_seqs: int = _engine_default("maxNumSeqs")
     max_num_batched_tokens: int = _engine_default("maxNumBatchedTokens")

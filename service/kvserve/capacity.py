@@ -35,6 +35,9 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 GIB = 2**30
+# quantization="int8" (kvserve.model.quant): the projections' weights take 1 byte each,
+# plus one bf16 scale per output row; everything else stays in the weight dtype.
+INT8_SCALE_BYTES = 2
 
 
 def dtype_bytes(name: str) -> int:
@@ -70,14 +73,17 @@ def estimate(
     block_size: int = DEFAULT_BLOCK_SIZE,
     bandwidth_gbps: float | None = None,
     memory_gib: float | None = None,
+    quantization: str | None = None,
 ) -> CapacityReport:
     """Size weights and KV cache for ``config``.
 
     ``tokens`` are request lengths (prompt + output) sharing the KV cache.
     ``bandwidth_gbps`` is memory bandwidth in GB/s (10⁹ bytes/s); ``memory_gib``
     is the accelerator memory in GiB, giving how many KV tokens fit beside the
-    weights.
+    weights. ``quantization="int8"``: the projections' weights are int8.
     """
+    if quantization not in (None, "int8"):
+        raise ValueError(f"quantization must be None or 'int8' (got {quantization!r})")
     weight_elem = dtype_bytes(dtype)
     kv_elem = dtype_bytes(kv_dtype if kv_dtype is not None else dtype)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -93,6 +99,9 @@ def estimate(
 
     params = config.num_params()
     weight_bytes = params * weight_elem
+    if quantization == "int8":
+        proj, rows = config.projection_params()
+        weight_bytes += proj * (1 - weight_elem) + rows * INT8_SCALE_BYTES
     kv_per_token = config.kv_bytes_per_token(kv_elem)
     if kv_per_token <= 0:
         raise ValueError(f"config gives {kv_per_token} KV bytes per token; expected > 0")
@@ -110,7 +119,7 @@ def estimate(
         if free < 0:
             raise ValueError(
                 f"weights alone do not fit: {weight_bytes / GIB:.2f} GiB of weights "
-                f"({dtype}) > {memory_gib:g} GiB of memory"
+                f"({_weights_label(dtype, quantization)}) > {memory_gib:g} GiB of memory"
             )
         max_kv_tokens = math.floor(free / kv_per_token)
 
@@ -124,6 +133,10 @@ def estimate(
         decode_lower_bound_ms=decode_ms,
         max_kv_tokens=max_kv_tokens,
     )
+
+
+def _weights_label(dtype: str, quantization: str | None) -> str:
+    return dtype if quantization is None else f"{dtype}, {quantization} projections"
 
 
 def num_kv_blocks(
@@ -160,6 +173,13 @@ def add_calc_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("bf16", "fp16", "fp32"),
         default="bf16",
         help="weight dtype (default: bf16)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=("int8",),
+        default=None,
+        help="int8: the attention and MLP projections' weights as int8 (kvserve serve "
+        "--quantization int8)",
     )
     parser.add_argument(
         "--kv-dtype",
@@ -223,6 +243,7 @@ def run_calc(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             bandwidth_gbps=args.bandwidth_gbps,
             memory_gib=args.memory_gib,
+            quantization=args.quantization,
         )
     except ValueError as e:
         return _error(str(e))
@@ -234,7 +255,7 @@ def run_calc(args: argparse.Namespace) -> int:
             _table(
                 config,
                 report,
-                dtype=dtype,
+                dtype=_weights_label(dtype, args.quantization),
                 kv_dtype=kv_dtype,
                 tokens=tokens,
                 block_size=args.block_size,

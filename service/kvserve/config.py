@@ -29,6 +29,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+QUANTIZATION_METHODS = ("int8",)  # EngineConfig.quantization (kvserve.model.quant)
+
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, capped at what max_num_seqs full requests need
 
 
@@ -105,6 +108,17 @@ class EngineConfig:
             crd="dtype",
             choices=("auto", *DTYPES),
             aliases=tuple(_SHORT_NAMES),
+        ),
+    )
+    # int8 weight-only quantization (docs/engine.md, "int8 weights").
+    quantization: str | None = _option(
+        None,
+        Option(
+            "weight quantization; int8: per-output-channel int8 weights for the attention "
+            "and MLP projections, made at load (default: none, the weights stay in dtype)",
+            flag="--quantization",
+            crd="quantization",
+            choices=QUANTIZATION_METHODS,
         ),
     )
     device: str = _option(
@@ -245,6 +259,11 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}"
             )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

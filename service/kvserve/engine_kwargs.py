@@ -11,6 +11,7 @@ from typing import TypedDict
 class EngineKwargs(TypedDict, total=False):
     tokenizer: str | None
     dtype: str
+    quantization: str | None
     device: str
     block_size: int
     max_num_seqs: int

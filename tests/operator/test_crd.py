@@ -570,6 +570,7 @@ def test_full_spec_round_trip() -> None:
             "object",
         ),
         ({**MINIMAL, "engine": {"dtype": "fp8"}}, "spec.engine.dtype", "one of"),
+        ({**MINIMAL, "engine": {"quantization": "int4"}}, "spec.engine.quantization", "one of"),
         (
             {**MINIMAL, "engine": {"maxNumSeqs": 5000}},
             "spec.engine.maxNumSeqs",

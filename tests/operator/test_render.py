@@ -354,6 +354,7 @@ def test_engine_overrides_give_exact_args() -> None:
         resources={"gpus": 1},
         engine={
             "dtype": "bfloat16",
+            "quantization": "int8",
             "maxModelLen": 8192,
             "maxNumSeqs": 256,
             "maxNumBatchedTokens": 8192,
@@ -379,6 +380,8 @@ def test_engine_overrides_give_exact_args() -> None:
         "cuda",
         "--dtype",
         "bfloat16",
+        "--quantization",
+        "int8",
         "--block-size",
         "32",
         "--max-num-seqs",
@@ -693,6 +696,14 @@ def test_capacity_uses_dtype_gpus_and_fraction() -> None:
     assert out["kvBytesPerToken"] == 262_144
     free = 4 * 80 * 0.5 * 2**30 - 8_030_261_248 * 4
     assert out["tokensPerReplica"] == int(free // 262_144) // 32 * 32
+
+
+def test_capacity_counts_int8_projections() -> None:
+    # 32 layers × 218,103,808 projection weights at 1 byte instead of 2, plus a bf16
+    # scale for each of their 32 × 43,008 output rows: the KV cache gets the difference.
+    out = capacity_status(LLAMA_8B, spec(engine={"quantization": "int8"}), "x")
+    assert out["weightBytes"] == 16_060_522_496 - 32 * 218_103_808 + 2 * 32 * 43_008
+    assert out["tokensPerReplica"] > capacity_status(LLAMA_8B, spec(), "x")["tokensPerReplica"]
 
 
 def test_capacity_auto_dtype_follows_the_checkpoint() -> None:

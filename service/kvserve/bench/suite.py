@@ -15,6 +15,7 @@ Sections (--only picks some; each is a module of kvserve.bench):
                           concurrency 16, mask time per token, cold/cached compile
   lora                    throughput with 4 LoRA adapters vs the base model at
                           concurrency 16; 1/4/16 adapters in flight, load time, memory
+  quantization            int8 weights vs fp32 (and bf16): decode tokens/s at batch 1/4/16
 
 Each section runs the sides it compares in the same run, alternating them for --rounds
 rounds (this machine's speed drifts) and keeping each side's best, on random
@@ -56,6 +57,7 @@ SECTIONS = (
     "serving_path",
     "structured",
     "lora",
+    "quantization",
 )
 
 # Model shapes (random Llama checkpoints). vocab_size None = the test tokenizer's own

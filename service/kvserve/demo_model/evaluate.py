@@ -27,6 +27,9 @@ answered with the adapter and without it in one batch:
 * **constraint accuracy with the adapter**: ``table_style.check_table_answer``, the same
   rules as ``corpus.check_answer``; and the base model's own accuracy beside it.
 
+``--quantization int8`` scores the same engine with int8 weights (docs/engine.md, "int8
+weights"), for comparison with the fp32 figures.
+
 Evaluation prompts come from ``corpus.eval_rng`` (tool prompts from
 ``corpus.tool_eval_rng``); prompts whose user message also occurs
 word for word in the training corpus are skipped, so every prompt is new text (the
@@ -47,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvserve.config import QUANTIZATION_METHODS
 from kvserve.demo_model import corpus
 from kvserve.demo_model.table_style import check_table_answer, is_table_answer
 from kvserve.demo_model.tool_call import call_satisfies, parse_tool_call
@@ -363,6 +367,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=5, help="conversations to print")
     p.add_argument("--dtype", default="float32", help="float32 (the reference) or bfloat16")
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        help="weight quantization to evaluate (int8: docs/engine.md, int8 weights)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--adapter",
@@ -390,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
     if args.adapter is not None or args.adapter_dir is not None:
         return _run_adapter(args, model)
     print(f"loading {model} ...", file=sys.stderr, flush=True)
-    llm = LLM(str(model), dtype=args.dtype, device=args.device)
+    llm = LLM(str(model), dtype=args.dtype, device=args.device, quantization=args.quantization)
     print("collecting the training corpus's user messages ...", file=sys.stderr, flush=True)
     # Either recipe may have trained the model under test: new text means new to both.
     exclude = training_user_messages(TrainConfig()) | training_user_messages(TOOL_RECIPE)
@@ -476,7 +485,12 @@ def _run_adapter(args: argparse.Namespace, model: Path) -> int:
         return 2
     print(f"loading {model} with the adapter {path} ...", file=sys.stderr, flush=True)
     llm = LLM(
-        str(model), dtype=args.dtype, device=args.device, enable_lora=True, max_lora_rank=rank
+        str(model),
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        enable_lora=True,
+        max_lora_rank=rank,
     )
     print("collecting the training corpora's user messages ...", file=sys.stderr, flush=True)
     exclude = training_user_messages(TrainConfig()) | training_user_messages(TOOL_RECIPE)

@@ -98,6 +98,7 @@ class LLMEngine:
             block_size=config.block_size,
             max_model_len=self.max_model_len,
             seed=config.seed,
+            quantization=config.quantization,
         )
         # LoRA slots before the KV pool: on CUDA the pool takes what memory is left.
         self.lora = self._lora_manager() if config.enable_lora else None

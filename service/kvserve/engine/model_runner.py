@@ -47,12 +47,13 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         seed: int,
+        quantization: str | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
-        self.model = load_model(model_dir, config, dtype, device)
+        self.model = load_model(model_dir, config, dtype, device, quantization)
         self.rope = RotaryEmbedding(config, max_model_len, device)
         self.sampler = Sampler(device, seed)
         self.token_masker = TokenMasker()  # structured outputs' masks (and their cost)

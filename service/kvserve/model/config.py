@@ -151,6 +151,15 @@ class ModelConfig:
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * per_layer + h  # final norm
 
+    def projection_params(self) -> tuple[int, int]:
+        """Weights and output rows of all layers' attention and MLP projections (q/k/v,
+        o, gate/up, down; biases not included): what ``quantization="int8"`` stores as
+        int8, one scale per row."""
+        h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
+        weights = h * (q + 2 * kv) + q * h + 3 * h * i
+        rows = (q + 2 * kv) + h + 2 * i + h
+        return self.num_layers * weights, self.num_layers * rows
+
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 

@@ -3,7 +3,8 @@
 The differences between those families are flags in ``ModelConfig``: q/k/v bias
 (Qwen2), per-head q/k RMSNorm (Qwen3), explicit ``head_dim``, Llama 3 RoPE scaling and
 tied embeddings. Q/K/V and gate/up projections are fused into one matmul each; the
-loader fills them from the checkpoint's separate Hugging Face tensors.
+loader fills them from the checkpoint's separate Hugging Face tensors. With
+``quantization="int8"`` the projections hold int8 weights (``quant``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from kvserve.model import cpu_gemm
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
+from kvserve.model.quant import Int8Weight
 from kvserve.model.rope import apply_rotary
 
 
@@ -46,11 +48,14 @@ class Linear(nn.Module):
         self.weight = _param(n_out, n_in, dtype=dtype)
         self.bias = _param(n_out, dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN layout, see cpu_gemm
+        self.int8: Int8Weight | None = None  # --quantization int8, see quant
         # (x, base output) -> output with the batch's LoRA deltas (kvserve.lora.layers).
         self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.int8 is not None:
+            y = self.int8.linear(x, self.bias)
+        elif self.packed is not None:
             y = cpu_gemm.linear(x, self.packed, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
@@ -60,6 +65,18 @@ class Linear(nn.Module):
         """Switch to the packed weight; the plain copy is released."""
         self.packed = cpu_gemm.pack_weight(self.weight.data)
         self.weight = _param(0, dtype=self.weight.dtype)
+
+    def quantize_int8(self, kernel: str) -> None:
+        """Switch to int8 weights (``quant``); the plain copy is released."""
+        self.int8 = Int8Weight.from_weight(self.weight.data, kernel)
+        self.weight = _param(0, dtype=self.weight.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as stored (plain, packed or int8), bias included."""
+        stored = self.int8.nbytes if self.int8 is not None else self.weight.nbytes
+        packed = self.packed.nbytes if self.packed is not None else 0
+        return stored + packed + (self.bias.nbytes if self.bias is not None else 0)
 
 
 class Attention(nn.Module):
@@ -162,6 +179,26 @@ class CausalLM(nn.Module):
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()
 
+    def quantize_int8(self, kernel: str = "auto") -> None:
+        """int8 weights for every decoder projection (q/k/v, o, gate/up, down); the
+        embeddings and the LM head keep the model's dtype (docs/engine.md, int8 weights)."""
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, Linear):
+                    module.quantize_int8(kernel)
+
+    def weight_nbytes(self) -> int:
+        """Bytes the loaded weights take as stored (after packing or quantization)."""
+        total = self.embed_tokens.nbytes
+        total += self.lm_head.nbytes if self.lm_head is not None else 0
+        total += self.packed_lm_head.nbytes if self.packed_lm_head is not None else 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                total += module.nbytes
+            elif isinstance(module, RMSNorm):
+                total += module.weight.nbytes
+        return total
+
     def prepack_cpu_weights(self) -> bool:
         """Use oneDNN-packed weights for every matmul when this CPU build supports it."""
         if self.embed_tokens.device.type != "cpu" or not cpu_gemm.prepacking_supported(
@@ -169,7 +206,7 @@ class CausalLM(nn.Module):
         ):
             return False
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.int8 is None:  # int8: its own kernel
                 module.prepack()
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         self.packed_lm_head = cpu_gemm.pack_weight(head.data)

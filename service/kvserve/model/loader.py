@@ -2,7 +2,8 @@
 
 Weights are read by their Hugging Face names from ``model.safetensors`` or the shards
 listed in ``model.safetensors.index.json``; separate q/k/v and gate/up tensors are
-copied into the model's fused projections.
+copied into the model's fused projections, which ``--quantization int8`` then turns into
+int8 weights.
 """
 
 from __future__ import annotations
@@ -40,12 +41,34 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
 ) -> CausalLM:
+    """``quantization="int8"``: the decoder's projections are quantized once loaded, from
+    their weights in ``dtype`` (``kvserve.model.quant``)."""
+    if quantization not in (None, "int8"):
+        raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
     model_dir = Path(model_dir)
     with torch.device("meta"):
         model = CausalLM(config, dtype)
     model = model.to_empty(device=device)
+    _fill(model, config, model_dir)
+    if quantization == "int8":
+        model.quantize_int8()
+        if device.type == "cuda":
+            # The released full-precision weights go back to the driver, so the KV pool,
+            # sized from the free memory, gets them (LLMEngine._size_kv_pool).
+            torch.cuda.empty_cache()
+    model.prepack_cpu_weights()
+    return model.eval()
+
+
+def _fill(model: CausalLM, config: ModelConfig, model_dir: Path) -> None:
+    """Copy the checkpoint's tensors into ``model``. A function of its own so that its
+    views of the parameters are gone when it returns: quantization releases them."""
     targets = _target_slices(model, config)
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
@@ -74,8 +97,6 @@ def load_model(
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ValueError(f"checkpoint in {model_dir} lacks weights: {shown}")
-    model.prepack_cpu_weights()
-    return model.eval()
 
 
 def _target_slices(model: CausalLM, c: ModelConfig) -> dict[str, torch.Tensor]:
