@@ -364,8 +364,7 @@ def test_vllm_names_only_with_metrics_compat() -> None:
     compat.set_cache_info(16, 100)
     assert (
         b'vllm:cache_config_info{block_size="16",engine="0",model_name="m",'
-        b'num_gpu_blocks="100"} 1.0'
-        in compat.render()[0]
+        b'num_gpu_blocks="100"} 1.0' in compat.render()[0]
     )
     with pytest.raises(ValueError, match="'sglang' is not one of"):
         EngineMetrics("m", compat="sglang")
