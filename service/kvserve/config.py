@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvserve.sampling_params import INT32_MAX
@@ -69,6 +69,57 @@ def _option(default: Any, option: Option) -> Any:
 
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; EngineConfig's default, shared by the tools
+
+
+DEFAULT_SPECULATIVE_MAX_BATCH = 8  # measured: docs/performance.md, "Speculative decoding"
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    """A checked ``speculative_config`` (vLLM's keys and meanings)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
+def speculative_settings(config: dict[str, Any] | SpeculativeSettings) -> SpeculativeSettings:
+    """Check a ``speculative_config`` mapping; ValueError names the key that is wrong."""
+    if isinstance(config, SpeculativeSettings):
+        return config
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
+    keys = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    unknown = sorted(set(config) - set(keys))
+    if unknown:
+        raise ValueError(
+            f"speculative_config has unknown key {unknown[0]!r} (known: {', '.join(keys)})"
+        )
+    method = config.get("method", "ngram")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+            f"got {method!r}"
+        )
+    if "num_speculative_tokens" not in config:
+        raise ValueError("speculative_config.num_speculative_tokens is required")
+
+    def integer(key: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"speculative_config.{key} must be an integer ≥ 1, got {value!r}")
+        return value
+
+    k = integer("num_speculative_tokens", config["num_speculative_tokens"])
+    # Missing bounds: min 1, max 5 (or min, when min is larger).
+    lo = integer("prompt_lookup_min", config.get("prompt_lookup_min", 1))
+    hi = integer("prompt_lookup_max", config.get("prompt_lookup_max", max(lo, 5)))
+    if lo > hi:
+        raise ValueError(
+            f"speculative_config.prompt_lookup_min ({lo}) must be ≤ prompt_lookup_max ({hi})"
+        )
+    return SpeculativeSettings(method, k, lo, hi)
 
 
 @dataclass
@@ -231,6 +282,26 @@ class EngineConfig:
             minimum=0,
         ),
     )
+    # Speculative decoding (docs/engine.md, "Speculative decoding"): vLLM's names.
+    speculative_config: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "option": Option(
+                'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
+                'k, "prompt_lookup_min": a, "prompt_lookup_max": b} (default: off)',
+                flag="--speculative-config",
+            )
+        },
+    )
+    speculative_max_batch: int = _option(
+        DEFAULT_SPECULATIVE_MAX_BATCH,
+        Option(
+            "skip speculation in a step with at least this many decoding requests (there "
+            "verifying drafts costs more than it saves)",
+            flag="--speculative-max-batch",
+            minimum=1,
+        ),
+    )
     # Reference mode for tests: drop every request's KV after each step, so each token
     # is computed from scratch over the whole sequence (slow; prefix caching is off).
     recompute_every_step: bool = _option(
@@ -273,6 +344,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        positive("speculative_max_batch", self.speculative_max_batch)
+        if self.speculative_config is not None:
+            # Stored complete (defaults filled in), so logs and /metrics show every key.
+            self.speculative_config = asdict(speculative_settings(self.speculative_config))
         if self.recompute_every_step:
             self.enable_prefix_caching = False
 

@@ -5,7 +5,7 @@ do not edit (a test checks it is up to date)."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
 
 class EngineKwargs(TypedDict, total=False):
@@ -26,4 +26,6 @@ class EngineKwargs(TypedDict, total=False):
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int | None
+    speculative_config: dict[str, Any] | None
+    speculative_max_batch: int
     recompute_every_step: bool

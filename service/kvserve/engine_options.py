@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import json
 import re
 import sys
 import types
@@ -43,7 +44,7 @@ class EngineOption:
     """One ``EngineConfig`` field: its name, value type, default and ``Option``."""
 
     name: str
-    kind: type  # int, float, str or bool
+    kind: type  # int, float, str, bool or dict (a JSON object)
     optional: bool  # None is a value (meaning "derive it")
     default: Any  # dataclasses.MISSING for a required field
     option: Option
@@ -73,6 +74,7 @@ def engine_options() -> tuple[EngineOption, ...]:
         args = typing.get_args(hint)
         optional = isinstance(hint, types.UnionType) and type(None) in args
         kind = next(a for a in args if a is not type(None)) if optional else hint
+        kind = typing.get_origin(kind) or kind  # dict[str, Any] → dict (a JSON object)
         out.append(EngineOption(f.name, kind, optional, f.default, f.metadata["option"]))
     return tuple(out)
 
@@ -93,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) 
         parser.add_argument(
             flag,
             dest=o.name,
-            type=o.kind,
+            type=_json_object if o.kind is dict else o.kind,
             default=o.default_value,
             choices=list(o.option.choices) or None,
             help=o.option.help + shown,
@@ -134,7 +136,7 @@ def kwargs_module() -> str:
         "",
         "from __future__ import annotations",
         "",
-        "from typing import TypedDict",
+        "from typing import Any, TypedDict",
         "",
         "",
         "class EngineKwargs(TypedDict, total=False):",
@@ -142,7 +144,8 @@ def kwargs_module() -> str:
     for o in engine_options():
         if o.name == "model":
             continue
-        kind = o.kind.__name__ + (" | None" if o.optional else "")
+        name = "dict[str, Any]" if o.kind is dict else o.kind.__name__
+        kind = name + (" | None" if o.optional else "")
         lines.append(f"    {o.name}: {kind}")
     return "\n".join(lines) + "\n"
 
@@ -215,6 +218,17 @@ def flags_from_spec(engine: Mapping[str, Any]) -> list[str]:
 
 
 _OPENAPI_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON-object value (``--speculative-config '{"method": "ngram", ...}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _number(kind: type, value: float) -> int | float:

@@ -16,6 +16,8 @@ Sections (--only picks some; each is a module of kvserve.bench):
   lora                    throughput with 4 LoRA adapters vs the base model at
                           concurrency 16; 1/4/16 adapters in flight, load time, memory
   quantization            int8 weights vs fp32 (and bf16): decode tokens/s at batch 1/4/16
+  speculative             n-gram speculative decoding on vs off, demo model chat at
+                          concurrency 1 and 16: output tokens/s and acceptance
 
 Each section runs the sides it compares in the same run, alternating them for --rounds
 rounds (this machine's speed drifts) and keeping each side's best, on random
@@ -58,6 +60,7 @@ SECTIONS = (
     "structured",
     "lora",
     "quantization",
+    "speculative",
 )
 
 # Model shapes (random Llama checkpoints). vocab_size None = the test tokenizer's own

@@ -128,13 +128,27 @@ class KVCacheManager:
     ) -> None:
         rid = request.request_id
         start = self._num_registered.get(rid, 0)
-        num_full = num_tokens // self.block_size
+        # Only committed tokens: slots given to draft tokens (speculative decoding) may
+        # hold rejected tokens' KV, which no other request may ever reuse.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         if num_full <= start:
             return
         hashes = self._update_block_hashes(request)
         for i in range(start, num_full):
             self.pool.cache_block(held[i], hashes[i])
         self._num_registered[rid] = num_full
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens' (those that held
+        only rejected draft tokens), tail first."""
+        held = self.req_blocks.get(request.request_id)
+        if not held:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if len(held) > keep:
+            tail = held[keep:]
+            del held[keep:]
+            self.pool.free(reversed(tail))
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first, so it is evicted first)."""

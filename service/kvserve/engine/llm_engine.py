@@ -16,14 +16,19 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvserve.capacity import num_kv_blocks
-from kvserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, blocks_for
+from kvserve.config import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    EngineConfig,
+    blocks_for,
+    speculative_settings,
+)
 from kvserve.conversation import text_chars
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache_manager import KVCacheManager
@@ -33,8 +38,16 @@ from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.errors import InvalidRequestError
 from kvserve.lora.request import LoRARequest
 from kvserve.model.config import ModelConfig
-from kvserve.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
+from kvserve.outputs import (
+    CompletionOutput,
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.metrics import SpecDecodeStats
+from kvserve.spec_decode.proposer import NgramProposer
 from kvserve.structured.engine_side import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -58,6 +71,8 @@ class EngineStats:
     max_lora: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # Speculative decoding's cumulative counters (all zero with it off).
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 class LLMEngine:
@@ -109,12 +124,17 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
+        spec = config.speculative_config
+        self.spec_stats = SpecDecodeStats()
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             clock=clock,
             lora_slots=self.lora.slots if self.lora is not None else None,
+            proposer=NgramProposer(speculative_settings(spec)) if spec is not None else None,
+            speculative_max_batch=config.speculative_max_batch,
+            max_model_len=self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         self.last_schedule: SchedulerOutput | None = None  # for stats and tests
@@ -442,6 +462,7 @@ class LLMEngine:
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_decode=self.spec_stats.copy(),
             **self._lora_stats(),
         )
 
@@ -472,19 +493,50 @@ class LLMEngine:
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
         now = self.clock()
-        for req, token, logprob in zip(
+        for req, tokens, logprobs in zip(
             sampled_reqs, sampled.token_ids, sampled.logprobs, strict=True
         ):
-            req.append_output_token(token)
-            req.metrics.token_times.append(now)
+            num_drafts = len(req.spec_token_ids)
+            if num_drafts:
+                # Rejected drafts' KV is past the new token: uncompute it, and give back
+                # the blocks that held nothing else (the scheduler's invariant).
+                req.num_computed_tokens -= num_drafts - (len(tokens) - 1)
+                req.spec_token_ids = []
+                self.spec_stats.observe(num_drafts, len(tokens) - 1)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+            out = self._append_tokens(req, tokens, logprobs, now)
+            if req.is_finished:  # by a stop rule, or failed alone (its grammar)
+                pass
+            elif self.config.recompute_every_step:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+            elif num_drafts:
+                self.kv.trim(req, req.num_tokens)
+            outputs.append(out)
+        return outputs
+
+    def _append_tokens(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+        now: float,
+    ) -> RequestOutput:
+        """Append a step's tokens to ``req`` one by one, stopping (and dropping the rest)
+        where a stop rule finishes it, or where its grammar refuses a token (it fails
+        alone); its output."""
+        reason: FinishReason | None = None
+        delta_text = ""
+        delta_ids: list[int] = []
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            req.append_output_token(token)
+            delta_ids.append(token)
+            req.metrics.token_times.append(now)
             if req.logprobs is not None and logprob is not None:
                 req.logprobs.append(logprob)
-            reason: FinishReason | None = None
             if req.grammar is not None and not req.grammar.accept(token):
-                outputs.append(self._fail(req, f"structured outputs: {req.grammar.error}"))
-                continue
+                return self._fail(req, f"structured outputs: {req.grammar.error}")
             if token in req.eos_token_ids:
                 reason = "stop"
             elif token in req.params.stop_token_ids:
@@ -496,19 +548,15 @@ class LLMEngine:
                 or req.num_tokens >= self.max_model_len
             ):
                 reason = "length"
-            delta_text = ""
             if req.detokenizer is not None:
                 stop_str = req.detokenizer.update([token], finished=reason is not None)
                 if stop_str is not None:
                     reason, req.stop_reason = "stop", stop_str
-                delta_text = req.detokenizer.delta_text
+                delta_text += req.detokenizer.delta_text
             if reason is not None:
                 self._finish(req, reason)
-            elif self.config.recompute_every_step:
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-            outputs.append(self._output(req, delta_text, [token]))
-        return outputs
+                break
+        return self._output(req, delta_text, delta_ids)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason

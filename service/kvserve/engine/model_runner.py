@@ -16,7 +16,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.outputs import RequestMetrics
-from kvserve.sample.sampler import Sampler, SamplerOutput
+from kvserve.sample.sampler import Sampler, StepTokens
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.bitmask import TokenMasker
 
@@ -80,18 +80,24 @@ class ModelRunner:
         batch: Sequence[tuple[Request, int]],
         block_tables: Mapping[str, list[int]],
         lora_slots: Mapping[str, int] | None = None,
-    ) -> tuple[list[Request], SamplerOutput]:
-        """Run the batch; returns the requests that sampled a token, and their tokens.
+    ) -> tuple[list[Request], StepTokens]:
+        """Run the batch; returns the requests that sampled, and their new tokens (one
+        each, or with drafts to verify, the accepted drafts and one more).
 
         ``lora_slots``: each request's LoRA slot (-1: the base model), with LoRA on."""
         inp = self.prepare(batch, block_tables, lora_slots)
         hidden = self._forward(inp)
-        if not inp.sample_requests:
-            return [], SamplerOutput([], [])
+        reqs = inp.sample_requests
+        if not reqs:
+            return [], StepTokens([], [])
+        speculative = any(r.spec_token_ids for r in reqs)
+        rows = [r for r in reqs for _ in range(1 + len(r.spec_token_ids))] if speculative else reqs
         # Filled on the CPU while a GPU still runs the forward pass launched above.
-        mask = self.token_masker.fill([r.grammar for r in inp.sample_requests])
+        mask = self.token_masker.fill([r.grammar for r in rows])
         logits = self.model.compute_logits(hidden.index_select(0, inp.sample_indices))
-        return inp.sample_requests, self.sampler(logits, inp.sample_requests, mask)
+        if speculative:
+            return reqs, self.sampler.verify(logits, reqs, mask)
+        return reqs, StepTokens.single(self.sampler(logits, reqs, mask))
 
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: Sequence[int], block_ids: list[int]) -> torch.Tensor:
@@ -128,13 +134,20 @@ class ModelRunner:
         for req, n in decodes + prefills:
             start = req.num_computed_tokens
             table = block_tables[req.request_id]
-            tokens.extend(req.all_token_ids[start : start + n])
+            if req.spec_token_ids:  # its last token and the drafts to verify
+                tokens.extend((req.all_token_ids[start:] + req.spec_token_ids)[:n])
+            else:
+                tokens.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if token_slots is not None and lora_slots is not None:
                 token_slots.extend([lora_slots[req.request_id]] * n)
-            if start + n == req.num_tokens:  # caught up: this step yields its next token
-                sample_indices.append(len(tokens) - 1)
+            # Caught up: this step yields its next token(s), from the logits of its last
+            # committed token and of each draft.
+            if start + n >= req.num_tokens:
+                sample_indices.extend(
+                    range(len(tokens) - (start + n - req.num_tokens + 1), len(tokens))
+                )
                 sample_requests.append(req)
 
         meta = AttentionMetadata(slot_mapping=self._long(slots), num_decodes=len(decodes))

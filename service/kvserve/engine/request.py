@@ -27,8 +27,9 @@ class Request:
     """Token state of one request.
 
     The scheduler's one rule: give each request tokens until ``num_computed_tokens``
-    catches up with ``num_tokens`` (prompt + generated so far); when it has caught up,
-    the step samples a new token.
+    catches up with ``num_tokens`` (prompt + generated so far) plus its draft tokens
+    (``spec_token_ids``); when it has caught up, the step samples a new token (and, with
+    drafts, first verifies them: see ``kvserve.engine.scheduler``).
     """
 
     request_id: str  # the engine's key: unique among its requests (see ``external_id``)
@@ -54,6 +55,9 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     generator: SeededNoise | None = None  # the noise of a seeded request
     grammar: GrammarMatcher | None = None  # its structured-outputs constraint
+    # Draft tokens scheduled for verification this step (speculative decoding); the
+    # engine empties the list once the step has verified them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -63,6 +67,13 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether drafts may be verified for it: not under a grammar or penalties, whose
+        per-position state the verifier does not replay (docs/engine.md)."""
+        p = self.params
+        return self.grammar is None and not (p.presence_penalty or p.frequency_penalty)
 
     @property
     def num_prompt_tokens(self) -> int:

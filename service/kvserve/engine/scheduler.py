@@ -10,6 +10,21 @@ queue, to be recomputed later (its cached blocks often survive and make that che
 Every request handed to the scheduler can run now: a request with structured outputs is
 added only once its grammar is compiled (``LLMEngine`` holds it until then).
 
+Speculative decoding (``proposer``) extends the one rule rather than adding another. A
+request's *known* tokens are its prompt, its output and its drafts (``spec_token_ids``),
+and each step still gives it tokens until ``num_computed_tokens`` catches up with them. A
+decoding request with ``d`` drafts is therefore scheduled for ``1 + d`` tokens (its last
+token and the drafts), within the budget, with KV slots for all of them; the step's logits
+at those positions verify the drafts. Invariant, after every step: ``num_computed_tokens
+== num_tokens - 1`` for a decoding request; the KV of rejected drafts is garbage past that
+point, their positions are overwritten when real tokens reach them, and the blocks that
+held only rejected positions are given back (``KVCacheManager.trim``). Prefix-cache
+hashes only ever cover ``all_token_ids`` (committed tokens), never drafts. Drafts are
+proposed only when fewer than ``speculative_max_batch`` requests decode in the step
+(beyond that, verifying costs more than it saves), only for requests that
+``can_speculate``, and never beyond ``max_tokens`` or ``max_model_len``. A request whose
+drafts do not fit in the KV pool runs without them rather than preempt anyone.
+
 With LoRA adapters (``lora_slots``), a waiting request also needs its adapter in one of
 the device's slots. One that cannot get a slot this step is passed over, in its place in
 the queue, and the requests behind it are considered: ``kvserve.lora.slots`` says why
@@ -26,6 +41,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.lora.slots import SlotTable
+from kvserve.spec_decode.proposer import NgramProposer
 
 
 @dataclass
@@ -52,8 +68,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         clock: Callable[[], float],
         lora_slots: SlotTable | None = None,
+        proposer: NgramProposer | None = None,
+        speculative_max_batch: int = 1,
+        max_model_len: int | None = None,
     ) -> None:
         self.kv = kv
+        self.proposer = proposer
+        self.speculative_max_batch = speculative_max_batch
+        self.max_model_len = max_model_len
         self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -77,12 +99,18 @@ class Scheduler:
         # Running requests: decodes first, then those still prefilling.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        speculate = self.proposer is not None and len(decodes) < self.speculative_max_batch
         for req in decodes + prefills:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if speculate and num_new == 1 and self._schedule_drafts(req, budget):
+                n = 1 + len(req.spec_token_ids)
+                scheduled[req.request_id] = n
+                budget -= n
+                continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 if victim.request_id in scheduled:
@@ -137,7 +165,27 @@ class Scheduler:
         out.scheduled = [(by_id[rid], n) for rid, n in scheduled.items()]
         return out
 
+    def _schedule_drafts(self, req: Request, budget: int) -> bool:
+        """Propose drafts for a decoding request and give it KV slots for them and its
+        last token; False (and no drafts) when there are none or they do not fit."""
+        assert self.proposer is not None
+        if not req.can_speculate:
+            return False
+        # The drafts plus the token sampled after them stay within the budget,
+        # max_tokens and max_model_len.
+        limit = min(budget, req.params.max_tokens - req.num_output_tokens) - 1
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - req.num_tokens - 1)
+        if limit <= 0:
+            return False
+        drafts = self.proposer.propose(req.all_token_ids, limit)
+        if not drafts or not self.kv.allocate_slots(req, 1 + len(drafts)):
+            return False
+        req.spec_token_ids = drafts
+        return True
+
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids = []
         self._leave_running(req)
         self.kv.free(req)
         req.num_computed_tokens = 0

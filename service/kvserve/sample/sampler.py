@@ -5,6 +5,10 @@ temperature, then top-k / top-p / min-p filters, then sampling. Sampling uses th
 exponential-race trick (argmax of p / q with q ~ Exp(1)), which draws from p exactly and
 lets a seeded request take its noise from its own generator: its tokens do not depend on
 what else is in the batch.
+
+``verify`` does the same for a batch in which some requests carry draft tokens
+(speculative decoding): it accepts drafts and samples one more token so that the tokens
+it returns are distributed exactly as if they had been sampled one per step.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from kvserve.engine.request import Request
 from kvserve.outputs import TokenLogprob
+from kvserve.sampling_params import SamplingParams
 from kvserve.structured.bitmask import TokenMask, apply_token_mask
 
 
@@ -54,6 +59,19 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass
+class StepTokens:
+    """Each request's new tokens of one step (one, or accepted drafts and one more), and
+    their logprobs (None where not asked for)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob | None]]
+
+    @classmethod
+    def single(cls, out: SamplerOutput) -> StepTokens:
+        return cls([[t] for t in out.token_ids], [[lp] for lp in out.logprobs])
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
@@ -82,21 +100,79 @@ class Sampler:
             tokens = self._sample(logits, requests)
         token_list: list[int] = tokens.tolist()
 
-        logprobs: list[TokenLogprob | None] = [None] * len(requests)
-        if raw_logprobs is not None:
-            max_n = max(p.logprobs or 0 for p in params)
-            top_vals, top_ids = raw_logprobs.topk(max(max_n, 1), dim=-1)
-            chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-            for i, p in enumerate(params):
-                if p.logprobs is not None:
-                    n = p.logprobs
-                    logprobs[i] = TokenLogprob(
-                        token_id=token_list[i],
-                        logprob=chosen[i],
-                        top=dict(zip(top_ids_l[i][:n], top_vals_l[i][:n], strict=True)),
-                    )
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, _logprobs(raw_logprobs, tokens, token_list, params))
+
+    def verify(
+        self, logits: torch.Tensor, requests: Sequence[Request], mask: TokenMask | None = None
+    ) -> StepTokens:
+        """Verify the drafts (``spec_token_ids``) of ``requests`` and sample one more token.
+
+        ``logits``: float32, ``1 + len(spec_token_ids)`` rows per request, in order: row
+        ``j`` predicts the token after the request's last token and its first ``j``
+        drafts. ``mask`` covers those rows (only requests without drafts are constrained).
+
+        Greedy: a draft is accepted while it is the argmax; the first row that rejects
+        (or the last row) yields the argmax. Sampling: draft ``x`` at a row with
+        probabilities ``p`` (after temperature, top-k/p, min-p) is accepted with
+        probability ``p(x)``; on rejection the token is drawn from ``p`` without ``x``,
+        renormalised (the residual ``(p - onehot(x))⁺``, since an n-gram draft is a point
+        mass). Each token is then distributed as ``p``, as without speculation.
+        """
+        rows = [r for r in requests for _ in range(1 + len(r.spec_token_ids))]
+        drafts = [t for r in requests for t in (*r.spec_token_ids, -1)]  # -1: sample only
+        params = [r.params for r in rows]
+        dev = logits.device
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1)
+            if any(p.logprobs is not None for p in params)
+            else None
+        )
+        if mask is not None:
+            logits = apply_token_mask(logits, mask)
+        logits = self._apply_penalties(logits, rows)
+        draft_t = torch.tensor(drafts, device=dev)
+        has_draft = draft_t >= 0
+        safe_draft = draft_t.clamp(min=0)
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            candidates = greedy_tokens
+            accept = greedy_tokens == draft_t
+        else:
+            probs = self._probs(logits, rows)
+            # Acceptance: with a ~ Exp(1), exp(-a) is uniform, so P(exp(-a) <= p(x)) = p(x).
+            race = torch.empty(len(rows), device=dev).exponential_(generator=self.generator)
+            # A seeded request draws only for its drafts: a step without drafts takes
+            # what it would take without speculation, whatever the rest of the batch does.
+            for i, req in enumerate(rows):
+                if req.generator is not None and not params[i].greedy and drafts[i] >= 0:
+                    req.generator.exponential_(race[i : i + 1])
+            p_draft = probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
+            sampled_accept = torch.exp(-race) <= p_draft
+            # The residual: p with the draft's mass removed (argmax below ignores scale).
+            residual = probs.scatter(
+                1, safe_draft.unsqueeze(1), torch.where(has_draft, 0.0, p_draft).unsqueeze(1)
+            )
+            sampled = self._race(residual, rows)
+            greedy = torch.tensor([p.greedy for p in params], device=dev)
+            candidates = torch.where(greedy, greedy_tokens, sampled)
+            accept = torch.where(greedy, greedy_tokens == draft_t, sampled_accept)
+        accept &= has_draft
+        emitted = torch.where(accept, draft_t, candidates)  # the token each row yields
+        emitted_l: list[int] = emitted.tolist()
+        accept_l: list[bool] = accept.tolist()
+        row_logprobs = _logprobs(raw_logprobs, emitted, emitted_l, params)
+
+        out = StepTokens([], [])
+        row = 0
+        for req in requests:
+            n = 1 + len(req.spec_token_ids)
+            take = 1
+            while take < n and accept_l[row + take - 1]:
+                take += 1
+            out.token_ids.append(emitted_l[row : row + take])
+            out.logprobs.append(row_logprobs[row : row + take])
+            row += n
+        return out
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         rows = [
@@ -117,10 +193,17 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        greedy_tokens = logits.argmax(dim=-1)
+        sampled = self._race(self._probs(logits, requests), requests)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    def _probs(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k/p, min-p (a greedy
+        row gets temperature 1; its caller takes the argmax instead)."""
+        params = [r.params for r in requests]
         dev = logits.device
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        greedy_tokens = logits.argmax(dim=-1)
         logits = logits / temps.unsqueeze(1)
 
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
@@ -132,13 +215,41 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0)
+        return probs
 
+    def _race(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """One token per row drawn from ``probs`` (unnormalised is fine): the argmax of
+        p / q with q ~ Exp(1), a seeded request's q from its own generator."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, req in enumerate(requests):
-            if req.generator is not None and not params[i].greedy:
+            if req.generator is not None and not req.params.greedy:
                 req.generator.exponential_(noise[i])
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _logprobs(
+    raw_logprobs: torch.Tensor | None,
+    tokens: torch.Tensor,
+    token_list: list[int],
+    params: Sequence[SamplingParams],
+) -> list[TokenLogprob | None]:
+    """Each row's chosen token's logprob and top alternatives, for rows that ask."""
+    logprobs: list[TokenLogprob | None] = [None] * len(params)
+    if raw_logprobs is None:
+        return logprobs
+    max_n = max(p.logprobs or 0 for p in params)
+    top_vals, top_ids = raw_logprobs.topk(max(max_n, 1), dim=-1)
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    for i, p in enumerate(params):
+        if p.logprobs is not None:
+            n = p.logprobs
+            logprobs[i] = TokenLogprob(
+                token_id=token_list[i],
+                logprob=chosen[i],
+                top=dict(zip(top_ids_l[i][:n], top_vals_l[i][:n], strict=True)),
+            )
+    return logprobs
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

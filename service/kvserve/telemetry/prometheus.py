@@ -37,6 +37,14 @@ Metric                                          Definition
                                                 (failed with an exception)
 ``kvserve_num_preemptions_total``               counter: running requests preempted for KV
                                                 blocks (to be recomputed later)
+``kvserve_spec_decode_num_drafts_total``        counter: runs of draft tokens verified (one
+                                                per request per step that had drafts)
+``kvserve_spec_decode_num_draft_tokens_total``  counter: draft tokens verified
+``kvserve_spec_decode_num_accepted_tokens_total`` counter: of those, tokens accepted
+``kvserve_spec_decode_num_accepted_tokens_per_pos_total`` counter by ``position`` (0-based
+                                                place in the run): drafts accepted there;
+                                                a position's series appears with its first
+                                                acceptance (vLLM's ``vllm:spec_decode_*``)
 ``kvserve_num_requests_running``                gauge: requests in the running batch
 ``kvserve_num_requests_waiting``                gauge: requests queued (new or preempted)
 ``kvserve_kv_cache_usage_ratio``                gauge: share of KV blocks in use, 0–1
@@ -62,9 +70,9 @@ With ``compat="vllm"`` (``kvserve serve --metrics-compat vllm``), the load gauge
 cache and LoRA info are also exported under vLLM's names (``kvserve.telemetry.vllm_compat``).
 
 Counters are exposed with the ``_total`` suffix (and prometheus_client's ``_created``
-timestamps); histograms as ``_bucket``/``_count``/``_sum``. The prefix-cache and
-preemption counters follow the engine's cumulative totals (``EngineStats``): each
-``observe_engine`` call adds what grew since the previous call.
+timestamps); histograms as ``_bucket``/``_count``/``_sum``. The prefix-cache,
+preemption and speculative-decoding counters follow the engine's cumulative totals
+(``EngineStats``): each ``observe_engine`` call adds what grew since the previous call.
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ from prometheus_client import (
 )
 
 from kvserve.outputs import RequestOutput
+from kvserve.spec_decode.metrics import SpecDecodeStats
 from kvserve.telemetry import definitions as d
 from kvserve.telemetry.vllm_compat import METRICS_COMPAT, VllmGauges
 
@@ -208,6 +217,20 @@ class EngineMetrics:
             "kvserve_num_preemptions",
             "Running requests preempted for lack of KV blocks.",
         ).labels(model_name)
+        self._spec_drafts = counter(
+            "kvserve_spec_decode_num_drafts", "Runs of draft tokens verified."
+        ).labels(model_name)
+        self._spec_draft_tokens = counter(
+            "kvserve_spec_decode_num_draft_tokens", "Draft tokens verified."
+        ).labels(model_name)
+        self._spec_accepted = counter(
+            "kvserve_spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        ).labels(model_name)
+        self._spec_per_pos = counter(
+            "kvserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the run of drafts (0-based).",
+            (*m, "position"),
+        )
         finished = counter(
             "kvserve_requests_finished",
             "Finished requests by reason: stop, length, abort, error.",
@@ -250,6 +273,7 @@ class EngineMetrics:
         self._last_queried = 0
         self._last_hit = 0
         self._last_preemptions = 0
+        self._last_spec = SpecDecodeStats()
 
     def set_cache_info(self, block_size: int, num_blocks: int) -> None:
         """Publish the KV cache configuration (replaces any earlier one)."""
@@ -341,6 +365,7 @@ class EngineMetrics:
             self._last_queried = stats.prefix_cache_queried_tokens
             self._last_hit = stats.prefix_cache_hit_tokens
             self._last_preemptions = stats.num_preemptions
+            self._observe_spec_decode(stats.spec_decode)
             if stats.max_lora:
                 labels = (
                     str(stats.max_lora),
@@ -354,6 +379,19 @@ class EngineMetrics:
                 self._lora_info.labels(self.model_name, *labels).set_to_current_time()
                 if self._vllm is not None:
                     self._vllm.set_lora(labels, changed)
+
+    def _observe_spec_decode(self, now: SpecDecodeStats) -> None:
+        last = self._last_spec
+        if now.num_drafts < last.num_drafts:  # a new engine: its totals are all growth
+            last = SpecDecodeStats()
+        self._spec_drafts.inc(now.num_drafts - last.num_drafts)
+        self._spec_draft_tokens.inc(now.num_draft_tokens - last.num_draft_tokens)
+        self._spec_accepted.inc(now.num_accepted_tokens - last.num_accepted_tokens)
+        for pos, count in enumerate(now.accepted_per_pos):
+            before = last.accepted_per_pos[pos] if pos < len(last.accepted_per_pos) else 0
+            if count > before:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(count - before)
+        self._last_spec = now.copy()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text of this registry and its HTTP content type."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers and the metrics of their acceptance."""
