@@ -302,6 +302,32 @@ class EngineConfig:
             minimum=1,
         ),
     )
+    # KV-cache events (docs/engine.md, "KV-cache events"): vLLM's flags and wire format,
+    # for precise-prefix routers. Not in the CRD: spec.engine.extraArgs can pass them.
+    kv_events_endpoint: str | None = _option(
+        None,
+        Option(
+            "publish the prefix cache's changes (BlockStored, BlockRemoved, "
+            "AllBlocksCleared) in vLLM's KV-events format on this ZMQ PUB endpoint: "
+            "tcp://*:PORT binds, tcp://HOST:PORT connects (default: off)",
+            flag="--kv-events-endpoint",
+        ),
+    )
+    kv_events_replay_endpoint: str | None = _option(
+        None,
+        Option(
+            "ZMQ ROUTER endpoint (bound) where a late subscriber asks for the batches it "
+            "missed, by sequence number (default: no replay)",
+            flag="--kv-events-replay-endpoint",
+        ),
+    )
+    kv_events_topic: str | None = _option(
+        None,
+        Option(
+            "topic frame of each KV-events message (default: empty, as vLLM's)",
+            flag="--kv-events-topic",
+        ),
+    )
     # Reference mode for tests: drop every request's KV after each step, so each token
     # is computed from scratch over the whole sequence (slow; prefix caching is off).
     recompute_every_step: bool = _option(

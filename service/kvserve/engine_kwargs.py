@@ -28,4 +28,7 @@ class EngineKwargs(TypedDict, total=False):
     max_cpu_loras: int | None
     speculative_config: dict[str, Any] | None
     speculative_max_batch: int
+    kv_events_endpoint: str | None
+    kv_events_replay_endpoint: str | None
+    kv_events_topic: str | None
     recompute_every_step: bool

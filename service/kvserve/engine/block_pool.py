@@ -4,6 +4,9 @@ A block is *free* when no request references it. Free blocks wait in ``free_queu
 LRU order (the front is evicted first) and keep their hash, so a later request with the
 same prefix can take them back without recomputing. Allocating a fresh block pops the
 front of the queue and forgets whatever it cached.
+
+With KV-cache events on (``kvserve.engine.kv_events``), ``events`` records what enters and
+leaves the prefix cache; off, it is None and the hooks below are one check each.
 """
 
 from __future__ import annotations
@@ -11,6 +14,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.engine.kv_events import KVEventRecorder
+    from kvserve.engine.request import Request
 
 
 @dataclass(eq=False)
@@ -30,6 +38,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.events: KVEventRecorder | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,6 +68,8 @@ class BlockPool:
             if block.block_hash is not None:  # evict its cached content
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.events is not None:
+                        self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -72,14 +83,38 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a block that now holds a full, computed block of tokens."""
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Register a block that now holds a full, computed block of tokens; whether its
+        hash is new to the cache."""
         if block.block_hash is not None or block_hash in self.cached:
-            return  # already cached, or an identical block is (keep the first)
+            return False  # already cached, or an identical block is (keep the first)
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
+
+    def cache_full_blocks(
+        self,
+        blocks: list[KVCacheBlock],
+        hashes: list[bytes],
+        start: int,
+        end: int,
+        request: Request,
+    ) -> None:
+        """Register ``blocks[start:end]`` of ``request``, whose hashes are ``hashes``."""
+        events = self.events
+        if events is None:
+            for i in range(start, end):
+                self.cache_block(blocks[i], hashes[i])
+            return
+        # Only hashes new to the cache are events: the subscriber's view stays the set
+        # of hashes in ``cached``.
+        new = [i for i in range(start, end) if self.cache_block(blocks[i], hashes[i])]
+        if new:
+            events.stored(hashes, new, request)
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()

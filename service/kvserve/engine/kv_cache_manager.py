@@ -134,8 +134,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._update_block_hashes(request)
-        for i in range(start, num_full):
-            self.pool.cache_block(held[i], hashes[i])
+        self.pool.cache_full_blocks(held, hashes, start, num_full, request)  # and its events
         self._num_registered[rid] = num_full
 
     def trim(self, request: Request, num_tokens: int) -> None:

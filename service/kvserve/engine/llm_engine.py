@@ -32,6 +32,7 @@ from kvserve.config import (
 from kvserve.conversation import text_chars
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.kv_events import start_kv_events
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -123,6 +124,15 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.kv = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        # KV-cache events (docs/engine.md): None when off, and then the pool has no hooks.
+        self.kv_events = start_kv_events(
+            config.kv_events_endpoint,
+            config.kv_events_replay_endpoint,
+            config.kv_events_topic,
+            pool=self.kv.pool,
+            block_size=config.block_size,
+            device_type=self.device.type,
         )
         spec = config.speculative_config
         self.spec_stats = SpecDecodeStats()
@@ -514,7 +524,15 @@ class LLMEngine:
             elif num_drafts:
                 self.kv.trim(req, req.num_tokens)
             outputs.append(out)
+        if self.kv_events is not None:  # the step's cache changes, as one batch
+            self.kv_events.end_step()
         return outputs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (blocks in use stay, uncached)."""
+        self.kv.pool.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.end_step()
 
     def _append_tokens(
         self,

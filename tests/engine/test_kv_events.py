@@ -1,0 +1,354 @@
+"""KV-cache events: what a vLLM consumer decodes from kvserve's publisher.
+
+The decoder below is written from the field order of vLLM's
+``vllm/distributed/kv_events.py`` (its trailing optional fields included, unknown fields
+forbidden), not imported from kvserve: it is what llm-d's and Dynamo's decoders read.
+Every socket is real, on 127.0.0.1. ZMQ's PUB socket drops what it sends before a
+subscriber's connection is up, so each test first *joins*: it sends probe requests until
+the subscriber receives one, after which every batch arrives, in order; what came before
+is fetched through the replay socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.kv_cache_manager import hash_block
+from kvserve.engine.kv_events import KVEventPublisher, start_kv_events
+from tests.support.cli_server import start_cli_server
+from tests.support.fresh_python import heavy_modules_after
+from tests.support.net import free_port
+from tests.support.waiting import wait_until
+
+BLOCK = 4
+RECV_TIMEOUT_MS = 10_000
+
+
+# ---- a consumer's decoder, from vLLM's field order --------------------------------------
+class VllmEvent(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+class VllmBlockStored(VllmEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class VllmBlockRemoved(VllmEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VllmAllBlocksCleared(VllmEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+DECODER = msgspec.msgpack.Decoder(VllmBatch)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class Subscriber:
+    """A SUB socket bound on 127.0.0.1 (the engine's PUB connects to it)."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.port = self.sub.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.received: list[tuple[bytes, int, VllmBatch]] = []
+
+    def recv(self, timeout_ms: int) -> bool:
+        if not self.sub.poll(timeout_ms):
+            return False
+        topic, seq, payload = self.sub.recv_multipart()
+        self.received.append((topic, int.from_bytes(seq, "big"), DECODER.decode(payload)))
+        return True
+
+    def join(self, llm: LLM) -> int:
+        """Probe until a batch arrives live; the sequence number after it."""
+        probe = 0
+        while not self.received:
+            probe += 1
+            assert probe < 200, "no batch reached the subscriber"
+            prompt = [10 + probe, 1, 2, 3]  # a full block never cached before: one batch
+            llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+            self.recv(timeout_ms=50)
+        return self.received[-1][1] + 1
+
+    def until(self, publisher: KVEventPublisher) -> list[VllmBatch]:
+        """Every batch published so far that this subscriber has not read yet, in order;
+        their sequence numbers must follow each other."""
+        start = len(self.received)
+        while not self.received or self.received[-1][1] < publisher.next_seq - 1:
+            assert self.recv(RECV_TIMEOUT_MS), "a published batch did not arrive"
+        seqs = [seq for _, seq, _ in self.received]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+        return [batch for _, _, batch in self.received[start:]]
+
+
+def replay(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start: int) -> list[int]:
+    """Ask the replay socket for the batches from ``start``; their sequence numbers."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        seqs = []
+        while True:
+            assert dealer.poll(RECV_TIMEOUT_MS), "the replay did not answer"
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == END_SEQ:
+                assert payload == b""
+                return seqs
+            DECODER.decode(payload)
+            seqs.append(int.from_bytes(seq, "big"))
+    finally:
+        dealer.close()
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def events_llm(checkpoint_dir, ctx) -> Iterator[tuple[LLM, Subscriber, str]]:  # type: ignore[no-untyped-def]
+    sub = Subscriber(ctx)
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    llm = LLM(
+        str(checkpoint_dir("llama")),
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK,
+        num_kv_blocks=12,
+        kv_events_endpoint=sub.endpoint,
+        kv_events_replay_endpoint=replay_endpoint,
+        kv_events_topic="kv@pod-0@m",
+    )
+    yield llm, sub, replay_endpoint
+    assert llm.engine.kv_events is not None
+    llm.engine.kv_events.close()
+
+
+def apply(view: set[bytes | int], batches: list[VllmBatch]) -> None:
+    """A consumer's view of the replica's cache: stored minus removed."""
+    for batch in batches:
+        for ev in batch.events:
+            if isinstance(ev, VllmBlockStored):
+                view.update(ev.block_hashes)
+            elif isinstance(ev, VllmBlockRemoved):
+                view.difference_update(ev.block_hashes)
+            else:
+                view.clear()
+
+
+ONE = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def test_block_stored_carries_hashes_parents_and_tokens(events_llm, ctx) -> None:  # type: ignore[no-untyped-def]
+    llm, sub, replay_endpoint = events_llm
+    pub = llm.engine.kv_events
+    joined = sub.join(llm)
+    sub.until(pub)
+
+    first = list(range(10, 21))  # 11 tokens: two full blocks
+    llm.generate([first], ONE, use_tqdm=False)
+    (batch,) = sub.until(pub)
+    assert batch.data_parallel_rank == 0 and batch.ts > 0
+    (stored,) = batch.events
+    h0 = hash_block(None, first[:BLOCK], None)
+    h1 = hash_block(h0, first[BLOCK : 2 * BLOCK], None)
+    assert stored == VllmBlockStored([h0, h1], None, first[: 2 * BLOCK], BLOCK, None, "CPU", None)
+
+    # Sharing the first block: only the second, new one is stored, under its parent.
+    second = first[:BLOCK] + list(range(50, 57))
+    llm.generate([second], ONE, use_tqdm=False)
+    (batch,) = sub.until(pub)
+    (stored,) = batch.events
+    assert isinstance(stored, VllmBlockStored)
+    assert stored.parent_block_hash == h0
+    assert stored.token_ids == second[BLOCK : 2 * BLOCK]
+    assert stored.block_hashes == [hash_block(h0, second[BLOCK : 2 * BLOCK], None)]
+    assert {topic for topic, _, _ in sub.received} == {b"kv@pod-0@m"}
+
+    # A subscriber that joins late gets every batch from the replay socket, the probes
+    # sent before the live subscriber's connection was up included.
+    assert replay(ctx, replay_endpoint, 0) == list(range(pub.next_seq))
+    assert replay(ctx, replay_endpoint, joined) == list(range(joined, pub.next_seq))
+    assert pub.dropped_batches == 0
+
+
+def test_the_consumers_view_is_the_cache_through_eviction_and_reset(events_llm) -> None:  # type: ignore[no-untyped-def]
+    llm, sub, _ = events_llm
+    pub = llm.engine.kv_events
+    pool = llm.engine.kv.pool
+    sub.join(llm)
+    sub.until(pub)
+    view: set[bytes | int] = set(pool.cached)  # what the probes left, already known
+
+    # 12 blocks: each prompt caches 2 and holds 3 while running, so later prompts evict.
+    removed = 0
+    for i in range(8):
+        llm.generate([list(range(20 + 11 * i, 31 + 11 * i))], ONE, use_tqdm=False)
+        batches = sub.until(pub)
+        removed += sum(isinstance(e, VllmBlockRemoved) for b in batches for e in b.events)
+        apply(view, batches)
+        assert view == set(pool.cached)
+    assert removed > 0
+
+    llm.engine.reset_prefix_cache()
+    (batch,) = sub.until(pub)
+    assert batch.events == [VllmAllBlocksCleared()]
+    apply(view, [batch])
+    assert view == set(pool.cached) == set()
+
+
+def test_a_bound_publisher_batches_in_order(tmp_path: Path, ctx) -> None:  # type: ignore[no-untyped-def]
+    from kvserve.engine.block_pool import BlockPool
+
+    pool = BlockPool(1)  # so the block freed is the next one allocated
+    endpoint = f"ipc://{tmp_path}/events"  # bound, as tcp://*:PORT is
+    pub = start_kv_events(endpoint, None, None, pool=pool, block_size=BLOCK, device_type="cuda")
+    assert pub is not None and pool.events is pub.recorder
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    try:
+        # Join: probe (a reset) until one arrives.
+        while not sub.poll(50):
+            pool.reset_prefix_cache()
+            pub.end_step()
+        probes = pub.next_seq
+        block = pool.allocate(1)[0]
+        pool.cache_block(block, b"h")
+        pool.free([block])
+        pool.allocate(1)  # the LRU front is the cached block: evicted
+        pub.end_step()
+        pub.end_step()  # nothing recorded: nothing sent
+        pool.reset_prefix_cache()
+        pub.end_step()
+        batches = {}
+        while len(batches) < 2:
+            assert sub.poll(RECV_TIMEOUT_MS)
+            _, seq, payload = sub.recv_multipart()
+            if int.from_bytes(seq, "big") >= probes:  # the probes' batches may still come
+                batches[int.from_bytes(seq, "big")] = DECODER.decode(payload).events
+        assert batches == {
+            probes: [VllmBlockRemoved([b"h"], "GPU")],
+            probes + 1: [VllmAllBlocksCleared()],
+        }
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_bad_endpoints_are_refused_by_name(ctx) -> None:  # type: ignore[no-untyped-def]
+    from kvserve.engine.block_pool import BlockPool
+
+    taken = ctx.socket(zmq.ROUTER)
+    taken.setsockopt(zmq.LINGER, 0)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match="kv_events_replay_endpoint="):
+            start_kv_events(
+                "tcp://127.0.0.1:1",  # connected: fine, nobody need listen yet
+                f"tcp://127.0.0.1:{port}",
+                None,
+                pool=BlockPool(1),
+                block_size=BLOCK,
+                device_type="cpu",
+            )
+    finally:
+        taken.close()
+    with pytest.raises(ValueError, match="needs kv_events_endpoint"):
+        start_kv_events(
+            None, "tcp://127.0.0.1:1", None, pool=BlockPool(1), block_size=1, device_type="cpu"
+        )
+
+
+def test_off_hooks_nothing(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(str(checkpoint_dir("llama")), dtype="float32", device="cpu")
+    assert llm.engine.kv_events is None and llm.engine.kv.pool.events is None
+
+
+@pytest.mark.slow  # a fresh interpreter that loads torch: ~10 s
+def test_off_loads_no_zmq_and_starts_no_thread(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    model = str(checkpoint_dir("llama"))
+    code = (
+        "from kvserve import LLM, SamplingParams\n"
+        f"llm = LLM({model!r}, dtype='float32', device='cpu')\n"
+        "llm.generate([list(range(10, 60))], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+        "assert llm.engine.kv_events is None and llm.engine.kv.pool.events is None\n"
+        "import threading\n"
+        "assert not [t for t in threading.enumerate() if 'kv-events' in t.name]\n"
+    )
+    assert heavy_modules_after(code, {"zmq"}) == set()
+
+
+@pytest.mark.slow
+def test_kvserve_serve_publishes_events(checkpoint_dir, ctx) -> None:  # type: ignore[no-untyped-def]
+    sub = Subscriber(ctx)
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    proc, url, _ = start_cli_server(
+        checkpoint_dir("llama"),
+        "--kv-events-endpoint",
+        sub.endpoint,
+        "--kv-events-replay-endpoint",
+        replay_endpoint,
+        "--block-size",
+        str(BLOCK),
+    )
+    try:
+        # Join: completions of new prompts until one's BlockStored arrives live.
+        stored: list[VllmBlockStored] = []
+        prompts: list[list[int]] = []
+
+        def a_block_stored_arrives() -> bool:
+            prompt = [200 + len(prompts), *range(10, 10 + 2 * BLOCK)]
+            prompts.append(prompt)
+            body = {"model": "m", "prompt": prompt, "max_tokens": 1}
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert response.status_code == 200, response.text
+            while sub.recv(timeout_ms=50):
+                batch = sub.received[-1][2]
+                stored.extend(e for e in batch.events if isinstance(e, VllmBlockStored))
+            return bool(stored)
+
+        wait_until(a_block_stored_arrives, timeout=60)
+        event = stored[-1]
+        assert event.block_size == BLOCK and event.medium == "CPU"
+        assert event.token_ids in [p[: 2 * BLOCK] for p in prompts]
+        assert len(event.block_hashes) == 2 and event.parent_block_hash is None
+        seqs = replay(ctx, replay_endpoint, 0)
+        assert seqs == list(range(len(seqs))) and seqs[-1] >= sub.received[-1][1]
+    finally:
+        proc.stop()
