@@ -48,6 +48,24 @@ def k8s_cluster():  # type: ignore[no-untyped-def]
         cluster.stop()
 
 
+@pytest.fixture(scope="session")
+def pod_runner(k8s_cluster, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Runs the real commands of the pods on the control plane's runner node as local
+    processes on pod IPs routed to this machine's loopback device
+    (tests/cluster/pod_runner.py); at the end of the session
+    every process it started is killed by PID."""
+    from tests.cluster.pod_runner import PodRunner, RunnerUnavailable
+
+    try:
+        runner = PodRunner(k8s_cluster, tmp_path_factory.mktemp("pods")).start()
+    except RunnerUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield runner
+    finally:
+        runner.stop()
+
+
 # ---- processes started by tests: their output is shown when a test fails ----------------
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]

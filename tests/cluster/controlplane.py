@@ -1,9 +1,10 @@
 """Start and stop a real Kubernetes control plane on 127.0.0.1 for tests and humans.
 
 etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok (which plays the
-kubelet for fake GPU nodes) run as local processes built by ``build.py``. Every process
-is started in its own session and recorded in ``STATE_DIR/pids.json``; ``stop`` kills
-exactly those (checking each pid still runs the binary it started) and removes the
+kubelet for fake GPU nodes, and keeps the pod runner's node alive without touching its
+pods: tests/cluster/pod_runner.py) run as local processes built by ``build.py``. Every
+process is started in its own session and recorded in ``STATE_DIR/pids.json``; ``stop``
+kills exactly those (checking each pid still runs the binary it started) and removes the
 directory. Standard library only, plus ``openssl`` for the service-account key.
 """
 
@@ -34,6 +35,14 @@ except ImportError:  # run as a script from this directory (up, down)
 ADMIN_TOKEN_USER = "admin"
 GPU_NODES = ("gpu-node-0", "gpu-node-1")
 GPUS_PER_NODE = 8
+# The node whose pods run for real (tests/cluster/pod_runner.py): kwok keeps its lease and
+# status fresh but leaves its pods alone; the taint keeps every pod that does not ask for
+# it (tolerate the taint and select the label) on the fake GPU nodes. Its podCIDR is the
+# RFC 2544 benchmarking range, not loopback: the API server refuses loopback addresses in
+# EndpointSlices. The runner makes a /24 of it local to this machine (docs/test-cluster.md).
+RUNNER_NODE = "pod-runner-0"
+RUNNER_LABEL = "kvserve.test/pod-runner"
+RUNNER_POD_CIDR = "198.18.0.0/15"
 STATE_POINTER = "last-cluster"  # file in the cache dir naming the state dir of `up`
 
 
@@ -201,6 +210,55 @@ def _node_manifest(name: str) -> dict[str, object]:
     }
 
 
+def _runner_node_manifest() -> dict[str, object]:
+    """The pod runner's node: no GPUs, tainted, its own podCIDR (see RUNNER_NODE)."""
+    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": RUNNER_NODE,
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {
+                "kubernetes.io/hostname": RUNNER_NODE,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                RUNNER_LABEL: "true",
+            },
+        },
+        "spec": {
+            "podCIDR": RUNNER_POD_CIDR,
+            "podCIDRs": [RUNNER_POD_CIDR],
+            "taints": [{"key": RUNNER_LABEL, "value": "true", "effect": "NoSchedule"}],
+        },
+        "status": {"capacity": capacity, "allocatable": capacity},
+    }
+
+
+# Added to the selector of every pod Stage: kwok must not mark the runner's pods Ready,
+# give them an IP or delete them; the pod runner does all of that from the processes.
+_NOT_ON_RUNNER_NODE = f"""    matchExpressions:
+    - key: '.spec.nodeName'
+      operator: 'NotIn'
+      values:
+      - '{RUNNER_NODE}'
+"""
+
+
+def kwok_stages(stage_files: Sequence[Path]) -> str:
+    """kwok's Stage config: the given Stages, pod Stages scoped away from RUNNER_NODE."""
+    docs = []
+    for path in stage_files:
+        text = path.read_text()
+        if "kind: Pod\n" in text:
+            if text.count("    matchExpressions:\n") != 1:
+                raise ClusterError(f"{path}: expected one selector.matchExpressions to extend")
+            text = text.replace("    matchExpressions:\n", _NOT_ON_RUNNER_NODE)
+        docs.append(text)
+    return "\n---\n".join(docs)
+
+
 def start(state_dir: Path | None = None, timeout: float = 120.0) -> Cluster:
     """Build (if needed) and start the whole plane; returns once fake GPU nodes are Ready."""
     bins = ensure_built()
@@ -344,7 +402,7 @@ def _start(
         state_dir,
         pids,
     )
-    stages = "\n---\n".join(p.read_text() for p in sorted(bins.kwok_stages.glob("*.yaml")))
+    stages = kwok_stages(sorted(bins.kwok_stages.glob("*.yaml")))
     (state_dir / "kwok.yaml").write_text(stages)
     _spawn(
         "kwok",
@@ -378,13 +436,20 @@ def _start(
         state_dir,
         pids,
     )
-    nodes = {"apiVersion": "v1", "kind": "List", "items": [_node_manifest(n) for n in GPU_NODES]}
+    items = [*(_node_manifest(n) for n in GPU_NODES), _runner_node_manifest()]
+    nodes = {"apiVersion": "v1", "kind": "List", "items": items}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(nodes))
     _wait_until(
-        "fake GPU nodes Ready",
+        "fake nodes Ready",
         lambda: (
             cluster.kubectl(
-                "wait", "--for=condition=Ready", "node", *GPU_NODES, "--timeout=1s", check=False
+                "wait",
+                "--for=condition=Ready",
+                "node",
+                *GPU_NODES,
+                RUNNER_NODE,
+                "--timeout=1s",
+                check=False,
             ).returncode
             == 0
         ),
