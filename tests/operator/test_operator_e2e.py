@@ -8,6 +8,7 @@ the containers never run (the engine itself is tested elsewhere).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -78,9 +79,13 @@ def wait_ready(cluster: Cluster, ns: str, name: str, replicas: int) -> dict[str,
 
 
 @pytest.fixture(scope="module")
-def ns(k8s_cluster: Cluster, operator: OperatorProcess) -> str:
+def ns(k8s_cluster: Cluster, operator: OperatorProcess) -> Iterator[str]:
     k8s_cluster.kubectl("create", "namespace", "models")
-    return "models"
+    yield "models"
+    # Before the operator stops (it holds the models' finalizers): later modules share
+    # the control plane, and a gateway there watching every namespace must not find
+    # these models' engines.
+    k8s_cluster.kubectl("delete", "namespace", "models", "--timeout=120s")
 
 
 def test_invalid_specs_are_refused_by_the_api_server(k8s_cluster: Cluster, ns: str) -> None:
