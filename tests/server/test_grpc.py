@@ -441,6 +441,37 @@ def test_health_serving(llm_engine: LLMEngine) -> None:
     serve(llm_engine, body)
 
 
+def test_a_draining_server_refuses_new_requests_unavailable(llm_engine: LLMEngine) -> None:
+    """While the server drains (``admitting`` false) new gRPC requests are refused
+    UNAVAILABLE, which the gateway retries elsewhere, on both calls, and Health says so;
+    a request admitted before the drain runs to its end."""
+    admitting = [True]
+
+    async def body(s: Served) -> None:
+        running = s.stub.Generate(request("before", 6))
+        first = await running.read()
+        assert first.HasField("delta")
+        admitting[0] = False
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await s.stub.Generate(request("after", 4)).read()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in (refused.value.details() or "")
+        many = s.stub.GenerateMany()
+        await many.write(pb.GenerateManyRequest(commands=[start(1, request("m", 4))]))
+        outputs, _ = await read_until_ended(many, {1})
+        (answer,) = outputs[1]
+        assert answer.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        await many.done_writing()
+        health = await s.stub.Health(pb.HealthRequest())
+        assert not health.serving and "draining" in health.message
+        last = first
+        while (message := await running.read()) is not grpc.aio.EOF:
+            last = message
+        assert last.final.finish_reason == "length"
+
+    serve(llm_engine, body, admitting=lambda: admitting[0])
+
+
 def test_a_taken_port_is_an_error_not_a_shared_port(llm_engine: LLMEngine) -> None:
     # Without so_reuseport=0, gRPC binds a port another server holds and the two share
     # its connections: a replica started twice on one port must fail instead.

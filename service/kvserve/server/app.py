@@ -128,6 +128,7 @@ def create_app(
                 stop_limits=stop_limits,
                 chat_parsing=state.chat_parsing,
                 lora=adapters,
+                admitting=lambda: state.admitting,
             )
             log.info("gRPC API on %s:%d", grpc_address[0], app.state.grpc_port)
         try:

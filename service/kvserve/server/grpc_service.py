@@ -91,8 +91,12 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         stop_limits: StopLimits | None = None,
         chat_parsing: ChatParsing | None = None,
         lora: LoRAAdapters | None = None,
+        admitting: Callable[[], bool] = lambda: True,
     ) -> None:
         self.engine = engine
+        # False while the server drains (SIGTERM): new requests are refused UNAVAILABLE,
+        # which the gateway retries on another replica, as HTTP answers them 503.
+        self.admitting = admitting
         self.telemetry = telemetry
         self.stop_limits = stop_limits or StopLimits()
         self.chat_parsing = chat_parsing or ChatParsing()
@@ -110,6 +114,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         only when tracing is on. A long prompt is tokenized off the event loop.
         """
         arrival = time.monotonic()
+        if not self.admitting():
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "draining: not admitting new requests")
         engine = self.engine.engine
         adapter = codec.decode_lora_adapter(request)
         try:
@@ -213,6 +219,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     ) -> pb.HealthResponse:
         if self.engine.dead is not None:
             return pb.HealthResponse(serving=False, message=f"engine stopped: {self.engine.dead}")
+        if not self.admitting():
+            return pb.HealthResponse(serving=False, message="draining: not admitting requests")
         return pb.HealthResponse(serving=True, message="ok")
 
     async def GetLoad(
@@ -439,9 +447,10 @@ def add_engine_service(
     stop_limits: StopLimits | None = None,
     chat_parsing: ChatParsing | None = None,
     lora: LoRAAdapters | None = None,
+    admitting: Callable[[], bool] = lambda: True,
 ) -> None:
     """Register the engine service on a grpc.aio server (running on the engine's loop)."""
-    servicer = EngineServicer(engine, telemetry, stop_limits, chat_parsing, lora)
+    servicer = EngineServicer(engine, telemetry, stop_limits, chat_parsing, lora, admitting)
     pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
 
 
@@ -455,13 +464,14 @@ async def start_grpc_server(
     stop_limits: StopLimits | None = None,
     chat_parsing: ChatParsing | None = None,
     lora: LoRAAdapters | None = None,
+    admitting: Callable[[], bool] = lambda: True,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the engine service; ``port=0`` picks a free port.
 
     Returns the server and the bound port. Stop it with ``await server.stop(grace)``.
     """
     server = grpc.aio.server(options=server_options(min_ping_interval_ms))
-    add_engine_service(server, engine, telemetry, stop_limits, chat_parsing, lora)
+    add_engine_service(server, engine, telemetry, stop_limits, chat_parsing, lora, admitting)
     bound = bind(server, host, port)
     await server.start()
     log.info("gRPC engine service listening on %s:%d", host, bound)
