@@ -70,8 +70,11 @@ POOL_ENGINE_ARGS: tuple[str, ...] = ("--metrics-compat", "vllm")
 ENGINE_APP_NAME = "kvserve-engine"
 
 # preStop sleep: endpoints controllers and the gateway drop the pod before SIGTERM starts
-# the engine's drain. The grace period is drain + 15 s: this sleep plus a 10 s margin for
-# the process to exit after the drain.
+# the engine's drain, so no request is sent to an engine that has begun to exit (the
+# gateway's retry before any output is only the safety net). The grace period is drain +
+# 15 s: this sleep plus a 10 s margin for the process to exit after the drain. Rollouts
+# and scale-downs under load lose no request with these settings
+# (tests/cluster/test_rollouts.py; docs/inference-model.md, "Rollouts and scale-down").
 PRESTOP_SLEEP_SECONDS = 5
 GRACE_MARGIN_SECONDS = 15
 # Startup: loading a large checkpoint onto the GPU may take minutes; 180 × 10 s = 30 min.
@@ -457,8 +460,10 @@ def render_deployment(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(name)},
-            # Zero downtime: a new pod must be ready before an old one goes, so the
-            # cluster needs room (GPUs) for one extra replica during a rollout.
+            # Zero downtime: a new pod must be ready before an old one goes, so capacity
+            # never drops below spec.replicas. A surge of one keeps what a rollout needs
+            # beyond spec.replicas to one replica's GPUs (a larger surge would be faster
+            # only where that many more GPUs are free).
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
@@ -552,7 +557,9 @@ def render_service(name: str, namespace: str, uid: str, spec: InferenceModelSpec
 
 
 def render_pdb(name: str, namespace: str, uid: str, spec: InferenceModelSpec) -> dict[str, Any]:
-    """Node drains evict at most one engine pod at a time."""
+    """Node drains evict at most one engine pod at a time (each drains as on any
+    deletion: preStop, SIGTERM, drain). Rollouts are paced by the Deployment's strategy,
+    not by this budget."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",

@@ -3,7 +3,8 @@
 Everything comes from the Go module proxy, at the versions pinned below, and lands in
 ``$KVSERVE_CACHE/k8s/<component>-<version>/bin`` (default ``~/.cache/kvserve``), outside
 the clone, so CI runs and later sessions reuse it. Warm: nothing is built. Cold: the
-four Kubernetes binaries take 15–30 minutes on 2 cores; progress is printed.
+four Kubernetes binaries take 15–30 minutes on 2 cores, GIE's endpoint picker a few more;
+progress is printed.
 
 Standard library only: it runs before any virtual environment exists.
 """
@@ -25,6 +26,10 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.21.4"
+# The Gateway API Inference Extension's endpoint picker (EPP), unmodified, for
+# tests/cluster/test_endpoint_picker.py; its InferencePool CRD is vendored in crds/.
+GIE_MODULE = "sigs.k8s.io/gateway-api-inference-extension"
+GIE_VERSION = "v1.3.0"
 
 # The "fast" stages: nodes Ready at once, pods Ready without simulated start-up delays.
 KWOK_STAGES = (
@@ -54,10 +59,11 @@ class Binaries:
     kwok: Path
     kwok_stages: Path  # directory of kwok Stage YAML files
     helm: Path
+    epp: Path  # GIE's endpoint picker
 
     @property
     def bin_dirs(self) -> list[Path]:
-        return sorted({p.parent for p in (self.etcd, self.kubectl, self.kwok, self.helm)})
+        return sorted({p.parent for p in (self.etcd, self.kubectl, self.kwok, self.helm, self.epp)})
 
 
 def binaries() -> Binaries:
@@ -73,6 +79,7 @@ def binaries() -> Binaries:
         kwok=kwok / "bin" / "kwok",
         kwok_stages=kwok / "stages",
         helm=root / f"helm-{HELM_VERSION}" / "bin" / "helm",
+        epp=root / f"gie-epp-{GIE_VERSION}" / "bin" / "epp",
     )
 
 
@@ -210,6 +217,42 @@ def _go_install(package: str, out: Path, workdir: Path, what: str, ldflags: str 
     tmp.rename(out)
 
 
+def _build_epp(out: Path, workdir: Path) -> None:
+    """GIE's cmd/epp through a wrapper module, not `go install pkg@version`.
+
+    `go install …@v1.3.0` first reads the module's version list (`@v/list`) for
+    deprecations, and the proxy reachable here answers that list with 403 for this module
+    ("loading deprecation … 403 Forbidden"); `go get` of an explicit version in a module
+    of our own does not read it. The wrapper requires only GIE, so its dependencies
+    resolve to the versions GIE's own go.mod selects.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "go.mod").write_text("module kvserve.dev/clusterbuild/epp\n\ngo 1.26.0\n")
+    package = f"{GIE_MODULE}/cmd/epp"
+    _run(["go", "get", f"{package}@{GIE_VERSION}"], workdir, f"resolve GIE {GIE_VERSION}")
+    # What GIE's Dockerfile stamps; the EPP logs it at start-up.
+    ldflags = f"-X {GIE_MODULE}/version.BuildRef={GIE_VERSION}"
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _run(
+        [
+            "go",
+            "build",
+            "-p",
+            "2",
+            "-trimpath",
+            "-ldflags",
+            ldflags,
+            "-o",
+            str(tmp / "epp"),
+            package,
+        ],
+        workdir,
+        "build epp (cold: a few minutes on 2 cores)",
+    )
+    tmp.rename(out)
+
+
 def _copy_kwok_stages(dest: Path, workdir: Path) -> None:
     out = _run(
         ["go", "mod", "download", "-json", f"sigs.k8s.io/kwok@{KWOK_VERSION}"],
@@ -264,6 +307,9 @@ def ensure_built() -> Binaries:
             ldflags=f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION} "
             f"-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={minor}",
         )
+    if not bins.epp.parent.is_dir():
+        _log(f"building GIE's endpoint picker {GIE_VERSION}")
+        _build_epp(bins.epp.parent, work / f"gie-epp-{GIE_VERSION}")
     if time.monotonic() - started > 1:
         _log(f"all binaries ready in {time.monotonic() - started:.0f} s under {root}")
     return bins
