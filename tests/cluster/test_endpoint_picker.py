@@ -35,9 +35,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from kvserve.demo_model import DEMO_MODEL_NAME
 from tests.cluster.controlplane import Cluster
 from tests.cluster.pod_runner import PodRunner, scheduling
+from tests.support.demo_source import demo_model_source
 from tests.support.endpoint_picker import EndpointPicker, Pick
 from tests.support.operator_process import (
     OPERATOR_NS,
@@ -73,7 +74,7 @@ def inference_model() -> dict[str, Any]:
         "kind": "InferenceModel",
         "metadata": {"name": MODEL, "namespace": NS},
         "spec": {
-            "model": {"source": f"file://{DEMO_MODEL_DIR}", "servedName": DEMO_MODEL_NAME},
+            "model": {"source": demo_model_source(), "servedName": DEMO_MODEL_NAME},
             "replicas": 2,
             "resources": {
                 "gpus": 0,

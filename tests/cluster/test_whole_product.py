@@ -27,10 +27,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, corpus
+from kvserve.demo_model import DEMO_MODEL_NAME, corpus
 from tests.chart import helm, prepared_chart
 from tests.cluster.controlplane import Cluster
 from tests.cluster.pod_runner import PodRunner, scheduling
+from tests.support.demo_source import demo_model_source
 from tests.support.operator_process import OperatorProcess
 from tests.support.waiting import poll
 
@@ -140,7 +141,7 @@ def inference_model(replicas: int) -> dict[str, Any]:
         "kind": "InferenceModel",
         "metadata": {"name": MODEL, "namespace": NS},
         "spec": {
-            "model": {"source": f"file://{DEMO_MODEL_DIR}", "servedName": DEMO_MODEL_NAME},
+            "model": {"source": demo_model_source(), "servedName": DEMO_MODEL_NAME},
             "replicas": replicas,
             "resources": {
                 "gpus": 0,

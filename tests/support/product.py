@@ -29,10 +29,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from kvserve.demo_model import DEMO_MODEL_NAME
 from tests.chart import helm, prepared_chart
 from tests.cluster.controlplane import Cluster
 from tests.cluster.pod_runner import PodRunner, RunningPod, scheduling
+from tests.support.demo_source import demo_model_source
 from tests.support.operator_process import OperatorProcess
 from tests.support.waiting import poll
 
@@ -77,7 +78,7 @@ def inference_model(
     """The demo model's InferenceModel, its pods on the pod runner's node."""
     sched = scheduling()
     spec: dict[str, Any] = {
-        "model": {"source": f"file://{DEMO_MODEL_DIR}", "servedName": DEMO_MODEL_NAME},
+        "model": {"source": demo_model_source(), "servedName": DEMO_MODEL_NAME},
         "replicas": replicas,
         "resources": {
             "gpus": 0,

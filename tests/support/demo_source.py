@@ -1,0 +1,35 @@
+"""The bundled demo model as a ``file://`` source that an engine pod can pull.
+
+The operator refuses a ``file://`` model under ``/tmp``: a pod mounts its own ``/tmp``
+volume over it (docs/inference-model.md). A checkout may itself live under ``/tmp`` (a
+fresh clone in CI), so the tests pull from a copy in the kvserve cache instead, made
+once per content of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from kvserve.demo_model import DEMO_MODEL_DIR
+
+
+def demo_model_source() -> str:
+    """``file://`` + a directory outside ``/tmp`` holding the demo model."""
+    files = sorted(p for p in DEMO_MODEL_DIR.iterdir() if p.is_file())
+    key = hashlib.sha256(
+        "\n".join(f"{p.name} {p.stat().st_size}" for p in files).encode()
+    ).hexdigest()[:12]
+    cache = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
+    dest = cache / "test-demo-model" / key
+    if not dest.is_dir():
+        stage = dest.with_name(f"{key}.tmp{os.getpid()}")
+        shutil.rmtree(stage, ignore_errors=True)
+        shutil.copytree(DEMO_MODEL_DIR, stage, ignore=shutil.ignore_patterns("__pycache__"))
+        try:
+            stage.rename(dest)  # atomic: a concurrent session may have won the race
+        except OSError:
+            shutil.rmtree(stage, ignore_errors=True)
+    return f"file://{dest}"
