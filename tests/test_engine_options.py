@@ -69,6 +69,7 @@ def test_the_crd_properties_are_the_options_with_a_crd_name() -> None:
     assert list(props) == [
         "dtype",
         "quantization",
+        "kvCacheDtype",
         "blockSize",
         "maxNumSeqs",
         "maxNumBatchedTokens",
@@ -87,5 +88,6 @@ def test_the_crd_properties_are_the_options_with_a_crd_name() -> None:
     assert props["dtype"]["enum"] == ["auto", "float32", "bfloat16", "float16"]  # no aliases
     assert props["quantization"]["enum"] == ["int8"]
     assert "default" not in props["quantization"]  # none: the weights stay in dtype
+    assert props["kvCacheDtype"]["enum"] == ["auto", "fp8_e4m3", "fp8_e5m2"]  # no fp8 alias
     assert props["kvCacheMemoryFraction"]["exclusiveMinimum"] is True
     assert "--model" in engine_options.operator_owned_flags()

@@ -64,6 +64,8 @@ def capacity_status(
             block_size=block_size,
             memory_gib=memory_gib,
             quantization=spec.engine.quantization,
+            # auto: the weights' dtype; fp8_e4m3 / fp8_e5m2: 1 byte (docs/engine.md).
+            kv_dtype=None if spec.engine.kv_cache_dtype == "auto" else "fp8",
         )
     except ValueError as e:
         raise ValueError(f"{e} ({budget})") from None

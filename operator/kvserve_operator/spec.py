@@ -154,6 +154,7 @@ class EngineSpec:
 
     dtype: str = _engine_default("dtype")
     quantization: str | None = _engine_default("quantization")
+    kv_cache_dtype: str = _engine_default("kvCacheDtype")
     max_model_len: int | None = _engine_default("maxModelLen")
     max_num_seqs: int = _engine_default("maxNumSeqs")
     max_num_batched_tokens: int = _engine_default("maxNumBatchedTokens")

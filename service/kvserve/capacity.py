@@ -32,6 +32,9 @@ DTYPE_BYTES: dict[str, int] = {
     "fp16": 2,
     "float16": 2,
     "fp8": 1,
+    # kvserve serve --kv-cache-dtype's names for the same byte (docs/engine.md).
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
 }
 
 GIB = 2**30
@@ -183,9 +186,10 @@ def add_calc_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-dtype",
-        choices=("bf16", "fp16", "fp32", "fp8"),
+        choices=("bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2"),
         default=None,
-        help="KV cache dtype (default: same as --dtype)",
+        help="KV cache dtype (default: same as --dtype); fp8, fp8_e4m3, fp8_e5m2: 1 byte "
+        "per element (kvserve serve --kv-cache-dtype)",
     )
     parser.add_argument(
         "--tokens",

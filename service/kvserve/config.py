@@ -31,6 +31,25 @@ def torch_dtype(name: str) -> torch.dtype:
 
 QUANTIZATION_METHODS = ("int8",)  # EngineConfig.quantization (kvserve.model.quant)
 
+# EngineConfig.kv_cache_dtype (docs/engine.md, "fp8 KV cache"), vLLM's names: auto keeps
+# the KV cache in the model's dtype; fp8 is vLLM's alias of fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache is stored in for one of ``KV_CACHE_DTYPES``."""
+    import torch
+
+    name = _KV_CACHE_ALIASES.get(name, name)
+    if name == "auto":
+        return model_dtype
+    if name == "fp8_e4m3":
+        return torch.float8_e4m3fn
+    if name == "fp8_e5m2":
+        return torch.float8_e5m2
+    raise KeyError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, capped at what max_num_seqs full requests need
 
@@ -170,6 +189,19 @@ class EngineConfig:
             flag="--quantization",
             crd="quantization",
             choices=QUANTIZATION_METHODS,
+        ),
+    )
+    # fp8 KV cache (docs/engine.md, "fp8 KV cache"): vLLM's flag and names.
+    kv_cache_dtype: str = _option(
+        "auto",
+        Option(
+            "KV cache storage dtype; auto: the model's dtype; fp8_e4m3 (alias fp8) or "
+            "fp8_e5m2: one byte per element with a per-layer scale, twice the blocks of "
+            "bf16 in the same memory",
+            flag="--kv-cache-dtype",
+            crd="kvCacheDtype",
+            choices=KV_CACHE_DTYPES,
+            aliases=tuple(_KV_CACHE_ALIASES),
         ),
     )
     device: str = _option(
@@ -362,6 +394,13 @@ class EngineConfig:
                 f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, "
                 f"got {self.quantization!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        # Stored under its full name, so logs and status show the format in use.
+        self.kv_cache_dtype = _KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not _cuda_available():

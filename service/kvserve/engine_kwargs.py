@@ -12,6 +12,7 @@ class EngineKwargs(TypedDict, total=False):
     tokenizer: str | None
     dtype: str
     quantization: str | None
+    kv_cache_dtype: str
     device: str
     block_size: int
     max_num_seqs: int

@@ -571,6 +571,7 @@ def test_full_spec_round_trip() -> None:
         ),
         ({**MINIMAL, "engine": {"dtype": "fp8"}}, "spec.engine.dtype", "one of"),
         ({**MINIMAL, "engine": {"quantization": "int4"}}, "spec.engine.quantization", "one of"),
+        ({**MINIMAL, "engine": {"kvCacheDtype": "fp8"}}, "spec.engine.kvCacheDtype", "one of"),
         (
             {**MINIMAL, "engine": {"maxNumSeqs": 5000}},
             "spec.engine.maxNumSeqs",

@@ -85,6 +85,8 @@ DEFAULT_ARGS = [
     "cuda",
     "--dtype",
     "auto",
+    "--kv-cache-dtype",
+    "auto",
     "--block-size",
     "16",
     "--max-num-seqs",
@@ -355,6 +357,7 @@ def test_engine_overrides_give_exact_args() -> None:
         engine={
             "dtype": "bfloat16",
             "quantization": "int8",
+            "kvCacheDtype": "fp8_e4m3",
             "maxModelLen": 8192,
             "maxNumSeqs": 256,
             "maxNumBatchedTokens": 8192,
@@ -382,6 +385,8 @@ def test_engine_overrides_give_exact_args() -> None:
         "bfloat16",
         "--quantization",
         "int8",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
         "--block-size",
         "32",
         "--max-num-seqs",
@@ -704,6 +709,17 @@ def test_capacity_counts_int8_projections() -> None:
     out = capacity_status(LLAMA_8B, spec(engine={"quantization": "int8"}), "x")
     assert out["weightBytes"] == 16_060_522_496 - 32 * 218_103_808 + 2 * 32 * 43_008
     assert out["tokensPerReplica"] > capacity_status(LLAMA_8B, spec(), "x")["tokensPerReplica"]
+
+
+def test_capacity_counts_an_fp8_kv_cache_at_one_byte() -> None:
+    # LLAMA_8B in bf16: 2 × 32 layers × 8 KV heads × 128 × 2 bytes = 131,072 per token.
+    bf16 = capacity_status(LLAMA_8B, spec(), "x")
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        out = capacity_status(LLAMA_8B, spec(engine={"kvCacheDtype": kv}), "x")
+        assert out["kvBytesPerToken"] == bf16["kvBytesPerToken"] // 2 == 65_536
+        assert out["weightBytes"] == bf16["weightBytes"]
+        # Twice the tokens, up to the rounding down to whole blocks.
+        assert abs(out["tokensPerReplica"] - 2 * bf16["tokensPerReplica"]) <= 16
 
 
 def test_capacity_auto_dtype_follows_the_checkpoint() -> None:

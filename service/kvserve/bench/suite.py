@@ -18,6 +18,7 @@ Sections (--only picks some; each is a module of kvserve.bench):
   quantization            int8 weights vs fp32 (and bf16): decode tokens/s at batch 1/4/16
   speculative             n-gram speculative decoding on vs off, demo model chat at
                           concurrency 1 and 16: output tokens/s and acceptance
+  kv_dtype                fp8 KV cache vs the fp32 cache: decode tokens/s at batch 1/16
 
 Each section runs the sides it compares in the same run, alternating them for --rounds
 rounds (this machine's speed drifts) and keeping each side's best, on random
@@ -61,6 +62,7 @@ SECTIONS = (
     "lora",
     "quantization",
     "speculative",
+    "kv_dtype",
 )
 
 # Model shapes (random Llama checkpoints). vocab_size None = the test tokenizer's own

@@ -29,6 +29,8 @@ answered with the adapter and without it in one batch:
 
 ``--quantization int8`` scores the same engine with int8 weights (docs/engine.md, "int8
 weights"), for comparison with the fp32 figures.
+``--kv-cache-dtype fp8_e4m3`` (or ``fp8_e5m2``) scores it with an fp8 KV cache
+(docs/engine.md, "fp8 KV cache").
 
 Evaluation prompts come from ``corpus.eval_rng`` (tool prompts from
 ``corpus.tool_eval_rng``); prompts whose user message also occurs
@@ -50,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvserve.config import QUANTIZATION_METHODS
+from kvserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from kvserve.demo_model import corpus
 from kvserve.demo_model.table_style import check_table_answer, is_table_answer
 from kvserve.demo_model.tool_call import call_satisfies, parse_tool_call
@@ -372,6 +374,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_METHODS,
         help="weight quantization to evaluate (int8: docs/engine.md, int8 weights)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache dtype to evaluate (fp8_e4m3, fp8_e5m2: docs/engine.md, fp8 KV cache)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--adapter",
@@ -399,7 +407,13 @@ def run(args: argparse.Namespace) -> int:
     if args.adapter is not None or args.adapter_dir is not None:
         return _run_adapter(args, model)
     print(f"loading {model} ...", file=sys.stderr, flush=True)
-    llm = LLM(str(model), dtype=args.dtype, device=args.device, quantization=args.quantization)
+    llm = LLM(
+        str(model),
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     print("collecting the training corpus's user messages ...", file=sys.stderr, flush=True)
     # Either recipe may have trained the model under test: new text means new to both.
     exclude = training_user_messages(TrainConfig()) | training_user_messages(TOOL_RECIPE)
@@ -489,6 +503,7 @@ def _run_adapter(args: argparse.Namespace, model: Path) -> int:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_lora=True,
         max_lora_rank=rank,
     )

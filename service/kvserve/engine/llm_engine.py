@@ -27,6 +27,7 @@ from kvserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     EngineConfig,
     blocks_for,
+    kv_cache_torch_dtype,
     speculative_settings,
 )
 from kvserve.conversation import text_chars
@@ -97,6 +98,7 @@ class LLMEngine:
             )
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.eos_token_ids = _eos_token_ids(model_dir, self.model_config, self.tokenizer)
         # No token stands for more characters than the longest token's text, so a prompt
         # of more than max_model_len times that (twice, for normalizers that drop
@@ -115,6 +117,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             seed=config.seed,
             quantization=config.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         # LoRA slots before the KV pool: on CUDA the pool takes what memory is left.
         self.lora = self._lora_manager() if config.enable_lora else None
@@ -165,7 +168,7 @@ class LLMEngine:
         c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize  # 1 for fp8: twice bf16's blocks
         if c.kv_cache_memory is not None:
             budget = c.kv_cache_memory
         elif self.device.type == "cuda":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,13 @@ import torch
 
 from kvserve.config import blocks_for
 from kvserve.engine.request import Request
-from kvserve.model.attention import AttentionMetadata, DecodeGroup, allocate_kv_cache
+from kvserve.model.attention import (
+    FP8_DTYPES,
+    AttentionMetadata,
+    DecodeGroup,
+    KVCache,
+    allocate_kv_cache,
+)
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.rope import RotaryEmbedding
@@ -24,6 +31,11 @@ if TYPE_CHECKING:
     from kvserve.lora.layers import LoRALayers
 
 _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0)
+
+# fp8 KV scales (docs/engine.md, "fp8 KV cache"): calibrated once at load on this many
+# tokens, with this much room above the largest |key| / |value| seen there.
+KV_CALIBRATION_TOKENS = 256
+KV_SCALE_HEADROOM = 8.0
 
 
 @dataclass
@@ -48,31 +60,74 @@ class ModelRunner:
         max_model_len: int,
         seed: int,
         quantization: str | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
+        self.max_model_len = max_model_len
         self.device = device
         self.block_size = block_size
         self.model = load_model(model_dir, config, dtype, device, quantization)
         self.rope = RotaryEmbedding(config, max_model_len, device)
         self.sampler = Sampler(device, seed)
         self.token_masker = TokenMasker()  # structured outputs' masks (and their cost)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[KVCache] = []
         self.lora: LoRALayers | None = None  # set by the engine when LoRA is on
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim]."""
+        """Per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim] in
+        ``kv_cache_dtype``; an fp8 cache gets its per-layer scales first."""
         c = self.config
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        dtype = self.kv_cache_dtype
+        scales = self.calibrate_kv_scales() if dtype in FP8_DTYPES else None
         # Zeroed, not empty: masked-out cache slots still meet the attention weights (as 0),
         # and 0 × NaN from uninitialised memory would poison the output.
         self.kv_caches = [
-            (
+            KVCache(
+                allocate_kv_cache(*shape, dtype=dtype, device=self.device),
+                allocate_kv_cache(*shape, dtype=dtype, device=self.device),
+                *(scales[i] if scales is not None else (1.0, 1.0)),
+            )
+            for i in range(c.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(self) -> list[tuple[float, float]]:
+        """Per layer, (k_scale, v_scale) for an fp8 cache: one prefill of a fixed
+        pseudo-random token sequence into a temporary cache in the model's dtype; each
+        scale is the power of two that puts the largest |key| (|value|) seen at or below
+        1/KV_SCALE_HEADROOM of the fp8 format's largest finite value.
+
+        Fixed at load and independent of traffic, so outputs are reproducible; a power of
+        two, so scaling is exact and only the fp8 rounding loses precision."""
+        n = min(KV_CALIBRATION_TOKENS, self.max_model_len)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist()
+        blocks = blocks_for(n, self.block_size)
+        c = self.config
+        shape = (blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            KVCache(
                 allocate_kv_cache(*shape, dtype=self.dtype, device=self.device),
                 allocate_kv_cache(*shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(c.num_layers)
         ]
+        req = Request("calibrate", tokens, _SCORE_PARAMS, RequestMetrics(arrival_time=0.0))
+        self._forward(
+            self.prepare([(req, n)], {"calibrate": list(range(blocks))}, {"calibrate": -1})
+        )
+        limit = torch.finfo(self.kv_cache_dtype).max / KV_SCALE_HEADROOM
+
+        def scale(cache: torch.Tensor) -> float:
+            amax = float(cache.abs().max())
+            return 1.0 if amax == 0 else float(2.0 ** math.ceil(math.log2(amax / limit)))
+
+        scales = [(scale(kv.k), scale(kv.v)) for kv in self.kv_caches]
+        self.kv_caches = []
+        return scales
 
     @torch.inference_mode()
     def execute(

@@ -11,14 +11,43 @@ heads-major (a permuted view of a [kv_heads, num_blocks, block_size, head_dim] t
 gathered keys then reach the attention kernel with each head's keys contiguous, which
 on CPU is ~3× faster than the token-major layout (no hidden copy in the kernel).
 Masks are additive (0 / -inf) in the model dtype, built once per step.
+
+With an fp8 KV cache (``KVCache.k.dtype`` a float8 type; docs/engine.md, "fp8 KV cache")
+a new key is stored as ``fp8(clamp(key / k_scale))`` and read back as ``fp8 → compute
+dtype``; the scales never touch the gathered context: ``k_scale`` is folded into the
+softmax scale (q·(s k̂) = s (q·k̂)) and ``v_scale`` multiplies the attention output
+(Σ pᵢ s v̂ᵢ = s Σ pᵢ v̂ᵢ). PyTorch's CPU kernels do not index fp8 tensors, so writes and
+gathers move the bytes as uint8 views of the same storage. On the CPU, PyTorch's own
+fp8 conversions are slow, so the read path moves the bits into float16 instead
+(``fp8_values``), which is vectorized.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class KVCache(NamedTuple):
+    """One layer's paged keys and values, each [num_blocks, block_size, kv_heads, d]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    # fp8 only: a stored value times its scale is the key (value) it stands for.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def fp8_quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` clamped to ``dtype``'s finite range (e4m3fn has no infinity: an
+    out-of-range cast would be NaN) and rounded to it."""
+    limit = torch.finfo(dtype).max
+    return (x * (1.0 / scale)).clamp_(-limit, limit).to(dtype)
 
 
 @dataclass
@@ -64,28 +93,80 @@ def _heads_major(cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(2, 0, 1, 3)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """Keys (or values) of each row's blocks: [B, kv_heads, max_blocks * block_size, d]."""
+def fp8_read_factor(cache: torch.Tensor) -> float:
+    """What ``fp8_values`` of this cache's bytes must be multiplied by."""
+    cpu_e4m3 = cache.dtype == torch.float8_e4m3fn and cache.device.type == "cpu"
+    return 256.0 if cpu_e4m3 else 1.0
+
+
+def fp8_values(raw: torch.Tensor, fp8: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """The ``fp8`` numbers whose bytes are ``raw`` (uint8), in ``dtype``, divided by
+    ``fp8_read_factor``.
+
+    On the CPU, where PyTorch's own fp8 conversions cost several times these integer
+    passes and float16's vectorized conversion (docs/engine.md, "fp8 KV cache"), the
+    bits go into a float16 instead. e5m2 is float16's top byte. e4m3's sign bit stays
+    the top bit and its 4 exponent and 3 mantissa bits move one bit right, into
+    float16's 5 and 10: the same number times 2^-8 (float16's exponent bias is 8 more
+    than e4m3's), exactly, subnormals included."""
+    if raw.device.type != "cpu":
+        return raw.view(fp8).to(dtype)
+    if fp8 == torch.float8_e5m2:
+        return raw.to(torch.int16).bitwise_left_shift_(8).view(torch.float16).to(dtype)
+    bits = raw.view(torch.int8).to(torch.int16)  # sign-extended: bit 14 copies the sign
+    bits.bitwise_left_shift_(7).bitwise_and_(~0x4000)  # ... so it is cleared
+    return bits.view(torch.float16).to(dtype)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys (or values) of each row's blocks, in ``dtype``: [B, kv_heads, max_blocks *
+    block_size, d]. An fp8 cache is gathered as bytes, then converted (``fp8_values``)."""
     b, nb = block_tables.shape
     _, bs, kvh, d = cache.shape
-    rows = _heads_major(cache).index_select(1, block_tables.flatten())
+    storage = _heads_major(cache)
+    if cache.dtype in FP8_DTYPES:
+        rows = storage.view(torch.uint8).index_select(1, block_tables.flatten())
+        rows = fp8_values(rows, cache.dtype, dtype)
+    else:
+        rows = storage.index_select(1, block_tables.flatten())
     return rows.view(kvh, b, nb * bs, d).transpose(0, 1)
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Write ``x`` [T, kv_heads, d] into its slots; returns what was stored (fp8 values
+    for an fp8 cache, else ``x``)."""
+    kv_heads, d = x.shape[1], x.shape[2]
+    storage = _heads_major(cache)
+    if cache.dtype in FP8_DTYPES:
+        x = fp8_quantize(x, scale, cache.dtype)
+        storage.view(torch.uint8).view(kv_heads, -1, d).index_copy_(
+            1, slots, x.view(torch.uint8).transpose(0, 1)
+        )
+    else:
+        storage.view(kv_heads, -1, d).index_copy_(1, slots, x.transpose(0, 1))
+    return x
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, heads, d]
     k: torch.Tensor,  # [T, kv_heads, d]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, d]
-    v_cache: torch.Tensor,
+    cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Returns [T, heads * d]."""
     num_tokens, heads, d = q.shape
     kv_heads = k.shape[1]
-    _heads_major(k_cache).view(kv_heads, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    _heads_major(v_cache).view(kv_heads, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    k_cache, v_cache, dtype = cache.k, cache.v, q.dtype
+    fp8 = k_cache.dtype in FP8_DTYPES
+    # With fp8 the new tokens attend to their keys as stored, as later steps will: the
+    # output does not depend on whether a token was cached, chunked or just computed.
+    k = _store(k_cache, meta.slot_mapping, k, cache.k_scale)
+    v = _store(v_cache, meta.slot_mapping, v, cache.v_scale)
+    if fp8:
+        factor = fp8_read_factor(k_cache)
+        scale *= cache.k_scale * factor
 
     outputs = []
     nd = meta.num_decodes
@@ -97,8 +178,8 @@ def paged_attention(
             n = g.block_tables.shape[0]
             out = F.scaled_dot_product_attention(
                 q[g.start : g.start + n].view(n, kv_heads, group, d),
-                _gather(k_cache, g.block_tables),
-                _gather(v_cache, g.block_tables),
+                _gather(k_cache, g.block_tables, dtype),
+                _gather(v_cache, g.block_tables, dtype),
                 attn_mask=g.mask,
                 scale=scale,
             )
@@ -106,6 +187,9 @@ def paged_attention(
     if nd < num_tokens:
         qp, kp, vp = q[nd:], k[nd:], v[nd:]
         if meta.single_fresh_prefill:
+            if fp8:
+                kp = fp8_values(kp.view(torch.uint8), k_cache.dtype, dtype)
+                vp = fp8_values(vp.view(torch.uint8), v_cache.dtype, dtype)
             out = F.scaled_dot_product_attention(
                 qp.transpose(0, 1).unsqueeze(0),
                 kp.transpose(0, 1).unsqueeze(0),
@@ -121,12 +205,13 @@ def paged_attention(
             padded = qp.new_zeros(bp * qmax, heads, d).index_copy_(0, meta.prefill_dest, qp)
             out = F.scaled_dot_product_attention(
                 padded.view(bp, qmax, heads, d).transpose(1, 2),
-                _gather(k_cache, meta.prefill_block_tables),
-                _gather(v_cache, meta.prefill_block_tables),
+                _gather(k_cache, meta.prefill_block_tables, dtype),
+                _gather(v_cache, meta.prefill_block_tables, dtype),
                 attn_mask=meta.prefill_mask,
                 scale=scale,
                 enable_gqa=True,
             )
             rows = out.transpose(1, 2).reshape(bp * qmax, heads * d)
             outputs.append(rows.index_select(0, meta.prefill_dest))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return out * (cache.v_scale * factor) if fp8 else out

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model import cpu_gemm
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.quant import Int8Weight
 from kvserve.model.rope import apply_rotary
@@ -95,7 +95,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -110,7 +110,7 @@ class Attention(nn.Module):
                 qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d), cos, sin
             )
             q, k = qk[:, :heads], qk[:, heads:]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out)  # type: ignore[no-any-return]
 
 
@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
@@ -165,7 +165,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         cos: torch.Tensor,  # [T, 1, head_dim]
         sin: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)

@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"loaded in {time.perf_counter() - start:.1f} s on {engine.device} "
         f"({str(engine.dtype).removeprefix('torch.')}); KV cache: {engine.num_kv_blocks} blocks "
-        f"of {bs} tokens = {engine.num_kv_blocks * bs:,} tokens; max_model_len "
+        f"of {bs} tokens = {engine.num_kv_blocks * bs:,} tokens "
+        f"({str(engine.kv_cache_dtype).removeprefix('torch.')}); max_model_len "
         f"{engine.max_model_len}",
         file=sys.stderr,
         flush=True,
