@@ -172,8 +172,9 @@ class EngineConfig:
     dtype: str = _option(
         "auto",
         Option(
-            "weights and KV cache dtype; auto: on CUDA the checkpoint's (or bfloat16), on "
-            "CPU bfloat16 where the CPU computes it natively, else float32",
+            "weights dtype, and the KV cache's unless kv_cache_dtype is set; auto: on CUDA "
+            "the checkpoint's (or bfloat16), on CPU bfloat16 where the CPU computes it "
+            "natively, else float32",
             flag="--dtype",
             crd="dtype",
             choices=("auto", *DTYPES),
