@@ -13,6 +13,7 @@ from prometheus_client.samples import Sample
 from kvserve import LLM, SamplingParams
 from kvserve.engine.llm_engine import EngineStats, LLMEngine
 from kvserve.outputs import RequestOutput
+from kvserve.spec_decode.metrics import SpecDecodeStats
 from kvserve.telemetry import definitions as d
 from kvserve.telemetry.prometheus import EngineMetrics
 from kvserve.telemetry.request_log import log_request, request_record
@@ -100,7 +101,7 @@ def driven(llm: LLM) -> tuple[Driver, EngineMetrics, list[int]]:
     """A mix of requests: length, stop, one-token, aborted waiting/running, an error."""
     eng = llm.engine
     metrics = EngineMetrics(MODEL)
-    metrics.set_cache_info(eng.config.block_size, eng.num_kv_blocks)
+    metrics.set_cache_info(eng.config.block_size, eng.num_kv_blocks, eng.config.kv_cache_dtype)
     drv = Driver(eng, metrics)
     prompt = list(range(10, 33))  # 23 tokens: 5 full blocks of 4
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -207,6 +208,7 @@ def test_engine_counters_and_gauges(driven: tuple[Driver, EngineMetrics, list[in
             metrics,
             "kvserve_cache_config_info",
             block_size="4",
+            cache_dtype="auto",
             num_gpu_blocks=str(drv.engine.num_kv_blocks),
         )
         == 1
@@ -230,7 +232,7 @@ def test_exposed_names_and_buckets(driven: tuple[Driver, EngineMetrics, list[int
     for h in HISTOGRAMS[3:]:
         assert max(bucket_bounds(metrics, h) - {float("inf")}) >= 300
     # Every series carries the model label; only low-cardinality labels (no request ids).
-    allowed = {"model", "finished_reason", "le", "block_size", "num_gpu_blocks"}
+    allowed = {"model", "finished_reason", "le", "block_size", "cache_dtype", "num_gpu_blocks"}
     for s in samples(metrics):
         assert s.labels.get("model") == MODEL
         assert set(s.labels) <= allowed, s
@@ -358,13 +360,66 @@ def test_request_record(
 
 def test_vllm_names_only_with_metrics_compat() -> None:
     plain = EngineMetrics("m")
-    plain.set_cache_info(16, 100)
+    plain.set_cache_info(16, 100, "auto")
     assert b"vllm:" not in plain.render()[0]
     compat = EngineMetrics("m", compat="vllm")
-    compat.set_cache_info(16, 100)
+    compat.set_cache_info(16, 100, "fp8_e4m3")
+    body = compat.render()[0]
     assert (
-        b'vllm:cache_config_info{block_size="16",engine="0",model_name="m",'
-        b'num_gpu_blocks="100"} 1.0' in compat.render()[0]
+        b'kvserve_cache_config_info{block_size="16",cache_dtype="fp8_e4m3",model="m",'
+        b'num_gpu_blocks="100"} 1.0' in body
+    )
+    assert (
+        b'vllm:cache_config_info{block_size="16",cache_dtype="fp8_e4m3",engine="0",'
+        b'model_name="m",num_gpu_blocks="100"} 1.0' in body
     )
     with pytest.raises(ValueError, match="'sglang' is not one of"):
         EngineMetrics("m", compat="sglang")
+
+
+def spec_decode_series(metrics: EngineMetrics, prefix: str) -> dict[tuple[str, str], float]:
+    """The speculative-decoding counters' samples under ``prefix`` (``kvserve_`` or
+    ``vllm:``), by name without the prefix and position ("" for the totals)."""
+    return {
+        (s.name.removeprefix(prefix), s.labels.get("position", "")): s.value
+        for s in samples(metrics)
+        if s.name.startswith(f"{prefix}spec_decode_") and s.name.endswith("_total")
+    }
+
+
+def test_vllm_compat_mirrors_the_speculative_decoding_counters() -> None:
+    metrics = EngineMetrics(MODEL, compat="vllm")
+
+    def observe(drafts: int, draft_tokens: int, accepted_per_pos: list[int]) -> None:
+        spec = SpecDecodeStats(drafts, draft_tokens, sum(accepted_per_pos), accepted_per_pos)
+        metrics.observe_engine(EngineStats(0, 0, 0.0, 8, 0, 0, 0, spec_decode=spec))
+
+    observe(0, 0, [])
+    ours, theirs = spec_decode_series(metrics, "kvserve_"), spec_decode_series(metrics, "vllm:")
+    assert (
+        ours
+        == theirs
+        == {
+            ("spec_decode_num_drafts_total", ""): 0,
+            ("spec_decode_num_draft_tokens_total", ""): 0,
+            ("spec_decode_num_accepted_tokens_total", ""): 0,
+        }
+    )
+    assert {
+        s.name: s.labels for s in samples(metrics) if s.name == "vllm:spec_decode_num_drafts_total"
+    } == {"vllm:spec_decode_num_drafts_total": {"model_name": MODEL, "engine": "0"}}
+    observe(3, 12, [3, 2])
+    observe(5, 20, [5, 3, 1])  # a position's series appears with its first acceptance
+    observe(2, 8, [1])  # a new engine: its totals count from zero
+    want = {
+        ("spec_decode_num_drafts_total", ""): 7,
+        ("spec_decode_num_draft_tokens_total", ""): 28,
+        ("spec_decode_num_accepted_tokens_total", ""): 10,
+        ("spec_decode_num_accepted_tokens_per_pos_total", "0"): 6,
+        ("spec_decode_num_accepted_tokens_per_pos_total", "1"): 3,
+        ("spec_decode_num_accepted_tokens_per_pos_total", "2"): 1,
+    }
+    assert spec_decode_series(metrics, "kvserve_") == want
+    assert spec_decode_series(metrics, "vllm:") == want
+    plain = EngineMetrics(MODEL)
+    assert spec_decode_series(plain, "vllm:") == {}

@@ -8,25 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench.suite import SuiteContext, run_sections
+from tests.support.bench_sections import decode_rows, run_smoke_section
 
 pytestmark = pytest.mark.slow
 
 
 def test_quantization_section_reports_every_side_and_batch(tmp_path: Path) -> None:
-    ctx = SuiteContext(out_dir=tmp_path / "out", work_dir=tmp_path / "work", smoke=True, rounds=1)
-    (section,) = run_sections(ctx, ["quantization"])
-    assert section.name == "quantization"
+    section = run_smoke_section(tmp_path, "quantization")
     decode, weights = section.tables
-    headers = [c.header for c in decode.columns]
-    rows = [dict(zip(headers, row, strict=True)) for row in decode.rows]
-    sides = {r["side"] for r in rows}
-    assert {"fp32", "int8 (fp32 model)"} <= sides
-    assert {r["batch"] for r in rows} == {1, 4, 16}
-    for r in rows:
-        assert r["decode tok/s"] > 0
-        if r["side"] == "fp32":
-            assert r["vs fp32 (×)"] == 1.0
+    rows = decode_rows(decode, side="side", base="fp32", vs_base="vs fp32 (×)", batches={1, 4, 16})
+    assert {"fp32", "int8 (fp32 model)"} <= {r["side"] for r in rows}
     # int8 stores the projections in a quarter of fp32's bytes: the model shrinks.
     stored = {row[0]: row[1] for row in weights.rows}
     assert stored["int8 (fp32 model)"] < stored["fp32"]

@@ -4,7 +4,8 @@ Everything comes from the Go module proxy, at the versions pinned below, and lan
 ``$KVSERVE_CACHE/k8s/<component>-<version>/bin`` (default ``~/.cache/kvserve``), outside
 the clone, so CI runs and later sessions reuse it. Warm: nothing is built. Cold: the
 four Kubernetes binaries take 15–30 minutes on 2 cores, GIE's endpoint picker a few more;
-progress is printed.
+progress is printed. Each directory appears whole, by an atomic rename, so two runs at
+once (a `make test` and a manual run) may both build it and the first one's is kept.
 
 Standard library only: it runs before any virtual environment exists.
 """
@@ -17,8 +18,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +137,6 @@ def _staging_replaces(workdir: Path) -> list[str]:
 
 
 def _build_kubernetes(out: Path, workdir: Path) -> None:
-    workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "go.mod").write_text("module kvserve.dev/clusterbuild/kubernetes\n\ngo 1.26.0\n")
     replaces = _staging_replaces(workdir)
     (workdir / "go.mod").write_text(
@@ -156,65 +158,71 @@ def _build_kubernetes(out: Path, workdir: Path) -> None:
             ("gitTreeState", "clean"),
         )
     )
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
     for cmd, package in zip(KUBERNETES_COMMANDS, packages, strict=True):
-        _run(
-            [
-                "go",
-                "build",
-                "-p",
-                "2",
-                "-trimpath",
-                "-ldflags",
-                ldflags,
-                "-o",
-                str(tmp / cmd),
-                package,
-            ],
+        _go_build(
+            package,
+            out / cmd,
             workdir,
             f"build {cmd} (cold: several minutes each on 2 cores)",
+            ldflags,
         )
-    tmp.rename(out)
 
 
 def _build_etcd(out: Path, workdir: Path) -> None:
-    workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "go.mod").write_text("module kvserve.dev/clusterbuild/etcd\n\ngo 1.26.0\n")
     _run(
         ["go", "get", f"go.etcd.io/etcd/server/v3@{ETCD_VERSION}"],
         workdir,
         f"resolve etcd {ETCD_VERSION}",
     )
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    _run(
-        [
-            "go",
-            "build",
-            "-p",
-            "2",
-            "-trimpath",
-            "-o",
-            str(tmp / "etcd"),
-            "go.etcd.io/etcd/server/v3",
-        ],
-        workdir,
-        "build etcd",
-    )
-    tmp.rename(out)
+    _go_build("go.etcd.io/etcd/server/v3", out / "etcd", workdir, "build etcd")
 
 
-def _go_install(package: str, out: Path, workdir: Path, what: str, ldflags: str = "") -> None:
-    workdir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    args = ["go", "install", "-p", "2", "-trimpath"]
-    if ldflags:
-        args += ["-ldflags", ldflags]
-    env_gobin = ["env", f"GOBIN={tmp}"]
-    _run([*env_gobin, *args, package], workdir, what)
-    tmp.rename(out)
+def _go_args(verb: str, ldflags: str) -> list[str]:
+    args = ["go", verb, "-p", "2", "-trimpath"]
+    return [*args, "-ldflags", ldflags] if ldflags else args
+
+
+def _go_build(package: str, binary: Path, workdir: Path, what: str, ldflags: str = "") -> None:
+    _run([*_go_args("build", ldflags), "-o", str(binary), package], workdir, what)
+
+
+def _go_install(package: str, what: str, ldflags: str = "") -> Callable[[Path, Path], None]:
+    """A build for `_build_into`: `go install package@version`, its binary into ``out``."""
+
+    def build(out: Path, workdir: Path) -> None:
+        _run(["env", f"GOBIN={out}", *_go_args("install", ldflags), package], workdir, what)
+
+    return build
+
+
+def _build_into(out: Path, work: Path, build: Callable[[Path, Path], None]) -> None:
+    """Fill ``out`` with ``build(staging, workdir)``: it builds into a fresh staging
+    directory next to ``out``, from a fresh work directory under ``work``, and the staging
+    directory is then renamed to ``out``.
+
+    Two processes may build at once (a `make test` and a manual run, two CI jobs on one
+    cache): with their own directories neither rewrites the other's go.mod nor renames
+    onto a directory the other has filled (which failed with "Directory not empty").
+    The rename is atomic, so ``out`` is absent or complete, never half-built; when
+    another process's rename came first, its copy is as good as ours and ours is dropped.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{out.name}.", suffix=".tmp", dir=out.parent))
+    workdir = Path(tempfile.mkdtemp(prefix=f"{out.name}.", dir=work))
+    try:
+        build(staging, workdir)
+        staging.chmod(0o755)  # mkdtemp's 0700, as a plain mkdir would have made it
+        try:
+            staging.rename(out)
+        except OSError:
+            if not out.is_dir():
+                raise
+            _log(f"  {out.name}: another process built it first; using that one")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already once renamed
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _build_epp(out: Path, workdir: Path) -> None:
@@ -226,31 +234,12 @@ def _build_epp(out: Path, workdir: Path) -> None:
     of our own does not read it. The wrapper requires only GIE, so its dependencies
     resolve to the versions GIE's own go.mod selects.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "go.mod").write_text("module kvserve.dev/clusterbuild/epp\n\ngo 1.26.0\n")
     package = f"{GIE_MODULE}/cmd/epp"
     _run(["go", "get", f"{package}@{GIE_VERSION}"], workdir, f"resolve GIE {GIE_VERSION}")
     # What GIE's Dockerfile stamps; the EPP logs it at start-up.
     ldflags = f"-X {GIE_MODULE}/version.BuildRef={GIE_VERSION}"
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    _run(
-        [
-            "go",
-            "build",
-            "-p",
-            "2",
-            "-trimpath",
-            "-ldflags",
-            ldflags,
-            "-o",
-            str(tmp / "epp"),
-            package,
-        ],
-        workdir,
-        "build epp (cold: a few minutes on 2 cores)",
-    )
-    tmp.rename(out)
+    _go_build(package, out / "epp", workdir, "build epp (cold: a few minutes on 2 cores)", ldflags)
 
 
 def _copy_kwok_stages(dest: Path, workdir: Path) -> None:
@@ -260,14 +249,11 @@ def _copy_kwok_stages(dest: Path, workdir: Path) -> None:
         "download kwok module",
     )
     source = Path(json.loads(out)["Dir"]) / "kustomize" / "stage"
-    tmp = dest.with_name(dest.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
     for relative in KWOK_STAGES:
         path = source / relative
         if not path.is_file():
             raise RuntimeError(f"kwok stage {relative} not found under {source}")
-        shutil.copyfile(path, tmp / path.name)
-    tmp.rename(dest)
+        shutil.copyfile(path, dest / path.name)
 
 
 def ensure_built() -> Binaries:
@@ -281,35 +267,30 @@ def ensure_built() -> Binaries:
     kube_bin = bins.kubectl.parent
     if not kube_bin.is_dir():
         _log(f"building Kubernetes {KUBERNETES_VERSION} from the Go module proxy (cold: 15–30 min)")
-        _build_kubernetes(kube_bin, work / f"kubernetes-{KUBERNETES_VERSION}")
+        _build_into(kube_bin, work, _build_kubernetes)
     if not bins.etcd.parent.is_dir():
         _log(f"building etcd {ETCD_VERSION}")
-        _build_etcd(bins.etcd.parent, work / f"etcd-{ETCD_VERSION}")
+        _build_into(bins.etcd.parent, work, _build_etcd)
     if not bins.kwok.parent.is_dir():
         _log(f"building kwok {KWOK_VERSION}")
-        _go_install(
-            f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}",
-            bins.kwok.parent,
-            work / "kwok",
-            "build kwok",
-        )
+        kwok = _go_install(f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "build kwok")
+        _build_into(bins.kwok.parent, work, kwok)
     if not bins.kwok_stages.is_dir():
-        _copy_kwok_stages(bins.kwok_stages, work / "kwok")
+        _build_into(bins.kwok_stages, work, _copy_kwok_stages)
     if not bins.helm.parent.is_dir():
         _log(f"building helm {HELM_VERSION}")
         minor = KUBERNETES_VERSION.split(".")[1]
-        _go_install(
+        helm = _go_install(
             f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}",
-            bins.helm.parent,
-            work / "helm",
             "build helm",
             # Without these, `helm version` says v3.21 and `helm template` assumes k8s 1.20.
             ldflags=f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION} "
             f"-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={minor}",
         )
+        _build_into(bins.helm.parent, work, helm)
     if not bins.epp.parent.is_dir():
         _log(f"building GIE's endpoint picker {GIE_VERSION}")
-        _build_epp(bins.epp.parent, work / f"gie-epp-{GIE_VERSION}")
+        _build_into(bins.epp.parent, work, _build_epp)
     if time.monotonic() - started > 1:
         _log(f"all binaries ready in {time.monotonic() - started:.0f} s under {root}")
     return bins

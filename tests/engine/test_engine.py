@@ -8,6 +8,7 @@ import transformers
 
 from kvserve import LLM, SamplingParams
 from kvserve.telemetry import definitions as d
+from tests.support.prompts import greedy_reference
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -173,21 +174,8 @@ def test_outputs_in_input_order_and_chat(llm: LLM) -> None:
 def test_bf16_agrees_with_fp32_teacher_forced(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     path = str(checkpoint_dir("qwen3-trained"))
     fp32 = LLM(path, dtype="float32", device="cpu")
-    tok = fp32.get_tokenizer()
-    texts = (
-        "the cache keeps",
-        "hello world, how are you",
-        "a b c d e f",
-        "streaming responses",
-        "numbers 1 2 3",
-        "The scheduler",
-        "def generate(",
-        "Mixed text: caf",
-    )
-    prompts = [tok.encode(t) for t in texts]
-    outs = fp32.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
-    ref = [fp32.engine.prompt_logprobs(s) for s in sequences]
+    reference = greedy_reference(fp32)
+    outs, sequences, ref = reference.outputs, reference.sequences, reference.logprobs
     del fp32
     bf16 = LLM(path, dtype="bfloat16", device="cpu")
     got = [bf16.engine.prompt_logprobs(s) for s in sequences]

@@ -28,6 +28,7 @@ from kvserve.model.config import ModelConfig
 from tests.support.checkpoints import make_prompts
 from tests.support.cli_server import start_cli_server
 from tests.support.prometheus import metric
+from tests.support.prompts import greedy_reference
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -118,23 +119,8 @@ TOLERANCE = {"fp8_e4m3": 0.05, "fp8_e5m2": 0.1}
 def test_fp8_teacher_forced_logprobs_stay_close_to_the_fp32_cache(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     path = str(checkpoint_dir("qwen3-trained"))
     ref_llm = LLM(path, dtype="float32", device="cpu")
-    tok = ref_llm.get_tokenizer()
-    texts = (
-        "the cache keeps",
-        "hello world, how are you",
-        "a b c d e f",
-        "streaming responses",
-        "numbers 1 2 3",
-        "The scheduler",
-        "def generate(",
-        "Mixed text: caf",
-    )
-    outs = ref_llm.generate(
-        [tok.encode(t) for t in texts],
-        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-    )
-    sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
-    ref = [ref_llm.engine.prompt_logprobs(s) for s in sequences]
+    reference = greedy_reference(ref_llm)
+    outs, sequences, ref = reference.outputs, reference.sequences, reference.logprobs
     del ref_llm
     for kv, bound in TOLERANCE.items():
         llm = LLM(path, dtype="float32", device="cpu", kv_cache_dtype=kv)
@@ -285,9 +271,9 @@ def test_serve_flag_sizes_the_pool_and_metrics_agree(checkpoint_dir) -> None:  #
         model, "--kv-cache-dtype", "fp8", "--kv-cache-memory", memory, "--device", "cpu"
     )
     try:
-        assert metric(url, "kvserve_cache_config_info", num_gpu_blocks=str(blocks)) == 1, (
-            proc.tail()
-        )
+        # vLLM's alias "fp8" is shown as the format it means, as vLLM's own cache_dtype.
+        info = {"num_gpu_blocks": str(blocks), "cache_dtype": "fp8_e4m3"}
+        assert metric(url, "kvserve_cache_config_info", **info) == 1, proc.tail()
         log = proc.tail()
         assert f"KV cache: {blocks} blocks of 16 tokens" in log and "float8_e4m3fn" in log, log
         body = {

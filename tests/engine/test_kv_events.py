@@ -11,6 +11,8 @@ is fetched through the replay socket.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,8 @@ import zmq
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.kv_cache_manager import hash_block
-from kvserve.engine.kv_events import KVEventPublisher, start_kv_events
+from kvserve.engine.kv_events import AllBlocksCleared, KVEventPublisher, start_kv_events
+from kvserve.telemetry.prometheus import EngineMetrics
 from tests.support.cli_server import start_cli_server
 from tests.support.fresh_python import heavy_modules_after
 from tests.support.net import free_port
@@ -271,6 +274,76 @@ def test_a_bound_publisher_batches_in_order(tmp_path: Path, ctx) -> None:  # typ
         pub.close()
 
 
+class StallPublisherThread(logging.Handler):
+    """Holds the publisher's thread inside a log call until ``release`` is set: a thread
+    busy elsewhere, as one starved of CPU is, while the engine thread keeps publishing.
+    ``handle`` is overridden (not ``emit``) so the handler's lock is not held meanwhile:
+    the engine thread logs its first drop through this handler too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if record.threadName == "kvserve-kv-events":
+            self.entered.set()
+            self.release.wait(RECV_TIMEOUT_MS / 1000)
+        return True
+
+
+def test_batches_dropped_while_the_publisher_lags_are_counted_and_exported(ctx) -> None:  # type: ignore[no-untyped-def]
+    sub = Subscriber(ctx)
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KVEventPublisher(
+        sub.endpoint,
+        block_size=BLOCK,
+        medium="CPU",
+        replay_endpoint=replay_endpoint,
+        queue_batches=1,  # a queue of a batch or two instead of 10,000
+    )
+    metrics = EngineMetrics("m")
+    metrics.track_kv_events(pub)
+    logger = logging.getLogger("kvserve.engine.kv_events")
+    stall = StallPublisherThread()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        while not sub.recv(timeout_ms=50):  # join: probes until one arrives live
+            pub.publish([AllBlocksCleared()])
+        start = pub.next_seq
+        assert b'kvserve_kv_events_dropped_batches_total{model="m"} 0.0' in metrics.render()[0]
+
+        # A malformed replay request makes the publisher's thread log a warning; the
+        # handler holds it there while the engine thread publishes 20 batches.
+        logger.addHandler(stall)
+        dealer.connect(replay_endpoint)
+        dealer.send(b"not a replay request")
+        assert stall.entered.wait(RECV_TIMEOUT_MS / 1000), "the publisher thread did not log"
+        for _ in range(20):
+            pub.publish([AllBlocksCleared()])
+        assert pub.next_seq == start + 20
+        dropped = pub.dropped_batches
+        assert 0 < dropped < 20
+    finally:
+        stall.release.set()
+        logger.removeHandler(stall)
+        dealer.close()
+
+    try:
+        exported = f'kvserve_kv_events_dropped_batches_total{{model="m"}} {float(dropped)}'
+        assert exported.encode() in metrics.render()[0]
+        # The batches that were queued arrive once the thread is back, and the dropped
+        # ones' sequence numbers are gaps a subscriber can see.
+        sent = 20 - dropped
+        while len([seq for _, seq, _ in sub.received if seq >= start]) < sent:
+            assert sub.recv(RECV_TIMEOUT_MS), "a queued batch did not arrive"
+        seqs = [seq for _, seq, _ in sub.received if seq >= start]
+        assert seqs == sorted(set(seqs)) and seqs[-1] < start + 20 and len(seqs) == sent
+    finally:
+        pub.close()
+
+
 def test_bad_endpoints_are_refused_by_name(ctx) -> None:  # type: ignore[no-untyped-def]
     from kvserve.engine.block_pool import BlockPool
 
@@ -350,5 +423,8 @@ def test_kvserve_serve_publishes_events(checkpoint_dir, ctx) -> None:  # type: i
         assert len(event.block_hashes) == 2 and event.parent_block_hash is None
         seqs = replay(ctx, replay_endpoint, 0)
         assert seqs == list(range(len(seqs))) and seqs[-1] >= sub.received[-1][1]
+        # On /metrics, with nothing dropped.
+        exposition = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'kvserve_kv_events_dropped_batches_total{model="m"} 0.0' in exposition
     finally:
         proc.stop()

@@ -38,7 +38,9 @@ def test_the_flag_speculates_and_exports_its_counters(checkpoint_dir) -> None:  
         assert metric(plain_url, "kvserve_spec_decode_num_drafts_total") == 0
     finally:
         plain.stop()
-    proc, url, _ = start_cli_server(model, "--speculative-config", json.dumps(NGRAM))
+    proc, url, _ = start_cli_server(
+        model, "--speculative-config", json.dumps(NGRAM), "--metrics-compat", "vllm"
+    )
     try:
         assert _complete(url) == expected, proc.tail()
         drafts = metric(url, "kvserve_spec_decode_num_drafts_total")
@@ -50,6 +52,15 @@ def test_the_flag_speculates_and_exports_its_counters(checkpoint_dir) -> None:  
         assert 0 < accepted < draft_tokens
         assert per_pos == accepted  # each accepted token is counted at its one position
         assert 0 < first <= drafts
+        # --metrics-compat vllm: the same counts under vLLM's names (nothing runs between
+        # the scrapes: the one request has finished).
+        for name, ours in [
+            ("num_drafts_total", drafts),
+            ("num_draft_tokens_total", draft_tokens),
+            ("num_accepted_tokens_total", accepted),
+            ("num_accepted_tokens_per_pos_total", per_pos),
+        ]:
+            assert metric(url, f"vllm:spec_decode_{name}", model_name="m", engine="0") == ours
     finally:
         proc.stop()
 

@@ -7,7 +7,8 @@ random prompt of ``PROMPT`` tokens (long enough that reading the KV cache is a r
 of a decode step), steps until they all decode, then times pure decode steps one by one
 (16, or as many as fit in 4 s, at least 3) and keeps the median; decode tokens/s = B /
 that step time. The sides alternate within each round (this machine's speed drifts), each
-keeping its best round. The issue's target: fp8 ≥ 0.85× the fp32 cache's decode
+keeping its best round (``kvserve.bench.decode_throughput``, shared with
+``quantization``). The issue's target: fp8 ≥ 0.85× the fp32 cache's decode
 tokens/s.
 
 The profile table times, on the same shapes, what an fp8 decode step adds per layer:
@@ -23,12 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.bench.cpu import cpu_use
+from kvserve.bench.decode_throughput import DecodePlan, time_decode
 from kvserve.bench.results import Section, Target, model_setup, table
 from kvserve.bench.suite import SuiteContext
 from kvserve.config import blocks_for
 from kvserve.model.attention import fp8_values
-from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
@@ -39,38 +39,6 @@ BATCHES = (1, 16)
 PROMPT = 512
 SIDES = ("auto", "fp8_e4m3", "fp8_e5m2")
 TARGET_RATIO = 0.85  # fp8 / fp32-cache decode tokens/s
-
-
-def _decode_step_seconds(
-    ctx: SuiteContext, llm: LLM, batch: int, prompt: int, steps: int, limit: float
-) -> float:
-    """Median time of a pure decode step with ``batch`` requests running."""
-    engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(ctx.seed + batch)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        ids = torch.randint(0, vocab, (prompt,), generator=gen).tolist()
-        engine.add_request(f"kv-{batch}-{i}", ids, params)
-    running = engine.scheduler.running
-    while len(running) < batch or any(r.num_computed_tokens < r.num_prompt_tokens for r in running):
-        engine.step()  # prefills are not timed
-    engine.step()  # nor the first pure decode step
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < steps and (len(times) < 3 or time.perf_counter() - start < limit):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-        sched = engine.last_schedule
-        if (
-            sched is None
-            or len(sched.scheduled) != batch
-            or any(n != 1 for _, n in sched.scheduled)
-        ):
-            raise RuntimeError(f"a timed step at batch {batch} was not a pure decode step")
-    engine.abort_request(list(engine.requests))
-    return statistics.median(times)
 
 
 def _gather_ms(llm: LLM, batch: int, context: int, reps: int) -> tuple[float, float]:
@@ -102,38 +70,21 @@ def _gather_ms(llm: LLM, batch: int, context: int, reps: int) -> tuple[float, fl
 
 def run(ctx: SuiteContext) -> Section:
     path, config = ctx.model("30m")
-    steps, limit = (4, 1.0) if ctx.smoke else (16, 4.0)
-    prompt = 32 if ctx.smoke else PROMPT
-    max_len = prompt + steps + 16
+    plan = DecodePlan.for_run(ctx, BATCHES, 32 if ctx.smoke else PROMPT)
     llms: dict[str, LLM] = {}
     for side in SIDES:
-        llms[side] = ctx.llm(
-            path,
-            kv_cache_dtype=side,
-            max_num_seqs=max(BATCHES),
-            max_model_len=max_len,
-            max_num_batched_tokens=max(BATCHES) * (prompt + 1),
-            num_kv_blocks=max(BATCHES) * blocks_for(max_len, 16) + 1,
-        )
+        llms[side] = ctx.llm(path, kv_cache_dtype=side, **plan.engine_settings())
         ctx.say(f"  loaded kv_cache_dtype={side}")
 
-    best: dict[tuple[str, int], float] = {}
-    with cpu_use() as use:
-        for r in range(ctx.rounds):
-            for batch in BATCHES:
-                for side, llm in llms.items():
-                    t = _decode_step_seconds(ctx, llm, batch, prompt, steps, limit)
-                    step = f"{1e3 * t:8.2f} ms/step"
-                    ctx.say(f"  round {r + 1}/{ctx.rounds} B={batch:<2} {side:<9} {step}")
-                    best[side, batch] = min(t, best.get((side, batch), t))
-    rate = {key: key[1] / t for key, t in best.items()}
+    times = time_decode(ctx, llms, plan, "kv")
+    best = times.best
 
     def ratio(side: str, batch: int) -> float:
-        return round(rate[side, batch] / rate["auto", batch], 2)
+        return times.ratio(side, "auto", batch)
 
     rows = [
         [batch, "fp32" if side == "auto" else side, round(1e3 * best[side, batch], 2),
-         round(rate[side, batch], 1), ratio(side, batch)]
+         round(times.rate(side, batch), 1), ratio(side, batch)]
         for batch in BATCHES for side in SIDES
     ]  # fmt: skip
     for batch in BATCHES:
@@ -145,20 +96,17 @@ def run(ctx: SuiteContext) -> Section:
     reps = 3 if ctx.smoke else 15
     for batch in BATCHES:
         for side, llm in llms.items():
-            gather, cast = _gather_ms(llm, batch, prompt + steps, reps)
+            gather, cast = _gather_ms(llm, batch, plan.prompt + plan.steps, reps)
             per_step = config.num_layers * (gather + cast)
             profile.append([
                 batch, "fp32" if side == "auto" else side, round(gather, 3), round(cast, 3),
                 round(per_step, 2), round(100 * per_step / (1e3 * best[side, batch]), 1),
             ])  # fmt: skip
-    others = None if use.others is None or use.wall <= 0 else use.others / use.wall
-    setup: dict[str, Any] = model_setup(config, "float32", ctx.device) | {
-        "prompt tokens": prompt,
-        "timed decode steps per point": f"median of ≤{steps} (≥3, ≤{limit:.0f} s)",
-        "rounds": ctx.rounds,
-        "torch threads": torch.get_num_threads(),
-        "other processes' CPU use (CPUs, mean)": None if others is None else round(others, 2),
-    }
+    setup: dict[str, Any] = (
+        model_setup(config, "float32", ctx.device)
+        | {"prompt tokens": plan.prompt, "torch threads": torch.get_num_threads()}
+        | times.setup()
+    )
     tables = [
         table("Decode, one step at a time", "batch | KV cache | step (ms) | decode tok/s | "
               "vs fp32 cache (×)", rows),

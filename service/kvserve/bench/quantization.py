@@ -7,23 +7,22 @@ kernel runs on bf16 activations, ``kvserve.model.quant``). For each batch size B
 side admits B requests of a 32-token random prompt, steps until they all decode, then
 times pure decode steps one by one (16, or as many as fit in 4 s, at least 3) and keeps
 the median; decode tokens/s = B / that step time. The sides alternate within each round
-(this machine's speed drifts), each keeping its best round. The issue's target: int8 at
+(this machine's speed drifts), each keeping its best round
+(``kvserve.bench.decode_throughput``, shared with ``kv_dtype``). The issue's target: int8 at
 batch 1 ≥ 1.6× fp32's decode tokens/s.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.bench.cpu import cpu_use
+from kvserve.bench.decode_throughput import DecodePlan, time_decode
 from kvserve.bench.results import Section, Target, model_setup, table
 from kvserve.bench.suite import SuiteContext
-from kvserve.config import blocks_for, cpu_has_native_bf16
-from kvserve.sampling_params import SamplingParams
+from kvserve.config import cpu_has_native_bf16
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
@@ -35,43 +34,11 @@ PROMPT = 32
 TARGET_RATIO = 1.6  # int8 / fp32 decode tokens/s at batch 1
 
 
-def _decode_step_seconds(
-    ctx: SuiteContext, llm: LLM, batch: int, steps: int, limit: float
-) -> float:
-    """Median time of a pure decode step with ``batch`` requests running."""
-    engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(ctx.seed + batch)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        prompt = torch.randint(0, vocab, (PROMPT,), generator=gen).tolist()
-        engine.add_request(f"q-{batch}-{i}", prompt, params)
-    running = engine.scheduler.running
-    while len(running) < batch or any(r.num_computed_tokens < r.num_prompt_tokens for r in running):
-        engine.step()  # prefills are not timed
-    engine.step()  # nor the first pure decode step
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < steps and (len(times) < 3 or time.perf_counter() - start < limit):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-        sched = engine.last_schedule
-        if (
-            sched is None
-            or len(sched.scheduled) != batch
-            or any(n != 1 for _, n in sched.scheduled)
-        ):
-            raise RuntimeError(f"a timed step at batch {batch} was not a pure decode step")
-    engine.abort_request(list(engine.requests))
-    return statistics.median(times)
-
-
 def run(ctx: SuiteContext) -> Section:
     from kvserve.model.quant import int8pack_supported
 
     path, config = ctx.model("150m")
-    steps, limit = (4, 1.0) if ctx.smoke else (16, 4.0)
+    plan = DecodePlan.for_run(ctx, BATCHES, PROMPT)
     bf16 = ctx.device.startswith("cuda") or cpu_has_native_bf16()
     sides: dict[str, dict[str, Any]] = {
         "fp32": {"dtype": "float32"},
@@ -82,42 +49,23 @@ def run(ctx: SuiteContext) -> Section:
             "bf16": {"dtype": "bfloat16"},
             "int8 (bf16 model)": {"dtype": "bfloat16", "quantization": "int8"},
         }
-    max_len = PROMPT + steps + 16
     llms: dict[str, LLM] = {}
     load_s: dict[str, float] = {}
     for side, settings in sides.items():
         start = time.perf_counter()
-        llms[side] = ctx.llm(
-            path,
-            max_num_seqs=max(BATCHES),
-            max_model_len=max_len,
-            max_num_batched_tokens=max(BATCHES) * (PROMPT + 1),
-            num_kv_blocks=max(BATCHES) * blocks_for(max_len, 16) + 1,
-            **settings,
-        )
+        llms[side] = ctx.llm(path, **plan.engine_settings(), **settings)
         load_s[side] = time.perf_counter() - start
         ctx.say(f"  loaded {side} in {load_s[side]:.1f} s")
 
-    best: dict[tuple[str, int], float] = {}
-    with cpu_use() as use:
-        for r in range(ctx.rounds):
-            for batch in BATCHES:
-                for side, llm in llms.items():
-                    t = _decode_step_seconds(ctx, llm, batch, steps, limit)
-                    step = f"{1e3 * t:8.2f} ms/step"
-                    ctx.say(f"  round {r + 1}/{ctx.rounds} B={batch:<2} {side:<18} {step}")
-                    best[side, batch] = min(t, best.get((side, batch), t))
-    rate = {key: key[1] / t for key, t in best.items()}
-
-    def ratio(side: str, base: str, batch: int) -> float:
-        return round(rate[side, batch] / rate[base, batch], 2)
+    times = time_decode(ctx, llms, plan, "q")
+    best, ratio = times.best, times.ratio
 
     rows = []
     for batch in BATCHES:
         for side in sides:
             base = "bf16" if side == "int8 (bf16 model)" else "fp32"
             rows.append([
-                batch, side, round(1e3 * best[side, batch], 2), round(rate[side, batch], 1),
+                batch, side, round(1e3 * best[side, batch], 2), round(times.rate(side, batch), 1),
                 ratio(side, "fp32", batch), ratio(side, base, batch) if side != base else 1.0,
             ])  # fmt: skip
     for batch in BATCHES:
@@ -126,15 +74,12 @@ def run(ctx: SuiteContext) -> Section:
         [side, round(llm.engine.runner.model.weight_nbytes() / 2**20, 1), round(load_s[side], 2)]
         for side, llm in llms.items()
     ]
-    others = None if use.others is None or use.wall <= 0 else use.others / use.wall
     kernel = "int8pack" if int8pack_supported(torch.device(ctx.device).type) else "dequant"
-    setup = model_setup(config, "float32 and bfloat16" if bf16 else "float32", ctx.device) | {
-        "int8 kernel": kernel,
-        "prompt tokens": PROMPT,
-        "timed decode steps per point": f"median of ≤{steps} (≥3, ≤{limit:.0f} s)",
-        "rounds": ctx.rounds,
-        "other processes' CPU use (CPUs, mean)": None if others is None else round(others, 2),
-    }
+    setup = (
+        model_setup(config, "float32 and bfloat16" if bf16 else "float32", ctx.device)
+        | {"int8 kernel": kernel, "prompt tokens": PROMPT}
+        | times.setup()
+    )
     tables = [
         table("Decode, one step at a time", "batch | side | step (ms) | decode tok/s | "
               "vs fp32 (×) | vs same dtype (×)", rows),

@@ -50,8 +50,9 @@ b""]``.
 the cache reset, and nothing of this module but its types is loaded (no ZMQ). On, the
 engine thread builds the events, encodes each step's batch (one msgspec call) and hands
 it to the publisher thread through a bounded in-process ZMQ queue without ever blocking:
-when the queue is full the batch is dropped and counted (``dropped_batches``), which
-leaves a gap in the sequence numbers that the subscriber can see. The publisher thread
+when the queue is full the batch is dropped and counted (``dropped_batches``; on
+``/metrics`` as ``kvserve_kv_events_dropped_batches_total``), which leaves a gap in the
+sequence numbers that the subscriber can see. The publisher thread
 sends, keeps the replay buffer and answers replay requests.
 """
 

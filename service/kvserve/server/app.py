@@ -82,7 +82,11 @@ def create_app(
     adapters = LoRAAdapters(served_model_name, engine.lora is not None, lora_dir)
     adapters.add_startup(engine, lora_modules or {})
     metrics = metrics or EngineMetrics(served_model_name)
-    metrics.set_cache_info(engine.config.block_size, engine.num_kv_blocks)
+    metrics.set_cache_info(
+        engine.config.block_size, engine.num_kv_blocks, engine.config.kv_cache_dtype
+    )
+    if engine.kv_events is not None:
+        metrics.track_kv_events(engine.kv_events)
     if engine.lora is not None:
         metrics.set_lora_limit(engine.lora.capacity)
     telemetry = RequestTelemetry(served_model_name, tracer_provider or tracer_provider_from_env())

@@ -48,8 +48,11 @@ Metric                                          Definition
 ``kvserve_num_requests_running``                gauge: requests in the running batch
 ``kvserve_num_requests_waiting``                gauge: requests queued (new or preempted)
 ``kvserve_kv_cache_usage_ratio``                gauge: share of KV blocks in use, 0–1
-``kvserve_cache_config_info``                   gauge, always 1: labels ``block_size`` and
-                                                ``num_gpu_blocks`` (the KV pool's size)
+``kvserve_cache_config_info``                   gauge, always 1: labels ``block_size``,
+                                                ``cache_dtype`` (``kv_cache_dtype``:
+                                                ``auto``, ``fp8_e4m3``, ``fp8_e5m2``, as
+                                                vLLM's) and ``num_gpu_blocks`` (the KV
+                                                pool's size)
 ``kvserve_lora_requests_info``                  gauge, with LoRA on: the time (Unix
                                                 seconds) of its last update; labels
                                                 ``max_lora`` (slots), and the comma-joined
@@ -64,10 +67,16 @@ Metric                                          Definition
                                                 (``set_lora_limit``) have a series, the
                                                 least recently counted one's is dropped
                                                 first, so its cardinality is bounded
+``kvserve_kv_events_dropped_batches_total``     counter, with KV-cache events on: batches
+                                                of events dropped because the publisher's
+                                                queue was full (each leaves a gap in the
+                                                sequence numbers; ``kvserve.engine.
+                                                kv_events``), read at each scrape
 =============================================== ============================================
 
-With ``compat="vllm"`` (``kvserve serve --metrics-compat vllm``), the load gauges and the
-cache and LoRA info are also exported under vLLM's names (``kvserve.telemetry.vllm_compat``).
+With ``compat="vllm"`` (``kvserve serve --metrics-compat vllm``), the load gauges, the
+cache and LoRA info and the speculative-decoding counters are also exported under vLLM's
+names (``kvserve.telemetry.vllm_compat``).
 
 Counters are exposed with the ``_total`` suffix (and prometheus_client's ``_created``
 timestamps); histograms as ``_bucket``/``_count``/``_sum``. The prefix-cache,
@@ -79,7 +88,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -93,12 +102,22 @@ from prometheus_client import (
 from kvserve.outputs import RequestOutput
 from kvserve.spec_decode.metrics import SpecDecodeStats
 from kvserve.telemetry import definitions as d
-from kvserve.telemetry.vllm_compat import METRICS_COMPAT, VllmGauges
+from kvserve.telemetry.vllm_compat import METRICS_COMPAT, VllmMetrics
 
 if TYPE_CHECKING:  # the engine module loads torch; the gateway, which uses this one, needs not
     from kvserve.engine.llm_engine import EngineStats
 
 FINISHED_REASONS: Final = ("stop", "length", "abort", "error")
+
+
+class DroppedBatches(Protocol):
+    """What the metrics read of the engine's KV-cache events publisher
+    (``kvserve.engine.kv_events.KVEventPublisher``; not imported: the gateway, which uses
+    this module, does not load the engine's modules)."""
+
+    @property
+    def dropped_batches(self) -> int: ...
+
 
 # Bucket upper bounds, seconds. Each set includes the SLO thresholds dashboards and alert
 # rules compare against, so a threshold's share is read off a bucket exactly.
@@ -134,13 +153,14 @@ class EngineMetrics:
         registry: CollectorRegistry | None = None,
         compat: str | None = None,
     ) -> None:
-        """``compat="vllm"``: also the load gauges under vLLM's names (``vllm_compat``)."""
+        """``compat="vllm"``: also the load gauges, cache and LoRA info and speculative
+        decoding counters under vLLM's names (``vllm_compat``)."""
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
         if compat not in (None, *METRICS_COMPAT):
             raise ValueError(f"metrics compat {compat!r} is not one of {METRICS_COMPAT}")
-        self._vllm = VllmGauges(model_name, reg) if compat == "vllm" else None
+        self._vllm = VllmMetrics(model_name, reg) if compat == "vllm" else None
         m = ("model",)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -250,7 +270,7 @@ class EngineMetrics:
         self._cache_info = gauge(
             "kvserve_cache_config_info",
             "KV cache configuration (value is always 1).",
-            (*m, "block_size", "num_gpu_blocks"),
+            (*m, "block_size", "cache_dtype", "num_gpu_blocks"),
         )
 
         self._lora_info = gauge(
@@ -267,6 +287,12 @@ class EngineMetrics:
         )
         self._lora_series: OrderedDict[str, None] = OrderedDict()  # least recent first
         self._lora_series_limit = 0  # 0: LoRA off, no series
+        self._kv_events_dropped = counter(
+            "kvserve_kv_events_dropped_batches",
+            "KV-cache event batches dropped because the publisher's queue was full.",
+        )
+        self._kv_events: DroppedBatches | None = None  # None: events off, no series
+        self._last_kv_events_dropped = 0
 
         # Engine totals at the previous observe_engine call, to turn them into deltas.
         self._lock = threading.Lock()
@@ -275,13 +301,23 @@ class EngineMetrics:
         self._last_preemptions = 0
         self._last_spec = SpecDecodeStats()
 
-    def set_cache_info(self, block_size: int, num_blocks: int) -> None:
-        """Publish the KV cache configuration (replaces any earlier one)."""
+    def set_cache_info(self, block_size: int, num_blocks: int, cache_dtype: str) -> None:
+        """Publish the KV cache configuration (replaces any earlier one); ``cache_dtype``
+        is the engine's ``kv_cache_dtype`` (``auto``, ``fp8_e4m3``, ``fp8_e5m2``)."""
+        labels = (str(block_size), cache_dtype, str(num_blocks))
         with self._lock:
             self._cache_info.clear()
-            self._cache_info.labels(self.model_name, str(block_size), str(num_blocks)).set(1)
+            self._cache_info.labels(self.model_name, *labels).set(1)
             if self._vllm is not None:
-                self._vllm.set_cache_info(block_size, num_blocks)
+                self._vllm.set_cache_info(labels)
+
+    def track_kv_events(self, publisher: DroppedBatches) -> None:
+        """Export ``publisher``'s dropped batches as ``kvserve_kv_events_dropped_batches``
+        (the engine's KV-cache events are on); the count is read at each ``render``."""
+        with self._lock:
+            self._kv_events = publisher
+            self._last_kv_events_dropped = 0
+            self._kv_events_dropped.labels(self.model_name)  # the series, at 0
 
     def set_lora_limit(self, adapters: int) -> None:
         """How many adapters may have a ``kvserve_lora_requests_total`` series: those the
@@ -381,21 +417,40 @@ class EngineMetrics:
                     self._vllm.set_lora(labels, changed)
 
     def _observe_spec_decode(self, now: SpecDecodeStats) -> None:
-        last = self._last_spec
-        if now.num_drafts < last.num_drafts:  # a new engine: its totals are all growth
-            last = SpecDecodeStats()
-        self._spec_drafts.inc(now.num_drafts - last.num_drafts)
-        self._spec_draft_tokens.inc(now.num_draft_tokens - last.num_draft_tokens)
-        self._spec_accepted.inc(now.num_accepted_tokens - last.num_accepted_tokens)
-        for pos, count in enumerate(now.accepted_per_pos):
-            before = last.accepted_per_pos[pos] if pos < len(last.accepted_per_pos) else 0
-            if count > before:
-                self._spec_per_pos.labels(self.model_name, str(pos)).inc(count - before)
+        grew = _spec_decode_growth(self._last_spec, now)
+        self._spec_drafts.inc(grew.num_drafts)
+        self._spec_draft_tokens.inc(grew.num_draft_tokens)
+        self._spec_accepted.inc(grew.num_accepted_tokens)
+        for pos, count in enumerate(grew.accepted_per_pos):
+            if count > 0:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(count)
+        if self._vllm is not None:
+            self._vllm.add_spec_decode(grew)
         self._last_spec = now.copy()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text of this registry and its HTTP content type."""
+        with self._lock:
+            if self._kv_events is not None:
+                dropped = self._kv_events.dropped_batches
+                grew = _growth(self._last_kv_events_dropped, dropped)
+                self._kv_events_dropped.labels(self.model_name).inc(grew)
+                self._last_kv_events_dropped = dropped
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _spec_decode_growth(last: SpecDecodeStats, now: SpecDecodeStats) -> SpecDecodeStats:
+    """What the engine's speculative-decoding totals grew by since ``last``: all of
+    ``now`` when they went down (a new engine)."""
+    if now.num_drafts < last.num_drafts:
+        last = SpecDecodeStats()
+    before = last.accepted_per_pos + [0] * (len(now.accepted_per_pos) - len(last.accepted_per_pos))
+    return SpecDecodeStats(
+        now.num_drafts - last.num_drafts,
+        now.num_draft_tokens - last.num_draft_tokens,
+        now.num_accepted_tokens - last.num_accepted_tokens,
+        [count - b for count, b in zip(now.accepted_per_pos, before, strict=False)],
+    )
 
 
 def _growth(last: int, now: int) -> int:
