@@ -2,12 +2,65 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar, overload
 
 from kvserve.lora.request import LoRARequest
 
 FinishReason = Literal["stop", "length", "abort"]
+T = TypeVar("T")
+
+
+class Prefix(Sequence[T]):
+    """The first ``n`` items of a list that only ever grows at its end, as a read-only
+    sequence. Taking one costs O(1), where copying a request's output tokens into every
+    step's output would cost O(n²) over an output of n tokens (docs/engine.md, "The
+    step"). It stays valid while the list grows: its items never change."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list[T], n: int | None = None) -> None:
+        self._items = items
+        self._n = len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._n)
+            if step == 1:
+                return self._items[start:stop]
+            return [self._items[i] for i in range(start, stop, step)]
+        i = index + self._n if index < 0 else index
+        if not 0 <= i < self._n:
+            raise IndexError("Prefix index out of range")
+        return self._items[i]
+
+    def __iter__(self) -> Iterator[T]:
+        return itertools.islice(self._items, self._n)
+
+    def __add__(self, other: Sequence[T]) -> list[T]:
+        return [*self, *other]
+
+    def __radd__(self, other: Sequence[T]) -> list[T]:  # list + Prefix, as with two lists
+        return [*other, *self]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (Prefix, list, tuple)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass
@@ -37,10 +90,10 @@ class TokenLogprob:
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]  # every output token so far (a ``Prefix`` from the engine)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: Sequence[TokenLogprob] | None = None  # one per output token so far
     # What this step added (for streaming):
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

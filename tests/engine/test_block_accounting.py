@@ -31,6 +31,9 @@ def check_invariants(engine: LLMEngine) -> None:
     assert len(engine.scheduler.running) <= MAX_SEQS
     for req in engine.scheduler.running:
         assert len(engine.kv.req_blocks[req.request_id]) * BLOCK >= req.num_computed_tokens
+    # The model runner's block tables mirror the manager's lists exactly.
+    for rid, blocks in engine.kv.req_blocks.items():
+        assert engine.kv.tables.block_ids(rid) == [b.block_id for b in blocks], rid
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kvserve.bench.results import Section, Target, model_setup, table
@@ -121,7 +122,7 @@ def run(ctx: SuiteContext) -> Section:
     return Section(NAME, TITLE, setup, tables, targets, notes)
 
 
-def _step_bound(runs: list[tuple[list[int], list[int]]]) -> float:
+def _step_bound(runs: list[tuple[list[int], Sequence[int]]]) -> float:
     """Decode steps without speculation / with it, for these (prompt, output) pairs if
     the proposer's drafts were verified against the known outputs."""
     from kvserve.config import speculative_settings
@@ -133,7 +134,7 @@ def _step_bound(runs: list[tuple[list[int], list[int]]]) -> float:
         plain += len(out) - 1  # the first token comes from the prefill
         i = 1
         while i < len(out):
-            drafts = proposer.propose(prompt + out[:i], len(out) - i - 1)
+            drafts = proposer.propose(prompt + list(out[:i]), len(out) - i - 1)
             accepted = 0
             while accepted < len(drafts) and out[i + accepted] == drafts[accepted]:
                 accepted += 1

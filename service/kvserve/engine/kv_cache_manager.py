@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from kvserve.config import blocks_for
 from kvserve.engine.block_pool import BlockPool, KVCacheBlock
+from kvserve.engine.block_table import BlockTable
 from kvserve.engine.request import Request
 
 _ROOT_HASH = b"kvserve-prefix-root"
@@ -39,6 +40,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same block ids as tensor rows, for the model runner (changed only here).
+        self.tables = BlockTable()
         self._num_registered: dict[str, int] = {}  # leading blocks already in the cache
         # Prefix-cache statistics, in tokens, counted once per admitted request.
         self.prefix_queried_tokens = 0
@@ -52,6 +55,7 @@ class KVCacheManager:
         return blocks_for(num_tokens, self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block ids (the model runner reads ``tables``)."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def _update_block_hashes(self, request: Request) -> list[bytes]:
@@ -116,9 +120,9 @@ class KVCacheManager:
                 del self.req_blocks[rid]
             return False
         self.pool.touch(computed_blocks)
-        held.extend(computed_blocks)
-        if need > 0:
-            held.extend(self.pool.allocate(need))
+        added = [*computed_blocks, *(self.pool.allocate(need) if need > 0 else ())]
+        held.extend(added)
+        self.tables.extend(rid, [b.block_id for b in added])
         if self.enable_prefix_caching:
             self._register_full_blocks(request, held, num_tokens)
         return True
@@ -147,10 +151,12 @@ class KVCacheManager:
         if len(held) > keep:
             tail = held[keep:]
             del held[keep:]
+            self.tables.truncate(request.request_id, keep)
             self.pool.free(reversed(tail))
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first, so it is evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
+        self.tables.remove(request.request_id)
         self.pool.free(reversed(blocks))

@@ -43,6 +43,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.outputs import (
     CompletionOutput,
     FinishReason,
+    Prefix,
     RequestMetrics,
     RequestOutput,
     TokenLogprob,
@@ -495,14 +496,13 @@ class LLMEngine:
         sched = self.last_schedule = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        tables = {r.request_id: self.kv.block_ids(r.request_id) for r, _ in sched.scheduled}
         lora_slots, batch = None, sched.scheduled
         if self.lora is not None:  # each request's slot (-1: the base model)
             lora_slots = {r.request_id: self.lora.slot(r.lora) for r, _ in sched.scheduled}
             # Ordered by slot (stable), each adapter's tokens are one contiguous range,
             # which the LoRA layers use as views (kvserve.lora.layers).
             batch = sorted(batch, key=lambda item: lora_slots[item[0].request_id])
-        sampled_reqs, sampled = self.runner.execute(batch, tables, lora_slots)
+        sampled_reqs, sampled = self.runner.execute(batch, self.kv.tables, lora_slots)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
         now = self.clock()
@@ -519,12 +519,11 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             out = self._append_tokens(req, tokens, logprobs, now)
-            if req.is_finished:  # by a stop rule, or failed alone (its grammar)
-                pass
-            elif self.config.recompute_every_step:
+            # (A finished request, by a stop rule or failing alone, has no blocks left.)
+            if not req.is_finished and self.config.recompute_every_step:
                 self.kv.free(req)
                 req.num_computed_tokens = 0
-            elif num_drafts:
+            elif not req.is_finished and num_drafts:
                 self.kv.trim(req, req.num_tokens)
             outputs.append(out)
         if self.kv_events is not None:  # the step's cache changes, as one batch
@@ -602,10 +601,10 @@ class LLMEngine:
                 CompletionOutput(
                     index=0,
                     text=text,
-                    token_ids=list(req.output_token_ids),
+                    token_ids=Prefix(req.output_token_ids),
                     finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason,
-                    logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                    logprobs=Prefix(req.logprobs) if req.logprobs is not None else None,
                     delta_text=delta_text,
                     delta_token_ids=delta_ids,
                 )
@@ -629,7 +628,7 @@ class LLMEngine:
         if not self.kv.allocate_slots(probe, len(token_ids)):
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV pool")
         try:
-            return self.runner.prompt_logprobs(token_ids, self.kv.block_ids(probe.request_id))
+            return self.runner.prompt_logprobs(probe.request_id, token_ids, self.kv.tables)
         finally:
             self.kv.free(probe)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.config import blocks_for
+from kvserve.engine.block_table import BlockTable
 from kvserve.engine.request import Request
 from kvserve.model.attention import (
     FP8_DTYPES,
@@ -116,9 +117,9 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         req = Request("calibrate", tokens, _SCORE_PARAMS, RequestMetrics(arrival_time=0.0))
-        self._forward(
-            self.prepare([(req, n)], {"calibrate": list(range(blocks))}, {"calibrate": -1})
-        )
+        tables = BlockTable()
+        tables.extend("calibrate", range(blocks))
+        self._forward(self.prepare([(req, n)], tables, {"calibrate": -1}))
         limit = torch.finfo(self.kv_cache_dtype).max / KV_SCALE_HEADROOM
 
         def scale(cache: torch.Tensor) -> float:
@@ -133,14 +134,14 @@ class ModelRunner:
     def execute(
         self,
         batch: Sequence[tuple[Request, int]],
-        block_tables: Mapping[str, list[int]],
+        tables: BlockTable,
         lora_slots: Mapping[str, int] | None = None,
     ) -> tuple[list[Request], StepTokens]:
         """Run the batch; returns the requests that sampled, and their new tokens (one
         each, or with drafts to verify, the accepted drafts and one more).
 
         ``lora_slots``: each request's LoRA slot (-1: the base model), with LoRA on."""
-        inp = self.prepare(batch, block_tables, lora_slots)
+        inp = self.prepare(batch, tables, lora_slots)
         hidden = self._forward(inp)
         reqs = inp.sample_requests
         if not reqs:
@@ -155,10 +156,13 @@ class ModelRunner:
         return reqs, StepTokens.single(self.sampler(logits, reqs, mask))
 
     @torch.inference_mode()
-    def prompt_logprobs(self, token_ids: Sequence[int], block_ids: list[int]) -> torch.Tensor:
-        """Log-softmax at every position of ``token_ids`` (teacher forcing), float32 [T, V]."""
-        req = Request("score", list(token_ids), _SCORE_PARAMS, RequestMetrics(arrival_time=0.0))
-        inp = self.prepare([(req, len(token_ids))], {"score": block_ids}, {"score": -1})
+    def prompt_logprobs(
+        self, request_id: str, token_ids: Sequence[int], tables: BlockTable
+    ) -> torch.Tensor:
+        """Log-softmax at every position of ``token_ids`` (teacher forcing), float32 [T, V],
+        for the request whose blocks ``tables`` holds under ``request_id``."""
+        req = Request(request_id, list(token_ids), _SCORE_PARAMS, RequestMetrics(0.0))
+        inp = self.prepare([(req, len(token_ids))], tables, {request_id: -1})
         hidden = self._forward(inp)
         return torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
 
@@ -171,30 +175,32 @@ class ModelRunner:
     def prepare(
         self,
         batch: Sequence[tuple[Request, int]],
-        block_tables: Mapping[str, list[int]],
+        tables: BlockTable,
         lora_slots: Mapping[str, int] | None = None,
     ) -> ModelInput:
+        """The step's model input. Python work here is per scheduled request and token;
+        block tables and slots come from ``tables`` in a few tensor ops (block_table.py)."""
         bs = self.block_size
         # Decodes first, shortest context first (see _decode_groups), then prefill chunks.
         decodes = sorted(
             ((r, n) for r, n in batch if n == 1), key=lambda x: x[0].num_computed_tokens
         )
         prefills = [(r, n) for r, n in batch if n > 1]
+        ordered = decodes + prefills
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        token_rows: list[int] = []  # each token's request, as its index in ``ordered``
         sample_indices: list[int] = []
         sample_requests: list[Request] = []
         token_slots: list[int] | None = [] if lora_slots is not None else None
-        for req, n in decodes + prefills:
+        for i, (req, n) in enumerate(ordered):
             start = req.num_computed_tokens
-            table = block_tables[req.request_id]
             if req.spec_token_ids:  # its last token and the drafts to verify
                 tokens.extend((req.all_token_ids[start:] + req.spec_token_ids)[:n])
             else:
                 tokens.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            token_rows.extend([i] * n)
             if token_slots is not None and lora_slots is not None:
                 token_slots.extend([lora_slots[req.request_id]] * n)
             # Caught up: this step yields its next token(s), from the logits of its last
@@ -205,12 +211,15 @@ class ModelRunner:
                 )
                 sample_requests.append(req)
 
-        meta = AttentionMetadata(slot_mapping=self._long(slots), num_decodes=len(decodes))
+        rows = tables.rows([r.request_id for r, _ in ordered])
+        pos = torch.tensor(positions, dtype=torch.long)
+        slots = tables.slots(rows[torch.tensor(token_rows, dtype=torch.long)], pos, bs)
+        meta = AttentionMetadata(slot_mapping=self._device(slots), num_decodes=len(decodes))
         if decodes:
             ctx = [r.num_computed_tokens + 1 for r, _ in decodes]
-            tables = [block_tables[r.request_id] for r, _ in decodes]
+            ids = [r.request_id for r, _ in decodes]
             for lo, hi in _split_by_length(ctx, bs):
-                bt = self._block_table_tensor(tables[lo:hi], ctx[hi - 1])
+                bt = self._device(tables.gather(ids[lo:hi], blocks_for(ctx[hi - 1], bs)))
                 keys = torch.arange(bt.shape[1] * bs, device=self.device)
                 visible = keys[None, :] < self._long(ctx[lo:hi])[:, None]
                 meta.decode_groups.append(
@@ -223,8 +232,8 @@ class ModelRunner:
             meta.single_fresh_prefill = len(prefills) == 1 and first.num_computed_tokens == 0
             if not meta.single_fresh_prefill:
                 ends = [r.num_computed_tokens + n for r, n in prefills]
-                meta.prefill_block_tables = self._block_table_tensor(
-                    [block_tables[r.request_id] for r, _ in prefills], max(ends)
+                meta.prefill_block_tables = self._device(
+                    tables.gather([r.request_id for r, _ in prefills], blocks_for(max(ends), bs))
                 )
                 dest: list[int] = []
                 qpos = torch.zeros(len(prefills), qmax, dtype=torch.long)
@@ -238,7 +247,7 @@ class ModelRunner:
                 meta.prefill_mask = self._additive(visible)[:, None]
         return ModelInput(
             input_ids=self._long(tokens),
-            positions=self._long(positions),
+            positions=self._device(pos),
             meta=meta,
             sample_indices=self._long(sample_indices),
             sample_requests=sample_requests,
@@ -249,13 +258,11 @@ class ModelRunner:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~visible, float("-inf"))
 
-    def _block_table_tensor(self, tables: list[list[int]], max_tokens: int) -> torch.Tensor:
-        width = blocks_for(max_tokens, self.block_size)
-        rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
-        return self._long(rows)
+    def _long(self, data: Sequence[int]) -> torch.Tensor:
+        return self._device(torch.tensor(data, dtype=torch.long))
 
-    def _long(self, data: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
+    def _device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
 
 
 def _split_by_length(sorted_lens: list[int], block_size: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ This module loads neither torch nor the engine: the gateway imports it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -303,7 +303,9 @@ def decode_max_tokens_cap(request: pb.GenerateRequest) -> int | None:
 
 
 # ---- outputs -------------------------------------------------------------------------
-def _logprobs_to_proto(entries: list[TokenLogprob], token_text: TokenText) -> list[pb.TokenLogprob]:
+def _logprobs_to_proto(
+    entries: Sequence[TokenLogprob], token_text: TokenText
+) -> list[pb.TokenLogprob]:
     return [
         pb.TokenLogprob(
             token_id=e.token_id,

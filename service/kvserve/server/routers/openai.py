@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -211,7 +211,7 @@ async def _make_request(
         raise OpenAIError(400, str(exc), param=exc.param) from exc
 
 
-def _delta_logprobs(c: CompletionOutput) -> list[TokenLogprob] | None:
+def _delta_logprobs(c: CompletionOutput) -> Sequence[TokenLogprob] | None:
     """This step's logprob entries (the last ones of the cumulative list)."""
     if c.logprobs is None:
         return None
