@@ -50,6 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="where a replica's metrics are read: {pod_ip}, {pod_name}, {namespace} "
         f"(default {DEFAULTS.metrics_url_template})",
     )
+    p.add_argument(
+        "--gateway-selector",
+        help="label selector of the gateway pods whose held requests scale a model from "
+        "zero (env KVSERVE_GATEWAY_SELECTOR; unset: models are never scaled to zero)",
+    )
+    p.add_argument(
+        "--gateway-namespace", help="namespace of those pods (env KVSERVE_GATEWAY_NAMESPACE)"
+    )
+    p.add_argument(
+        "--gateway-metrics-url-template",
+        help="where a gateway pod's metrics are read: {pod_ip}, {pod_name}, {namespace} "
+        f"(default {DEFAULTS.gateway_metrics_url_template})",
+    )
     p.add_argument("--metrics-port", type=int, default=8081, help="the operator's /metrics")
     p.add_argument("--health-port", type=int, default=8080, help="liveness probe /healthz")
     p.add_argument(
@@ -69,6 +82,9 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Operat
         reconcile_interval_s=args.reconcile_interval,
         autoscale_interval_s=args.autoscale_interval,
         metrics_url_template=args.metrics_url_template,
+        gateway_selector=args.gateway_selector,
+        gateway_namespace=args.gateway_namespace,
+        gateway_metrics_url_template=args.gateway_metrics_url_template,
         metrics_port=args.metrics_port,
         metrics_host=args.bind,
     )

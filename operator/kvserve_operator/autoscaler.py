@@ -10,6 +10,16 @@ The rule is the HorizontalPodAutoscaler's, applied to an engine metric:
 
 A window counts only once it has been observed in full: after an operator restart the
 history is empty, so it waits a whole window again instead of acting on one sample.
+
+With ``minReplicas: 0`` (scale from zero) the rule above never goes below 1; zero is
+reached and left on the model's ``Activity`` instead, which includes the gateways'
+``kvserve_gateway_held_requests`` (requests held because the model has no replica):
+
+- at 0 replicas, any held request scales to 1 at once (the requests are waiting: a
+  stabilisation window would only add to the cold start);
+- at 1 or more, ``scaleToZeroAfterSeconds`` without any request (none held, none in the
+  replicas, the gateways' answered-request counter unchanged) scales to 0;
+- without gateway metrics (``None``) it never scales to zero: a request could be waiting.
 ``Autoscaler`` is pure (time is passed in) so the rule is unit-tested with a fake clock.
 """
 
@@ -45,6 +55,7 @@ class Bounds:
     target: float
     up_window_s: float
     down_window_s: float
+    idle_s: float = 300.0  # scaleToZeroAfterSeconds (with min_replicas 0)
 
     @classmethod
     def from_spec(cls, autoscaling: AutoscalingSpec) -> Bounds:
@@ -58,10 +69,24 @@ class Bounds:
             target=autoscaling.target,
             up_window_s=autoscaling.scale_up_stabilization_seconds,
             down_window_s=autoscaling.scale_down_delay_seconds,
+            idle_s=autoscaling.scale_to_zero_after_seconds,
         )
 
     def clamp(self, replicas: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, replicas))
+
+    def clamp_running(self, replicas: int) -> int:
+        """Within the bounds and at least 1: only ``Activity`` scales to zero."""
+        return max(1, self.clamp(replicas))
+
+
+@dataclass(frozen=True)
+class Activity:
+    """Requests for one model, beyond its replicas' queue metric (scale from zero)."""
+
+    held: float  # held by the gateways because the model has no replica
+    answered: float  # the gateways' counter of the model's answered requests
+    in_replicas: float  # waiting + running in its ready replicas
 
 
 @dataclass(frozen=True)
@@ -81,10 +106,24 @@ class Autoscaler:
 
     history: deque[tuple[float, int]] = field(default_factory=deque)
     observed_since: float | None = None
+    # Scale from zero: when a request was last seen, and the gateways' counter then.
+    last_request: float | None = None
+    answered: float | None = None
 
     def decide(
-        self, now: float, current: int, metric_total: float | None, bounds: Bounds
+        self,
+        now: float,
+        current: int,
+        metric_total: float | None,
+        bounds: Bounds,
+        activity: Activity | None = None,
     ) -> Decision:
+        if bounds.min_replicas == 0 and current == bounds.clamp(current):
+            zero = self._zero(now, current, metric_total, bounds, activity)
+            if zero is not None:
+                self.history.clear()
+                self.observed_since = None
+                return zero
         if current != bounds.clamp(current):
             self.history.clear()
             self.observed_since = None
@@ -97,7 +136,7 @@ class Autoscaler:
             return Decision(current, None, None, "no metrics from ready replicas")
         if self.observed_since is None:
             self.observed_since = now
-        recommendation = bounds.clamp(math.ceil(metric_total / bounds.target))
+        recommendation = bounds.clamp_running(math.ceil(metric_total / bounds.target))
         self.history.append((now, recommendation))
         horizon = now - max(bounds.up_window_s, bounds.down_window_s)
         while self.history and self.history[0][0] < horizon:
@@ -121,6 +160,35 @@ class Autoscaler:
             return Decision(target, metric_total, recommendation, _why(metric_total, bounds))
         return Decision(current, metric_total, recommendation, "at target")
 
+    def _zero(
+        self,
+        now: float,
+        current: int,
+        metric_total: float | None,
+        bounds: Bounds,
+        activity: Activity | None,
+    ) -> Decision | None:
+        """The decision to leave or go to zero replicas; None: the rule above decides."""
+        if activity is None:
+            # No gateway answered: requests may be held unseen, so never drop to zero.
+            return (
+                Decision(current, metric_total, None, "no gateway metrics") if not current else None
+            )
+        counted = self.answered is not None and activity.answered != self.answered
+        self.answered = activity.answered
+        if activity.held > 0 or activity.in_replicas > 0 or counted or self.last_request is None:
+            # (None: first look since a restart; the idle time counts from now.)
+            self.last_request = now
+        if current == 0:
+            if activity.held > 0:
+                why = f"{activity.held:g} requests held at the gateway: scaling from zero"
+                return Decision(1, metric_total, 1, why)
+            return Decision(0, metric_total, 0, "scaled to zero: no requests")
+        idle = now - self.last_request
+        if idle >= bounds.idle_s:
+            return Decision(0, metric_total, 0, f"no requests for {idle:g} s: scaling to zero")
+        return None
+
 
 def _why(metric_total: float, bounds: Bounds) -> str:
     return f"{bounds.metric} total {metric_total:g} for target {bounds.target:g} per replica"
@@ -136,9 +204,25 @@ def metric_from_text(text: str, names: Iterable[str]) -> float:
     return total
 
 
-def scrape(url: str, names: Iterable[str], timeout: float = 2.0) -> float:
+def samples_from_text(
+    text: str, names: Iterable[str], labels: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """Per sample name, the sum of its samples whose labels include ``labels`` (a
+    counter by its ``_total`` sample name)."""
+    wanted = set(names)
+    out = dict.fromkeys(wanted, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted and (labels or {}).items() <= sample.labels.items():
+                out[sample.name] += sample.value
+    return out
+
+
+def scrape_samples(
+    url: str, names: Iterable[str], labels: Mapping[str, str] | None = None, timeout: float = 2.0
+) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=timeout) as response:
-        return metric_from_text(response.read().decode(), names)
+        return samples_from_text(response.read().decode(), names, labels)
 
 
 def pod_metrics_url(template: str, pod: Mapping[str, Any]) -> str | None:

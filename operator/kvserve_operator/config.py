@@ -24,6 +24,12 @@ class OperatorConfig:
     autoscale_interval_s: float = 15.0
     # Where the autoscaler reads a replica's metrics; tests point it at a local feed.
     metrics_url_template: str = "http://{pod_ip}:8000/metrics"
+    # The gateway pods whose kvserve_gateway_held_requests scale a model from zero:
+    # a label selector in one namespace (None: no gateway is read, so no model is ever
+    # scaled to zero), and where a pod's /metrics is ({pod_ip}, {pod_name}, {namespace}).
+    gateway_selector: str | None = None
+    gateway_namespace: str | None = None
+    gateway_metrics_url_template: str = "http://{pod_ip}:8080/metrics"
     # The operator's own /metrics endpoint; None serves none.
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
@@ -51,6 +57,9 @@ def config_from_env(env: Mapping[str, str]) -> OperatorConfig:
         reconcile_interval_s=number("KVSERVE_RECONCILE_INTERVAL"),
         autoscale_interval_s=number("KVSERVE_AUTOSCALE_INTERVAL"),
         metrics_url_template=env.get("KVSERVE_METRICS_URL_TEMPLATE"),
+        gateway_selector=env.get("KVSERVE_GATEWAY_SELECTOR"),
+        gateway_namespace=env.get("KVSERVE_GATEWAY_NAMESPACE"),
+        gateway_metrics_url_template=env.get("KVSERVE_GATEWAY_METRICS_URL_TEMPLATE"),
         metrics_port=int(port) if port else None,
         metrics_host=env.get("KVSERVE_OPERATOR_METRICS_HOST"),
     )

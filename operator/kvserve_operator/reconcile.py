@@ -25,11 +25,14 @@ from kvserve_operator import metrics
 from kvserve_operator.adapters import replicas_adapters
 from kvserve_operator.autoscaler import (
     METRICS,
+    RUNNING,
+    WAITING,
+    Activity,
     Autoscaler,
     Bounds,
     Decision,
     pod_metrics_url,
-    scrape,
+    scrape_samples,
 )
 from kvserve_operator.capacity import capacity_status
 from kvserve_operator.config import OperatorConfig
@@ -47,11 +50,11 @@ from kvserve_operator.render import (
     render_children,
     render_inference_pool,
     selector_string,
+    served_name,
 )
 from kvserve_operator.spec import (
     AutoscalingSpec,
     InferenceModelSpec,
-    Metric,
     SpecError,
     parse_spec,
 )
@@ -349,9 +352,14 @@ class Reconciler:
         current = previous.get("desiredReplicas")
         if not isinstance(current, int):
             current = bounds.clamp(int(status.get("replicas") or bounds.min_replicas))
-        metric = self._metric(namespace, name, bounds.metric, logger)
+        replicas = self._replica_gauges(namespace, name, logger)
+        metric = sum(replicas[g] for g in METRICS[bounds.metric]) if replicas is not None else None
+        activity = None
+        if bounds.min_replicas == 0:
+            served = served_name(name, parse_spec(im.get("spec") or {}))
+            activity = self._activity(served, replicas, logger)
         scaler = self._autoscalers.setdefault(key, Autoscaler())
-        decision = scaler.decide(self.monotonic(), current, metric, bounds)
+        decision = scaler.decide(self.monotonic(), current, metric, bounds, activity)
         record: dict[str, Any] = {
             "desiredReplicas": decision.replicas,
             "currentMetric": decision.metric,
@@ -377,24 +385,55 @@ class Reconciler:
             self.reconcile(namespace, name, "autoscale", logger)
         return decision if decision.changed(current) else None
 
-    def _metric(
-        self,
-        namespace: str,
-        name: str,
-        metric: Metric,
-        logger: Log,
-    ) -> float | None:
+    def _replica_gauges(self, namespace: str, name: str, logger: Log) -> dict[str, float] | None:
+        """The engine queue gauges summed over the ready replicas; None when none answered."""
         pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
-        urls = [
-            u for u in (pod_metrics_url(self.config.metrics_url_template, p) for p in pods) if u
-        ]
-        values: list[float] = []
-        for url in urls:
+        pages = self._scrape(pods, self.config.metrics_url_template, (WAITING, RUNNING), logger)
+        if not pages:
+            return None
+        return {g: sum(page[g] for page in pages) for g in (WAITING, RUNNING)}
+
+    def _activity(
+        self, served: str, replicas: Mapping[str, float] | None, logger: Log
+    ) -> Activity | None:
+        """What the gateways (and the replicas) say of the model's requests; None when no
+        gateway is configured or none answered."""
+        selector, namespace = self.config.gateway_selector, self.config.gateway_namespace
+        if not selector or not namespace:
+            return None
+        pods = self.kube.list("v1", "Pod", namespace, selector)
+        names = (HELD, ANSWERED)
+        url = self.config.gateway_metrics_url_template
+        pages = self._scrape(pods, url, names, logger, {"model": served})
+        if not pages:
+            return None
+        return Activity(
+            held=sum(page[HELD] for page in pages),
+            answered=sum(page[ANSWERED] for page in pages),
+            in_replicas=sum(replicas.values()) if replicas is not None else 0.0,
+        )
+
+    @staticmethod
+    def _scrape(
+        pods: list[dict[str, Any]],
+        template: str,
+        names: tuple[str, ...],
+        logger: Log,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[dict[str, float]]:
+        """The named samples from each ready pod's metrics page that answered."""
+        pages = []
+        for url in (u for u in (pod_metrics_url(template, p) for p in pods) if u):
             try:
-                values.append(scrape(url, METRICS[metric]))
+                pages.append(scrape_samples(url, names, labels))
             except (OSError, ValueError) as exc:
                 logger.warning("no metrics from %s: %s", url, exc)
-        return sum(values) if values else None
+        return pages
+
+
+# The gateway's samples that scale a model from zero (kvserve.gateway.metrics).
+HELD = "kvserve_gateway_held_requests"
+ANSWERED = "kvserve_gateway_requests_total"
 
 
 def _enabled_autoscaling(im: Mapping[str, Any] | None) -> AutoscalingSpec | None:

@@ -129,6 +129,8 @@ class AutoscalingSpec:
     target: float = 4.0
     scale_up_stabilization_seconds: int = 30
     scale_down_delay_seconds: int = 300
+    # With min_replicas 0: replicas go to 0 after this long without a request.
+    scale_to_zero_after_seconds: int = 300
 
 
 @dataclass(frozen=True)
@@ -364,6 +366,7 @@ def _parse_autoscaling(r: _Reader) -> AutoscalingSpec:
         "target",
         "scaleUpStabilizationSeconds",
         "scaleDownDelaySeconds",
+        "scaleToZeroAfterSeconds",
     )
     kw: dict[str, Any] = {}
     _put(kw, "enabled", r.get_bool("enabled"))
@@ -380,6 +383,11 @@ def _parse_autoscaling(r: _Reader) -> AutoscalingSpec:
         kw,
         "scale_down_delay_seconds",
         r.get_int("scaleDownDelaySeconds", minimum=0, maximum=INT32_MAX),
+    )
+    _put(
+        kw,
+        "scale_to_zero_after_seconds",
+        r.get_int("scaleToZeroAfterSeconds", minimum=1, maximum=INT32_MAX),
     )
     a = AutoscalingSpec(**kw)
     if a.enabled and a.max_replicas is None:

@@ -320,10 +320,19 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]]) -> None:
         test_peer.items() <= p.get("podSelector", {}).get("matchLabels", {}).items()
         for p in ingress["from"]
     ), "the helm test job must be allowed in"
-    # Prometheus (metricsFrom) to the metrics port; the API's peers only to the API.
+    # Prometheus (metricsFrom) and the operator (held requests: scale from zero) to the
+    # metrics port; the API's peers only to the API.
     assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
     monitoring = {"kubernetes.io/metadata.name": "monitoring"}
-    assert [p["namespaceSelector"]["matchLabels"] for p in metrics["from"]] == [monitoring]
+    operator_peer = {
+        "app.kubernetes.io/component": "operator",
+        "app.kubernetes.io/instance": RELEASE,
+    }
+    assert [p.get("namespaceSelector", {}).get("matchLabels") for p in metrics["from"]] == [
+        monitoring,
+        None,
+    ]
+    assert operator_peer.items() <= metrics["from"][1]["podSelector"]["matchLabels"].items()
     egress_ports = [p["port"] for rule in gateway["egress"] for p in rule["ports"]]
     assert egress_ports == [53, 53, 443, 6443, "grpc"]
     cidrs = [
@@ -332,7 +341,11 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert cidrs == ["10.0.0.1/32", "172.18.0.2/32"]
     operator = find(objects, "NetworkPolicy", OPERATOR)["spec"]
     assert [r["ports"][0]["port"] for r in operator["ingress"]] == ["metrics", "health"]
-    assert operator["egress"][-1]["ports"] == [{"port": "http", "protocol": "TCP"}]
+    # The engines' HTTP port (queue metrics), the gateway's metrics port (held requests).
+    assert [r["ports"] for r in operator["egress"][-2:]] == [
+        [{"port": "http", "protocol": "TCP"}],
+        [{"port": "metrics", "protocol": "TCP"}],
+    ]
 
 
 # ------------------------------------------------------------------------- the operator
@@ -366,6 +379,33 @@ def test_operator_command_is_the_operators_cli(
     values_doc = yaml.safe_load((CHART / "ci" / values).read_text()) or {}
     namespaces = (values_doc.get("operator") or {}).get("watchNamespaces", [])
     assert args.namespace == namespaces
+    # Scale from zero: the gateway pods it reads held requests from, and where.
+    gateways = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == GATEWAY
+    ]
+    if not gateways:
+        assert args.gateway_selector is None
+        return
+    template = gateways[0]["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    wanted = dict(pair.split("=") for pair in args.gateway_selector.split(","))
+    assert wanted.items() <= labels.items() and "app.kubernetes.io/component" in wanted
+    assert args.gateway_namespace == NAMESPACE
+    port = template["metadata"]["annotations"]["prometheus.io/port"]
+    assert args.gateway_metrics_url_template == f"http://{{pod_ip}}:{port}/metrics"
+    # Its RBAC lets it list pods there: a Role when the watched namespaces leave it out.
+    role = [
+        o
+        for o in objects
+        if o["kind"] == "Role" and o["metadata"]["name"].endswith("-gateway-pods")
+    ]
+    if namespaces and NAMESPACE not in namespaces:
+        assert role and role[0]["metadata"]["namespace"] == NAMESPACE
+        assert role[0]["rules"] == [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}
+        ]
+    else:
+        assert not role
 
 
 def test_default_images_match_the_operator_and_the_project(
@@ -437,7 +477,7 @@ def test_namespaced_mode_binds_roles_per_namespace(
     for r in cluster_rules:
         assert set(r["verbs"]) <= {"get", "list", "watch"}
     # The gateway: a Role per namespace, no cluster-wide read.
-    roles = [o for o in objects if o["kind"] == "Role"]
+    roles = [o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == GATEWAY]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert not [
         o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == GATEWAY
@@ -465,7 +505,11 @@ def test_gateway_rbac_is_exactly_discovery(rendered: dict[str, list[dict[str, An
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}
     ]
-    for role in (o for o in rendered["namespaced-values.yaml"] if o["kind"] == "Role"):
+    for role in (
+        o
+        for o in rendered["namespaced-values.yaml"]
+        if o["kind"] == "Role" and o["metadata"]["name"] == GATEWAY
+    ):
         assert role["rules"] == DISCOVERY_RULES
     pod = find(objects, "Deployment", GATEWAY)["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == GATEWAY and pod["automountServiceAccountToken"] is True

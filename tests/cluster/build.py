@@ -33,6 +33,9 @@ HELM_VERSION = "v3.21.4"
 # tests/cluster/test_endpoint_picker.py; its InferencePool CRD is vendored in crds/.
 GIE_MODULE = "sigs.k8s.io/gateway-api-inference-extension"
 GIE_VERSION = "v1.3.0"
+# Prometheus 2.54.1 (its Go module is tagged v0.54.1), for the test that scrapes pods
+# through Kubernetes service discovery: Debian's prometheus package is built without it.
+PROMETHEUS_VERSION = "v0.54.1"
 
 # The "fast" stages: nodes Ready at once, pods Ready without simulated start-up delays.
 KWOK_STAGES = (
@@ -63,6 +66,7 @@ class Binaries:
     kwok_stages: Path  # directory of kwok Stage YAML files
     helm: Path
     epp: Path  # GIE's endpoint picker
+    prometheus: Path  # with Kubernetes service discovery (not on the plane's PATH)
 
     @property
     def bin_dirs(self) -> list[Path]:
@@ -83,6 +87,7 @@ def binaries() -> Binaries:
         kwok_stages=kwok / "stages",
         helm=root / f"helm-{HELM_VERSION}" / "bin" / "helm",
         epp=root / f"gie-epp-{GIE_VERSION}" / "bin" / "epp",
+        prometheus=root / f"prometheus-{PROMETHEUS_VERSION}" / "bin" / "prometheus",
     )
 
 
@@ -242,6 +247,25 @@ def _build_epp(out: Path, workdir: Path) -> None:
     _go_build(package, out / "epp", workdir, "build epp (cold: a few minutes on 2 cores)", ldflags)
 
 
+def _build_prometheus(out: Path, workdir: Path) -> None:
+    """Prometheus's cmd/prometheus through a wrapper module: `go install …@version`
+    refuses a module whose go.mod has `replace` directives, so the wrapper copies
+    Prometheus's two (its klog shims), which its main package needs to build."""
+    (workdir / "go.mod").write_text(
+        "module kvserve.dev/clusterbuild/prometheus\n\ngo 1.26.0\n\n"
+        "replace (\n"
+        "\tk8s.io/klog => github.com/simonpasquier/klog-gokit v0.3.0\n"
+        "\tk8s.io/klog/v2 => github.com/simonpasquier/klog-gokit/v3 v3.3.0\n"
+        ")\n"
+    )
+    package = "github.com/prometheus/prometheus/cmd/prometheus"
+    _run(["go", "get", f"{package}@{PROMETHEUS_VERSION}"], workdir, "resolve Prometheus")
+    version = "2." + PROMETHEUS_VERSION.removeprefix("v0.")
+    ldflags = f"-X github.com/prometheus/common/version.Version={version}"
+    what = "build prometheus (cold: several minutes on 2 cores)"
+    _go_build(package, out / "prometheus", workdir, what, ldflags)
+
+
 def _copy_kwok_stages(dest: Path, workdir: Path) -> None:
     out = _run(
         ["go", "mod", "download", "-json", f"sigs.k8s.io/kwok@{KWOK_VERSION}"],
@@ -291,6 +315,9 @@ def ensure_built() -> Binaries:
     if not bins.epp.parent.is_dir():
         _log(f"building GIE's endpoint picker {GIE_VERSION}")
         _build_into(bins.epp.parent, work, _build_epp)
+    if not bins.prometheus.parent.is_dir():
+        _log(f"building Prometheus {PROMETHEUS_VERSION} (with Kubernetes service discovery)")
+        _build_into(bins.prometheus.parent, work, _build_prometheus)
     if time.monotonic() - started > 1:
         _log(f"all binaries ready in {time.monotonic() - started:.0f} s under {root}")
     return bins

@@ -37,8 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.demo_model import DEMO_MODEL_NAME
 from tests.cluster.controlplane import Cluster
-from tests.cluster.pod_runner import PodRunner, scheduling
-from tests.support.demo_source import demo_model_source
+from tests.cluster.pod_runner import PodRunner
 from tests.support.endpoint_picker import EndpointPicker, Pick
 from tests.support.operator_process import (
     OPERATOR_NS,
@@ -46,6 +45,8 @@ from tests.support.operator_process import (
     OperatorProcess,
     install_operator_rbac,
 )
+from tests.support.product import QUESTION, START_TIMEOUT, is_ready, model_pods, show
+from tests.support.product import inference_model as inference_model_of
 from tests.support.waiting import poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -57,9 +58,6 @@ POOL_ROLE_BINDING = "kvserve-operator-inference-pool"  # tests/operator expects 
 NS = "gie-picker"
 MODEL = "travel-pool"  # the InferenceModel, its Deployment and its InferencePool
 PICKER_SERVICE = f"{MODEL}-epp"
-QUESTION = "Hotels in Kyoto under $200 with an onsen?"
-# Two engines importing torch and loading the model at once on a busy 2-core machine.
-START_TIMEOUT = 240.0
 # The backlog on one replica: with maxNumSeqs 1, one stream runs and the others wait;
 # each asks for as many tokens as the demo model's 512-token context leaves room for.
 BACKLOG_STREAMS = 8
@@ -68,26 +66,18 @@ PICKS = 6
 
 
 def inference_model() -> dict[str, Any]:
-    sched = scheduling()
-    return {
-        "apiVersion": "kvserve.dev/v1alpha1",
-        "kind": "InferenceModel",
-        "metadata": {"name": MODEL, "namespace": NS},
-        "spec": {
-            "model": {"source": demo_model_source(), "servedName": DEMO_MODEL_NAME},
-            "replicas": 2,
-            "resources": {
-                "gpus": 0,
-                "cpu": "1",
-                "memory": "2Gi",
-                "nodeSelector": sched["nodeSelector"],
-                "tolerations": sched["tolerations"],
-            },
-            # One sequence at a time, so that a few streams make a waiting queue.
-            "engine": {"maxNumSeqs": 1, "drainTimeoutSeconds": 5},
-            "inferencePool": {"enabled": True, "endpointPickerRef": {"name": PICKER_SERVICE}},
-        },
+    manifest = inference_model_of(
+        NS,
+        MODEL,
+        2,
+        # One sequence at a time, so that a few streams make a waiting queue.
+        engine={"maxNumSeqs": 1, "drainTimeoutSeconds": 5},
+    )
+    manifest["spec"]["inferencePool"] = {
+        "enabled": True,
+        "endpointPickerRef": {"name": PICKER_SERVICE},
     }
+    return manifest
 
 
 def picker_service() -> dict[str, Any]:
@@ -121,17 +111,10 @@ class Pool:
 
     def ready_pods(self) -> dict[str, str]:
         """The model's Ready pods (by the runner, from their readinessProbe): name → IP."""
-        out = self.cluster.kubectl(
-            "get", "pods", "-n", NS, "-l", f"app.kubernetes.io/instance={MODEL}", "-o", "json"
-        ).stdout
         return {
             p["metadata"]["name"]: p["status"]["podIP"]
-            for p in json.loads(out)["items"]
-            if p["metadata"].get("deletionTimestamp") is None
-            and any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in p.get("status", {}).get("conditions", [])
-            )
+            for p in model_pods(self.cluster, NS, MODEL)
+            if is_ready(p)
         }
 
     def state(self) -> str:
@@ -232,11 +215,7 @@ def pool(
         p.timings["teardown"] = time.monotonic() - stopping
         # Shown whatever pytest captures: what each phase took on this machine (CI cost).
         timings = ", ".join(f"{k} {v:.1f} s" for k, v in p.timings.items())
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        capture = request.config.pluginmanager.get_plugin("capturemanager")
-        if reporter is not None and capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(f"\nGIE endpoint picker: {timings}")
+        show(request, f"\nGIE endpoint picker: {timings}")
 
 
 def picks(pool: Pool, n: int = PICKS) -> list[Pick]:

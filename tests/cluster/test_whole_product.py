@@ -11,161 +11,40 @@ its ServiceAccount's token, as in tests/chart; its own pod stays a kwok fake.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
-import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.demo_model import DEMO_MODEL_NAME, corpus
-from tests.chart import helm, prepared_chart
 from tests.cluster.controlplane import Cluster
-from tests.cluster.pod_runner import PodRunner, scheduling
-from tests.support.demo_source import demo_model_source
-from tests.support.operator_process import OperatorProcess
+from tests.cluster.pod_runner import PodRunner
+from tests.support.product import (
+    KEY,
+    QUESTION,
+    START_TIMEOUT,
+    Product,
+    Stream,
+    install,
+    metrics,
+    show,
+    total,
+)
 from tests.support.waiting import poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 NS = "kvserve-e2e"
 RELEASE = "wp"
-FULLNAME = "wp-kvserve"
-GATEWAY = f"{FULLNAME}-gateway"
-OPERATOR = f"{FULLNAME}-operator"
 MODEL = "travel"  # the InferenceModel (and its Deployment and Service)
-KEY = "sk-whole-product-test-key-do-not-use"
-QUESTION = "Hotels in Kyoto under $200 with an onsen?"
 REQUEST = corpus.HotelRequest("Kyoto", "hotel", 200, ("onsen",))
-# Two engines importing torch and loading the model at once on a busy 2-core machine.
-START_TIMEOUT = 240.0
+# Long enough to be in flight when its pod dies: decoding on this busy CPU takes
+# 0.05-0.2 s a token.
 STREAM_TOKENS = 150
-
-
-def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """A /metrics page as {(sample name, sorted labels): value}."""
-    text = httpx.get(url, timeout=10).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def total(
-    page: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
-) -> float:
-    return sum(v for (n, ls), v in page.items() if n == name and labels.items() <= dict(ls).items())
-
-
-@dataclass
-class Product:
-    cluster: Cluster
-    runner: PodRunner
-    workdir: Path
-    env: dict[str, str]
-    operator: OperatorProcess | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def get(self, kind: str, name: str) -> dict[str, Any] | None:
-        proc = self.cluster.kubectl("get", kind, name, "-n", NS, "-o", "json", check=False)
-        if proc.returncode != 0:
-            assert "NotFound" in proc.stderr, proc.stderr
-            return None
-        return json.loads(proc.stdout)  # type: ignore[no-any-return]
-
-    def pods(self, selector: str) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("get", "pods", "-n", NS, "-l", selector, "-o", "json").stdout
-        return json.loads(out)["items"]  # type: ignore[no-any-return]
-
-    def ready_engines(self) -> list[dict[str, Any]]:
-        """The model's pods that are Ready (by the runner, from their readinessProbe)."""
-        return [
-            p
-            for p in self.pods(f"app.kubernetes.io/instance={MODEL}")
-            if p["metadata"].get("deletionTimestamp") is None
-            and any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in p.get("status", {}).get("conditions", [])
-            )
-        ]
-
-    def gateway_url(self) -> str:
-        """The gateway Service's ready endpoint, from its EndpointSlice (Services route
-        nowhere here, but the endpoint is the gateway pod's own loopback IP)."""
-
-        def endpoint() -> str | None:
-            out = self.cluster.kubectl(
-                "get", "endpointslices", "-n", NS, "-l",
-                f"kubernetes.io/service-name={GATEWAY}", "-o", "json",
-            ).stdout  # fmt: skip
-            for eps in json.loads(out)["items"]:
-                port = next(p["port"] for p in eps.get("ports") or [] if p["name"] == "http")
-                for ep in eps.get("endpoints") or []:
-                    if ep.get("conditions", {}).get("ready"):
-                        return f"http://{ep['addresses'][0]}:{port}"
-            return None
-
-        url = poll("a ready endpoint of the gateway Service", endpoint, timeout=START_TIMEOUT)
-        assert url is not None
-        return url
-
-    def engine_url(self, pod: dict[str, Any]) -> str:
-        return f"http://{pod['status']['podIP']}:8000"
-
-    def state(self) -> str:
-        """What a failure shows: the objects, the runner's log and the operator's."""
-        objects = self.cluster.kubectl(
-            "get", "im,deploy,rs,pods,endpointslices", "-n", NS, "-o", "wide", check=False
-        )
-        operator = self.operator.logs()[-4000:] if self.operator else ""
-        runner = "\n".join(self.runner.log[-80:])
-        return (
-            f"{objects.stdout}{objects.stderr}\n--- pod runner\n{runner}\n--- operator\n{operator}"
-        )
-
-
-def inference_model(replicas: int) -> dict[str, Any]:
-    sched = scheduling()
-    return {
-        "apiVersion": "kvserve.dev/v1alpha1",
-        "kind": "InferenceModel",
-        "metadata": {"name": MODEL, "namespace": NS},
-        "spec": {
-            "model": {"source": demo_model_source(), "servedName": DEMO_MODEL_NAME},
-            "replicas": replicas,
-            "resources": {
-                "gpus": 0,
-                "cpu": "1",
-                "memory": "2Gi",
-                "nodeSelector": sched["nodeSelector"],
-                "tolerations": sched["tolerations"],
-            },
-        },
-    }
-
-
-def chart_values() -> dict[str, Any]:
-    sched = scheduling()
-    return {
-        "gateway": {
-            "replicas": 1,
-            "nodeSelector": sched["nodeSelector"],
-            "tolerations": sched["tolerations"],
-            # Alternate strictly, so that concurrent streams land on both replicas.
-            "config": {"routing": {"policy": "round_robin"}},
-        },
-        "tests": {"enabled": False},
-    }
 
 
 @pytest.fixture(scope="module")
@@ -175,57 +54,14 @@ def product(
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Iterator[Product]:
-    started = time.monotonic()
     workdir = tmp_path_factory.mktemp("whole-product")
-    env = k8s_cluster.env()
-    for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
-        env[var] = str(workdir / var.lower())
-    p = Product(k8s_cluster, pod_runner, workdir, env)
-    k8s_cluster.kubectl("create", "namespace", NS)
-    # keys.source=existingSecret (the chart's default): the user creates the Secret.
-    keys = {
-        "keys": [
-            {"tenant": "e2e", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "models": ["*"]}
-        ]
-    }
-    (workdir / "keys.yaml").write_text(yaml.safe_dump(keys))
-    k8s_cluster.kubectl(
-        "create", "secret", "generic", f"{GATEWAY}-keys", "-n", NS,
-        f"--from-file=keys.yaml={workdir / 'keys.yaml'}",
-    )  # fmt: skip
-    (workdir / "values.yaml").write_text(yaml.safe_dump(chart_values()))
-    chart = prepared_chart(workdir)
-    helm(k8s_cluster.bins.helm, "install", RELEASE, str(chart), "-n", NS,
-         "-f", str(workdir / "values.yaml"), env=env)  # fmt: skip
-    deployment = p.get("deployment", OPERATOR)
-    assert deployment is not None
-    (c,) = deployment["spec"]["template"]["spec"]["containers"]
-    p.operator = OperatorProcess(
-        c["args"],
-        k8s_cluster.service_account_kubeconfig(NS, OPERATOR, workdir / "operator.kubeconfig"),
-        workdir / "operator.log",
-        k8s_cluster.env(),
-    )
-    try:
-        p.operator.start()
-        p.timings["install"] = time.monotonic() - started
-        yield p
-    finally:
-        p.operator.stop()
-        # The runner stops each pod as a kubelet would (preStop, SIGTERM) in the
-        # background; whatever is left when the session ends is killed by PID.
-        k8s_cluster.kubectl("delete", "inferencemodel", MODEL, "-n", NS, "--wait=false",
-                            check=False)  # fmt: skip
-        helm(k8s_cluster.bins.helm, "uninstall", RELEASE, "-n", NS, "--wait=false",
-             env=env, check=False)  # fmt: skip
-        k8s_cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
-        # Shown whatever pytest captures: what each phase took on this machine (CI cost).
-        timings = ", ".join(f"{k} {v:.1f} s" for k, v in p.timings.items())
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        capture = request.config.pluginmanager.get_plugin("capturemanager")
-        if reporter is not None and capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(f"\nwhole product on the pod runner: {timings}")
+    with install(k8s_cluster, pod_runner, workdir, NS, RELEASE, MODEL) as p:
+        try:
+            yield p
+        finally:
+            # Shown whatever pytest captures: what each phase took on this machine (CI cost).
+            timings = ", ".join(f"{k} {v:.1f} s" for k, v in p.timings.items())
+            show(request, f"\nwhole product on the pod runner: {timings}")
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +69,7 @@ def serving(product: Product) -> Product:
     """The InferenceModel applied and Ready with 2 replicas, and the gateway routing to
     both (its replica gauge, from EndpointSlices)."""
     started = time.monotonic()
-    product.cluster.kubectl("apply", "-f", "-", input=json.dumps(inference_model(2)))
+    product.apply_model(2)
 
     def ready() -> bool:
         im = product.get("inferencemodel", MODEL) or {}
@@ -244,24 +80,11 @@ def serving(product: Product) -> Product:
     try:
         poll("the InferenceModel Ready with 2 replicas", ready, timeout=START_TIMEOUT)
         product.timings["model ready"] = time.monotonic() - started
-        gateway = product.gateway_url()
-        poll(
-            "the gateway routing to 2 healthy replicas",
-            lambda: routable(gateway) == 2,
-            timeout=60,
-        )
+        poll("the gateway routing to 2 healthy replicas", lambda: product.routable() == 2, 60)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{product.state()}") from None
     product.timings["routable"] = time.monotonic() - started
     return product
-
-
-def routable(gateway: str) -> float:
-    try:
-        page = metrics(f"{gateway}/metrics")
-    except httpx.TransportError:
-        return 0
-    return total(page, "kvserve_gateway_replicas", model=DEMO_MODEL_NAME, state="healthy")
 
 
 def client(gateway: str) -> openai.OpenAI:
@@ -312,56 +135,6 @@ def test_happy_path_a_streamed_answer_through_the_gateway_pod(serving: Product) 
     ), {k: v for k, v in gw_after.items() if k[0] == requests}
 
 
-@dataclass
-class Stream:
-    """One streamed chat read to its end on a thread: its data lines, in order."""
-
-    gateway: str
-    lines: list[str] = field(default_factory=list)
-    first: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    def run(self) -> None:
-        body = {
-            "model": DEMO_MODEL_NAME,
-            "messages": [{"role": "user", "content": QUESTION}],
-            "stream": True,
-            # Long enough to be in flight when its pod dies: decoding on this busy CPU
-            # takes 0.05-0.2 s a token.
-            "max_tokens": STREAM_TOKENS,
-            "ignore_eos": True,
-        }
-        headers = {"authorization": f"Bearer {KEY}"}
-        try:
-            with httpx.stream(
-                "POST", f"{self.gateway}/v1/chat/completions", json=body, headers=headers,
-                timeout=120,
-            ) as resp:  # fmt: skip
-                assert resp.status_code == 200, resp.read()
-                for line in resp.iter_lines():
-                    if line.startswith("data: "):
-                        self.lines.append(line.removeprefix("data: "))
-                        self.first.set()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.first.set()
-
-    @property
-    def errored(self) -> bool:
-        """Whether it ended with an error event (then [DONE])."""
-        return len(self.lines) >= 2 and "error" in json.loads(self.lines[-2])
-
-    @property
-    def finish_reason(self) -> str | None:
-        for line in reversed(self.lines[:-1]):
-            chunk = json.loads(line)
-            for choice in chunk.get("choices") or []:
-                if choice.get("finish_reason"):
-                    return str(choice["finish_reason"])
-        return None
-
-
 def test_pod_loss_mid_stream_fails_only_its_streams_and_the_replacement_joins(
     serving: Product,
 ) -> None:
@@ -372,7 +145,7 @@ def test_pod_loss_mid_stream_fails_only_its_streams_and_the_replacement_joins(
     finished = "kvserve_requests_finished_total"
     finished_before = {ip: total(metrics(f"http://{ip}:8000/metrics"), finished) for ip in engines}
 
-    streams = [Stream(gateway) for _ in range(4)]
+    streams = [Stream(gateway, STREAM_TOKENS) for _ in range(4)]
     threads = [threading.Thread(target=s.run) for s in streams]
     for t in threads:
         t.start()
@@ -426,7 +199,7 @@ def test_pod_loss_mid_stream_fails_only_its_streams_and_the_replacement_joins(
     try:
         new = poll("a Ready replacement pod", replacement, timeout=START_TIMEOUT)
         assert new is not None
-        poll("the gateway routing to 2 healthy replicas", lambda: routable(gateway) == 2, 60)
+        poll("the gateway routing to 2 healthy replicas", lambda: serving.routable() == 2, 60)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{serving.state()}") from None
     serving.timings["replacement ready"] = time.monotonic() - started

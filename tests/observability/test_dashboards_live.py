@@ -17,7 +17,6 @@ import json
 import re
 import shutil
 import socket
-import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,60 +29,21 @@ import yaml
 
 from kvserve.observability import dashboards as dash
 from tests.support.gateway import KEY_A, KEY_LIMITED, Gateway, start_gateway
-from tests.support.net import free_port
+from tests.support.prometheus import RULES, Prometheus, interpolate
+from tests.support.prometheus import start_prometheus as start
 from tests.support.replicas import REPLICA_MODEL as MODEL
 from tests.support.replicas import Replica, start_replicas
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-RULES = ROOT / "dashboards" / "prometheus-rules.yaml"
 NAMESPACE = "test"
 PODS = ("replica-0", "replica-1")
 # Rate windows: long enough to hold all the traffic of the test (Prometheus starts first).
 WINDOW = "10m"
 
 
-@dataclass
-class Prometheus:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def api(self, path: str, **params: Any) -> Any:
-        r = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=30)
-        body = r.json()
-        if body.get("status") != "success":
-            raise AssertionError(f"Prometheus {path} {params}: {body}")
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        data = self.api("query", query=expr)
-        assert data["resultType"] in ("vector", "scalar"), data
-        return data["result"] if data["resultType"] == "vector" else [{"value": data["result"]}]
-
-    def value(self, expr: str) -> float | None:
-        result = self.query(expr)
-        return float(result[0]["value"][1]) if result else None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-
-
 def start_prometheus(tmp: Path, replicas: list[Replica], gateway: Gateway) -> Prometheus:
-    binary = shutil.which("prometheus")
-    assert binary is not None
-
     def host(url: str) -> str:
         return url.removeprefix("http://")
 
@@ -109,33 +69,8 @@ def start_prometheus(tmp: Path, replicas: list[Replica], gateway: Gateway) -> Pr
             },
         ],
     }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = tmp / "prometheus.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={tmp / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--log.level=warn",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    prom = Prometheus(proc, f"http://127.0.0.1:{port}", log)
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"prometheus exited with {proc.returncode}:\n{prom.log_tail()}")
-        try:
-            return httpx.get(f"{prom.url}/-/ready", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
+    prom = start(tmp, config)
     try:
-        wait_until(ready, timeout=60)
         wait_until(lambda: prom.value('count(up{namespace="test"} == 1)') == 3, timeout=60)
     except BaseException:
         prom.stop()
@@ -288,16 +223,6 @@ def substitutions(model: dict[str, Any]) -> dict[str, str]:
         if var["type"] == "custom":
             values[var["name"]] = var["current"]["value"]
     return values
-
-
-def interpolate(expr: str, values: dict[str, str]) -> str:
-    def sub(m: re.Match[str]) -> str:
-        name = m.group(1) or m.group(2)
-        if name not in values:
-            raise AssertionError(f"no test value for variable ${name} in {expr!r}")
-        return values[name]
-
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, expr)
 
 
 # (dashboard uid, row, panel title, refId) → [(labels, value)]

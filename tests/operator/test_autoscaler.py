@@ -7,10 +7,12 @@ import pytest
 from kvserve_operator import spec as spec_module
 from kvserve_operator.autoscaler import (
     METRICS,
+    Activity,
     Autoscaler,
     Bounds,
     metric_from_text,
     pod_metrics_url,
+    samples_from_text,
 )
 from kvserve_operator.spec import AutoscalingSpec, parse_spec
 
@@ -84,6 +86,7 @@ def test_bounds_are_the_parsed_spec_with_its_defaults() -> None:
         target=defaults.target,
         up_window_s=defaults.scale_up_stabilization_seconds,
         down_window_s=defaults.scale_down_delay_seconds,
+        idle_s=defaults.scale_to_zero_after_seconds,
     )
     with pytest.raises(ValueError, match="maxReplicas"):
         Bounds.from_spec(AutoscalingSpec(enabled=True))
@@ -117,3 +120,84 @@ def test_only_ready_pods_with_an_ip_are_scraped() -> None:
     unready = {**pod, "status": {"podIP": "10.0.0.5", "conditions": [{**ready, "status": "False"}]}}
     assert pod_metrics_url("x", unready) is None
     assert pod_metrics_url("x", {**pod, "status": {"conditions": [ready]}}) is None
+
+
+# ---- scale from zero (minReplicas 0): the gateways' held requests and the idle time --------
+ZERO = Bounds(
+    min_replicas=0,
+    max_replicas=3,
+    metric="queueDepth",
+    target=2,
+    up_window_s=10,
+    down_window_s=60,
+    idle_s=30,
+)
+
+
+def quiet(answered: float = 5) -> Activity:
+    return Activity(held=0, answered=answered, in_replicas=0)
+
+
+def test_a_held_request_scales_from_zero_at_once() -> None:
+    scaler = Autoscaler()
+    assert scaler.decide(0, 0, None, ZERO, quiet()).replicas == 0
+    decision = scaler.decide(2, 0, None, ZERO, Activity(held=2, answered=5, in_replicas=0))
+    # No stabilisation window: the requests are waiting for this replica.
+    assert decision.replicas == 1 and "held" in decision.reason, decision
+
+
+def test_without_gateway_metrics_it_stays_where_it_is() -> None:
+    scaler = Autoscaler()
+    assert scaler.decide(0, 0, None, ZERO, None).replicas == 0
+    # At 1 replica, never to zero blindly; the queue rule still never goes below 1.
+    assert [scaler.decide(t, 1, 0.0, ZERO, None).replicas for t in range(0, 200, 10)] == [1] * 20
+
+
+def test_scales_to_zero_after_the_idle_time_without_requests() -> None:
+    scaler = Autoscaler()
+    replicas = [scaler.decide(t, 1, 0.0, ZERO, quiet()).replicas for t in range(0, 40, 5)]
+    assert replicas == [1] * 6 + [0, 0]  # t=30: 30 s since the first look
+
+
+def test_any_request_restarts_the_idle_time() -> None:
+    scaler = Autoscaler()
+    busy = {
+        10: Activity(held=0, answered=5, in_replicas=1),  # one in a replica
+        25: quiet(answered=6),  # one answered since the last look
+    }
+    replicas = [
+        scaler.decide(t, 1, 0.0, ZERO, busy.get(t, quiet(answered=5 if t < 25 else 6))).replicas
+        for t in range(0, 60, 5)
+    ]
+    assert replicas == [1] * 11 + [0]  # idle from t=25: zero at t=55
+
+
+def test_at_one_replica_the_queue_rule_still_scales_up_and_not_below_one() -> None:
+    scaler = Autoscaler()
+    queue = Activity(held=0, answered=5, in_replicas=6)
+    replicas = [scaler.decide(t, 1, 6.0, ZERO, queue).replicas for t in range(0, 12, 2)]
+    assert replicas == [1] * 5 + [3]
+    # Queue gone, requests still answered: back down to 1 after the delay, not to 0.
+    scaler = Autoscaler()
+    down = [
+        scaler.decide(t, 3, 0.0, ZERO, Activity(held=0, answered=t, in_replicas=1)).replicas
+        for t in range(0, 70, 5)
+    ]
+    assert down[-1] == 1 and 0 not in down
+
+
+def test_samples_by_label_from_gateway_text() -> None:
+    text = (
+        "# TYPE kvserve_gateway_held_requests gauge\n"
+        'kvserve_gateway_held_requests{model="a"} 2.0\n'
+        'kvserve_gateway_held_requests{model="b"} 7.0\n'
+        "# TYPE kvserve_gateway_requests counter\n"
+        'kvserve_gateway_requests_total{model="a",status="200"} 3.0\n'
+        'kvserve_gateway_requests_total{model="a",status="503"} 1.0\n'
+    )
+    names = ("kvserve_gateway_held_requests", "kvserve_gateway_requests_total")
+    assert samples_from_text(text, names, {"model": "a"}) == {
+        "kvserve_gateway_held_requests": 2.0,
+        "kvserve_gateway_requests_total": 4.0,
+    }
+    assert samples_from_text(text, names, {"model": "z"}) == dict.fromkeys(names, 0.0)

@@ -102,8 +102,11 @@ def start_gateway(
     return serve_gateway(config, keys or keys_file())
 
 
-def serve_gateway(config: GatewayConfig, keys: KeysFile, watcher: Any = None) -> Gateway:
-    """The gateway app for ``config`` under uvicorn in a thread, once it is ready."""
+def serve_gateway(
+    config: GatewayConfig, keys: KeysFile, watcher: Any = None, ready_path: str = "/ready"
+) -> Gateway:
+    """The gateway app for ``config`` under uvicorn in a thread, once ``ready_path``
+    answers 200 (``/health`` for a gateway with no replica yet: ``/ready`` waits for one)."""
     clock = FakeClock()
     app = create_gateway_app(
         config, keys, clock=clock, watcher=watcher, salts=CacheSalts(TEST_SALT_SECRET)
@@ -114,7 +117,7 @@ def serve_gateway(config: GatewayConfig, keys: KeysFile, watcher: Any = None) ->
     thread.start()
     wait_until(lambda: server.started, timeout=30)
     gw = Gateway(f"http://127.0.0.1:{port}", app, server, clock, thread)
-    wait_until(lambda: httpx.get(f"{gw.url}/ready").status_code == 200, timeout=30)
+    wait_until(lambda: httpx.get(f"{gw.url}{ready_path}").status_code == 200, timeout=30)
     return gw
 
 

@@ -72,8 +72,29 @@ def by_replica(page: Page, name: str) -> dict[str, float]:
     return out
 
 
+def model_pods(cluster: Cluster, namespace: str, model: str) -> list[dict[str, Any]]:
+    """An InferenceModel's pods in the API, terminating ones included."""
+    out = cluster.kubectl(
+        "get", "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={model}",
+        "-o", "json",
+    ).stdout  # fmt: skip
+    return json.loads(out)["items"]  # type: ignore[no-any-return]
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    """Ready (by the runner, from its readinessProbe) and not being deleted."""
+    return pod["metadata"].get("deletionTimestamp") is None and any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in pod.get("status", {}).get("conditions", [])
+    )
+
+
 def inference_model(
-    namespace: str, name: str, replicas: int, engine: dict[str, Any] | None = None
+    namespace: str,
+    name: str,
+    replicas: int,
+    engine: dict[str, Any] | None = None,
+    autoscaling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The demo model's InferenceModel, its pods on the pod runner's node."""
     sched = scheduling()
@@ -90,6 +111,8 @@ def inference_model(
     }
     if engine:
         spec["engine"] = engine
+    if autoscaling:
+        spec["autoscaling"] = autoscaling
     return {
         "apiVersion": "kvserve.dev/v1alpha1",
         "kind": "InferenceModel",
@@ -98,9 +121,21 @@ def inference_model(
     }
 
 
-def chart_values(namespace: str) -> dict[str, Any]:
+def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` merged in, nested mappings key by key (as Helm merges
+    values files)."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def chart_values(namespace: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     sched = scheduling()
-    return {
+    values: dict[str, Any] = {
         # The operator and the gateway's discovery see only this namespace: models that
         # other modules of the session left behind (being deleted) are never reconciled
         # or routed to here, even under the same served name.
@@ -114,6 +149,7 @@ def chart_values(namespace: str) -> dict[str, Any]:
         },
         "tests": {"enabled": False},
     }
+    return merged(values, extra or {})
 
 
 @dataclass
@@ -145,24 +181,16 @@ class Product:
 
     def engine_pods(self) -> list[dict[str, Any]]:
         """The model's pods in the API, terminating ones included."""
-        out = self.cluster.kubectl(
-            "get", "pods", "-n", self.namespace, "-l", f"app.kubernetes.io/instance={self.model}",
-            "-o", "json",
-        ).stdout  # fmt: skip
-        return json.loads(out)["items"]  # type: ignore[no-any-return]
+        return model_pods(self.cluster, self.namespace, self.model)
 
     def ready_engines(self) -> list[dict[str, Any]]:
         """The model's pods that are Ready (by the runner, from their readinessProbe) and
         not being deleted."""
-        return [
-            p
-            for p in self.engine_pods()
-            if p["metadata"].get("deletionTimestamp") is None
-            and any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in p.get("status", {}).get("conditions", [])
-            )
-        ]
+        return [p for p in self.engine_pods() if is_ready(p)]
+
+    def engine_url(self, pod: dict[str, Any]) -> str:
+        """An engine pod's HTTP address (its loopback pod IP)."""
+        return f"http://{pod['status']['podIP']}:8000"
 
     def running(self) -> list[RunningPod]:
         """The runner's pods of this model, past and present (it keeps every pod it ran,
@@ -206,8 +234,13 @@ class Product:
             return 0
         return total(page, "kvserve_gateway_replicas", model=DEMO_MODEL_NAME, state="healthy")
 
-    def apply_model(self, replicas: int, engine: dict[str, Any] | None = None) -> None:
-        manifest = inference_model(self.namespace, self.model, replicas, engine)
+    def apply_model(
+        self,
+        replicas: int,
+        engine: dict[str, Any] | None = None,
+        autoscaling: dict[str, Any] | None = None,
+    ) -> None:
+        manifest = inference_model(self.namespace, self.model, replicas, engine, autoscaling)
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
 
     def patch_model(self, spec: dict[str, Any]) -> None:
@@ -219,14 +252,18 @@ class Product:
     def settled(self, replicas: int) -> bool:
         """Exactly ``replicas`` pods, all Ready and of the Deployment's current template;
         no old pod left in the API or running here; the gateway routing to all of them."""
-        deployment = self.get("deployment", self.model) or {}
+        deployment = self.get("deployment", self.model)
+        if deployment is None:
+            return False
         status = deployment.get("status") or {}
-        meta = deployment.get("metadata") or {}
+        meta = deployment["metadata"]
+        # The API leaves out counts that are 0.
         if (
-            status.get("observedGeneration") != meta.get("generation")
-            or status.get("updatedReplicas") != replicas
-            or status.get("readyReplicas") != replicas
-            or status.get("replicas") != replicas
+            deployment["spec"].get("replicas") != replicas
+            or status.get("observedGeneration") != meta.get("generation")
+            or status.get("updatedReplicas", 0) != replicas
+            or status.get("readyReplicas", 0) != replicas
+            or status.get("replicas", 0) != replicas
         ):
             return False
         if len(self.engine_pods()) != replicas or len(self.ready_engines()) != replicas:
@@ -255,9 +292,16 @@ class Product:
 
 @contextmanager
 def install(
-    cluster: Cluster, runner: PodRunner, workdir: Path, namespace: str, release: str, model: str
+    cluster: Cluster,
+    runner: PodRunner,
+    workdir: Path,
+    namespace: str,
+    release: str,
+    model: str,
+    values: dict[str, Any] | None = None,
 ) -> Iterator[Product]:
-    """The chart installed, the API-key Secret created, the operator running; on exit,
+    """The chart installed (``values`` merged into ``chart_values``), the API-key Secret
+    created, the operator running; on exit,
     the model, the release and the namespace deleted (the runner stops their pods as a
     kubelet would, in the background; what is left when the session ends is killed by
     PID)."""
@@ -278,7 +322,7 @@ def install(
         "create", "secret", "generic", f"{p.gateway_service}-keys", "-n", namespace,
         f"--from-file=keys.yaml={workdir / 'keys.yaml'}",
     )  # fmt: skip
-    (workdir / "values.yaml").write_text(yaml.safe_dump(chart_values(namespace)))
+    (workdir / "values.yaml").write_text(yaml.safe_dump(chart_values(namespace, values)))
     chart = prepared_chart(workdir)
     helm(cluster.bins.helm, "install", release, str(chart), "-n", namespace,
          "-f", str(workdir / "values.yaml"), env=env)  # fmt: skip
@@ -353,6 +397,20 @@ class Stream:
         finally:
             self.first.set()
         return self
+
+    @property
+    def errored(self) -> bool:
+        """Whether it ended with an error event (then [DONE])."""
+        return len(self.lines) >= 2 and "error" in json.loads(self.lines[-2])
+
+    @property
+    def finish_reason(self) -> str | None:
+        for line in reversed(self.lines[:-1]):
+            chunk = json.loads(line)
+            for choice in chunk.get("choices") or []:
+                if choice.get("finish_reason"):
+                    return str(choice["finish_reason"])
+        return None
 
     def problem(self) -> str | None:
         """None for a complete answer: HTTP 200, no error event, a finish reason

@@ -213,10 +213,17 @@ class AdmissionQueue:
         return {priority: lane.size for priority, lane in self._lanes.items()}
 
     async def acquire(
-        self, tenant: str, priority: Priority, pick: Callable[[], str | None]
+        self,
+        tenant: str,
+        priority: Priority,
+        pick: Callable[[], str | None],
+        *,
+        held: float = 0.0,
     ) -> Slot:
         """A slot on the replica ``pick()`` chose, waiting in the queue if none is free.
 
+        ``held``: seconds the request already waited before the queue for its model's
+        first replica (scale from zero); they count in its reported wait.
         Raises ``QueueFull`` (at once, or later if shed) or ``QueueTimeout``.
         """
         if priority not in _RANK:
@@ -225,14 +232,16 @@ class AdmissionQueue:
         if self.queue_length == 0:
             address = pick()
             if address is not None:
-                return self._grant_now(address)
+                return self._grant_now(address, held)
         if self.queue_length >= self.max_size and not self._shed_for(priority):
             raise QueueFull(
                 f"admission queue full ({self.max_size} waiting)",
                 reason="full",
                 retry_after=self.retry_after,
             )
-        waiter = _Waiter(tenant, priority, pick, loop.create_future(), loop.time(), next(self._seq))
+        waiter = _Waiter(
+            tenant, priority, pick, loop.create_future(), loop.time() - held, next(self._seq)
+        )
         waiter.timer = loop.call_later(self.timeout, self._expire, waiter)
         self._lanes[priority].push(waiter)
         self._admit()  # capacity may exist for waiters ahead of us, or for us
@@ -254,11 +263,11 @@ class AdmissionQueue:
         """Capacity changed (replica added, load updated): admit waiters that now fit."""
         self._admit()
 
-    def _grant_now(self, address: str) -> Slot:
+    def _grant_now(self, address: str, held: float = 0.0) -> Slot:
         self.slots.take(address)
         if self.on_wait is not None:
-            self.on_wait(0.0)
-        return Slot(address, 0.0)
+            self.on_wait(held)
+        return Slot(address, held)
 
     def _shed_for(self, priority: Priority) -> bool:
         """Evict the newest waiter of the lowest priority below ``priority``, if any."""

@@ -69,13 +69,17 @@ class UpstreamCall:
         cfg = st.config
         exclude: set[str] = set()
         last_error = "no replica answered"
+        held = await self._hold()
         for attempt in range(cfg.retry.max_attempts):
             if attempt:
                 st.metrics.retries.labels(self.model).inc()
             decisions: list[Any] = []
             pick = functools.partial(self._pick, key, exclude, decisions)
             try:
-                self.slot = await st.queue.acquire(self.tenant.name, self.tenant.priority, pick)
+                self.slot = await st.queue.acquire(
+                    self.tenant.name, self.tenant.priority, pick, held=held
+                )
+                held = 0.0  # a retry's wait is its own
             except AdmissionRejected as exc:
                 reason = "queue_timeout" if exc.reason == "timeout" else "queue_full"
                 st.metrics.rejections.labels(reason).inc()
@@ -136,6 +140,36 @@ class UpstreamCall:
             exclude.add(self.replica.address)
             last_error = f"replica {self.replica.address}: {detail}"
         raise OpenAIError(502, f"no replica could serve the request ({last_error})")
+
+    async def _hold(self) -> float:
+        """Seconds held for the model's first replica: none while it has one; else (it is
+        scaled to zero) up to the queue timeout, counted in ``held_requests`` so the
+        operator scales it up. Raises the 503 ``queue_full``/``queue_timeout`` the
+        admission queue would."""
+        st = self.state
+        if st.fleet.has_replicas(self.model):
+            return 0.0
+        admission = st.config.admission
+        if sum(st.fleet.held.values()) + st.queue.queue_length >= admission.queue_size:
+            st.metrics.rejections.labels("queue_full").inc()
+            raise OpenAIError(
+                503,
+                f"admission queue full ({admission.queue_size} waiting)",
+                code="queue_full",
+                headers={"retry-after": str(st.queue.retry_after)},
+            )
+        started = time.monotonic()
+        self.span.add_event("held: the model has no replica")
+        if not await st.fleet.wait_for_replicas(self.model, admission.queue_timeout_seconds):
+            st.metrics.rejections.labels("queue_timeout").inc()
+            raise OpenAIError(
+                503,
+                f"no replica of {self.model!r} came up within "
+                f"{admission.queue_timeout_seconds:g} s",
+                code="queue_timeout",
+                headers={"retry-after": str(st.queue.retry_after)},
+            )
+        return time.monotonic() - started
 
     def _pick(self, key: str, exclude: set[str], decisions: list[Any]) -> str | None:
         """The admission queue's ``pick``: route now, remember the decision."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,9 @@ class DiscoveryState:
             self.apply(kind, "ADDED", obj)
 
     def snapshot(self) -> Snapshot:
-        models: dict[str, set[str]] = {}
+        # Every Service's model is in it, with or without ready endpoints: a model scaled
+        # to zero is still served here (its requests are held until a replica comes).
+        models: dict[str, set[str]] = {model: set() for model in self.services.values()}
         for (namespace, _), (service, addresses) in self.slices.items():
             model = self.services.get((namespace, service))
             if model is not None:
@@ -147,8 +150,12 @@ class KubernetesDiscovery:
 
     def stop(self) -> None:
         self._stop.set()
+        # One deadline for all: a thread blocked in a watch only sees the stop when an
+        # event or the watch's timeout comes, and the threads are daemons, so waiting 5 s
+        # for each (two per namespace) would only delay the gateway's exit.
+        deadline = time.monotonic() + 5
         for thread in self._threads:
-            thread.join(timeout=5)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _list_fn(self, kind: str, namespace: str | None) -> Callable[..., Any]:
         from kubernetes import client

@@ -14,7 +14,11 @@ Metric                                              Definition
                                                     queue_full, queue_timeout,
                                                     payload_too_large, invalid
 ``kvserve_gateway_queue_length``                    gauge: requests waiting for a replica
-``kvserve_gateway_queue_wait_seconds``              histogram: admission wait (0 if none)
+``kvserve_gateway_queue_wait_seconds``              histogram: admission wait (0 if none),
+                                                    a hold for a first replica included
+``kvserve_gateway_held_requests``                   gauge by ``model``: requests held for a
+                                                    model with no replica (scale from zero:
+                                                    the operator's demand signal)
 ``kvserve_gateway_in_flight_requests``              gauge by ``model``, ``replica``
 ``kvserve_gateway_replicas``                        gauge by ``model``, ``state``: healthy,
                                                     unhealthy, draining
@@ -79,6 +83,11 @@ class GatewayMetrics:
         self.queue_wait = Histogram(
             p + "queue_wait_seconds", "Admission wait before a replica slot (0 if none).",
             buckets=QUEUE_WAIT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.held = Gauge(
+            p + "held_requests",
+            "Requests held for a model that has no replica (scaled to zero), by model.",
+            ("model",), registry=reg,
         )  # fmt: skip
         self.in_flight = Gauge(
             p + "in_flight_requests", "Requests sent to a replica and not yet finished.",

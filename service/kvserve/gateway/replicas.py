@@ -55,6 +55,9 @@ class Fleet:
     slots: ReplicaSlots = field(default_factory=ReplicaSlots)
     replicas: dict[str, dict[str, Replica]] = field(default_factory=dict)  # model → address →
     on_change: Callable[[], None] | None = None  # capacity may have changed (admission.notify)
+    # Requests held for a model without replicas (scale from zero), waiting for its first.
+    held: dict[str, int] = field(default_factory=dict)  # model → requests held now
+    _appeared: dict[str, asyncio.Event] = field(default_factory=dict, repr=False)
 
     # ---- membership -----------------------------------------------------------------
     def set_replicas(self, model: str, addresses: Iterable[str], capacity: int) -> None:
@@ -72,7 +75,32 @@ class Fleet:
             if address not in wanted and not rep.draining:
                 rep.draining = True
                 log.info("replica %s of model %s is draining", address, model)
+        if self.has_replicas(model) and (appeared := self._appeared.pop(model, None)):
+            appeared.set()
         self._changed()
+
+    def has_replicas(self, model: str) -> bool:
+        """Whether the model has a replica that takes new requests (healthy or not yet
+        known to be unhealthy): if not, it is scaled to zero or not started yet."""
+        return any(not rep.draining for rep in self.replicas.get(model, {}).values())
+
+    async def wait_for_replicas(self, model: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the model's first replica; whether it came.
+
+        A request for a model scaled to zero waits here rather than in the admission
+        queue: the queue admits in order and stops at a head that finds no slot, so a
+        request that can wait a whole cold start would hold up every other model's."""
+        if self.has_replicas(model):
+            return True
+        appeared = self._appeared.setdefault(model, asyncio.Event())
+        self.held[model] = self.held.get(model, 0) + 1
+        try:
+            await asyncio.wait_for(appeared.wait(), timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self.held[model] -= 1
+        return True
 
     async def reap(self) -> None:
         """Close and forget draining replicas that have nothing in flight."""
