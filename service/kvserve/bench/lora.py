@@ -46,6 +46,7 @@ def write_adapter(path: Path, config: Any, rank: int, seed: int) -> Path:
 
 def run(ctx: SuiteContext) -> Section:
     from kvserve.lora.adapter import load_adapter
+    from kvserve.lora.layers import STACKED_MAX_TOKENS
     from kvserve.lora.request import LoRARequest
     from kvserve.model.config import ModelConfig
     from kvserve.sampling_params import SamplingParams
@@ -116,7 +117,8 @@ def run(ctx: SuiteContext) -> Section:
     ]  # fmt: skip
     targets = [Target("4 adapters / base model throughput", round(ratio, 1), TARGET_RATIO, "%")]
     notes = [
-        "Batched LoRA by per-adapter segments (docs/engine.md, LoRA adapters): each "
-        "projection adds two small matmuls and a gather/scatter per adapter in the batch.",
+        "Batched LoRA chosen per step (docs/engine.md, LoRA adapters): stacked slots for "
+        f"steps of up to {STACKED_MAX_TOKENS} tokens with two or more adapters (2 + parts "
+        "ops per projection, every slot's FLOPs), per-adapter segments otherwise.",
     ]
     return Section(NAME, TITLE, setup, tables, targets, notes)

@@ -1,19 +1,31 @@
 """The batched LoRA math: every adapter of a mixed batch applied in one forward pass.
 
 Each of the model's four (fused) projections per layer gets a hook (``Linear.lora``)
-that holds, per device slot, the stacked ``A`` of its sub-projections (q, k, v for
-``qkv_proj``; gate, up for ``gate_up_proj``) and a block-diagonal ``B`` that maps each
-sub-projection's rank columns to its output columns, both zero-padded to
-``max_lora_rank``. A rank- or target-less part adds exact zeros.
+that holds, per device slot and per sub-projection (q, k, v for ``qkv_proj``; gate, up
+for ``gate_up_proj``), that part's ``A`` and ``B``, zero-padded to ``max_lora_rank``. A
+rank- or target-less part adds exact zeros. The layout is part-major: ``a`` is
+``[parts, slots, r, n_in]`` and part ``j``'s ``B`` for every slot is ``b[j]``,
+``[n_j, slots, r]``; so one matmul against ``a`` viewed as ``[parts·slots·r, n_in]``
+gives, for each part, every slot's rank columns side by side, which part ``j``'s ``B``
+viewed as ``[n_j, slots·r]`` consumes in one more matmul.
 
-Formulation, chosen by measurement (``python -m kvserve.lora.measure``, docs/engine.md):
-**per-adapter segments**. Once per step the batch's tokens are grouped by slot (the
-engine orders the batch by slot, so each group is a contiguous range of rows); in each
-projection, for each adapter present, its rows are multiplied by its ``A`` then its ``B``
-(PEFT's order: ``B(A(x)) * scaling``) and added in place to those rows of the output:
-two ops on views, no gather or scatter. Base-model tokens cost nothing, and only
-adapters in the batch are computed (the stacked-slots and gathered-``bmm`` alternatives pay for
-every slot, or for a copy of each token's weights).
+Two formulations, chosen per step by measurement (docs/engine.md, "Choosing the batched
+formulation"):
+
+- **stacked slots**, for a step with at least ``STACKED_MIN_ADAPTERS`` adapters and at
+  most ``STACKED_MAX_TOKENS`` tokens (decode steps): one matmul of the batch against
+  every slot's ``A`` at once, an in-place multiply by a per-token mask that keeps the
+  token's own slot's columns times its adapter's scaling (zero for the other slots and
+  for base-model tokens), then per part one ``addmm_`` against every slot's ``B`` into
+  that part's output columns: 2 + parts ops per projection whatever the number of
+  adapters and the tokens' order (the engine orders decodes by context length, so an
+  adapter's tokens are rarely contiguous). The mask is built once per step in
+  ``set_batch``.
+- **per-adapter segments**, otherwise (one adapter; long steps, where stacked slots
+  would pay every slot's FLOPs on every token): for each adapter present, its rows are
+  multiplied by each part's ``A`` then ``B`` (PEFT's order: ``B(A(x)) * scaling``) and
+  added in place to those rows of the output: views when the adapter's tokens are one
+  contiguous range, else a gather and one ``index_add_``. Base-model tokens cost nothing.
 """
 
 from __future__ import annotations
@@ -27,14 +39,24 @@ from kvserve.lora.adapter import LoRAWeights
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import CausalLM, DecoderLayer, Linear
 
+# The per-step choice (docs/engine.md, "Choosing the batched formulation"): stacked slots
+# when the step has at least this many distinct adapters ...
+STACKED_MIN_ADAPTERS = 2
+# ... and at most this many tokens (above it the FLOPs of the other slots dominate).
+STACKED_MAX_TOKENS = 64
+
 
 @dataclass
 class _Batch:
-    """This step's tokens grouped by slot: (slot, rows), where rows is a ``slice`` when
-    the slot's tokens are contiguous (the engine orders its batch by slot, so they are),
-    else their indices."""
+    """This step's LoRA work, prepared once for every projection.
 
-    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    Segments: ``groups`` holds (slot, rows, scaling) per adapter present, rows a
+    ``slice`` when the slot's tokens are contiguous, else their indices. Stacked slots:
+    ``masks`` maps a projection's number of parts to its ``[tokens, parts·slots·r]``
+    mask, and ``groups`` is empty."""
+
+    groups: list[tuple[int, slice | torch.Tensor, float]] = field(default_factory=list)
+    masks: dict[int, torch.Tensor] | None = None
 
 
 class _ProjectionLoRA:
@@ -51,35 +73,57 @@ class _ProjectionLoRA:
         self.parts = {
             name: (j, sum(n for _, n in parts[:j]), n) for j, (name, n) in enumerate(parts)
         }
-        n_out = sum(n for _, n in parts)
+        self.num_parts = len(parts)
         dtype, device = layers.dtype, layers.device
-        self.a = torch.zeros(s, len(parts) * r, n_in, dtype=dtype, device=device)
-        self.b = torch.zeros(s, n_out, len(parts) * r, dtype=dtype, device=device)
+        # Part-major, so that one part's columns for every slot are one contiguous range
+        # of the stacked product: a[p, slot] is [r, n_in], b[p][:, slot] is [n_p, r].
+        self.a = torch.zeros(len(parts), s, r, n_in, dtype=dtype, device=device)
+        self.b = [torch.zeros(n, s, r, dtype=dtype, device=device) for _, n in parts]
+        # Views made once (they follow the writes): each op on the step's path is one
+        # dispatcher call, and at decode sizes the calls cost as much as the FLOPs.
+        self.a_all = self.a.view(len(parts) * s * r, n_in)
+        self.bt_all = [b.view(b.shape[0], s * r).t() for b in self.b]
+        self.bt_slot = [[b[:, i].t() for i in range(s)] for b in self.b]
+        self.columns = [(start, start + n) for _, (_, start, n) in self.parts.items()]
         self.active = [False] * s  # the slot's adapter targets this projection
 
     def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.a[:, slot].zero_()
+        for b in self.b:
+            b[:, slot].zero_()
         self.active[slot] = False
 
     def write(self, slot: int, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        j, start, n = self.parts[name]
-        r, rank = self.layers.max_rank, a.shape[0]
-        self.a[slot, j * r : j * r + rank].copy_(a)
-        self.b[slot, start : start + n, j * r : j * r + rank].copy_(b)
+        j, _, _ = self.parts[name]
+        rank = a.shape[0]
+        self.a[j, slot, :rank].copy_(a)
+        self.b[j][:, slot, :rank].copy_(b)
         self.active[slot] = True
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        scaling = self.layers.scaling
-        for slot, rows in self.layers.batch.groups:
+        batch = self.layers.batch
+        if batch.masks is not None:  # stacked slots: 2 + parts ops
+            xa = F.linear(x, self.a_all)
+            xa.mul_(batch.masks[self.num_parts])
+            if self.num_parts == 1:
+                return y.addmm_(xa, self.bt_all[0])
+            w = xa.shape[1] // self.num_parts
+            for j, (lo, hi) in enumerate(self.columns):
+                y[:, lo:hi].addmm_(xa[:, j * w : (j + 1) * w], self.bt_all[j])
+            return y
+        for slot, rows, scaling in batch.groups:
             if not self.active[slot]:
                 continue
-            a, b = self.a[slot], self.b[slot]
-            if isinstance(rows, slice):  # views: two ops, B's product added in place
-                y[rows].addmm_(F.linear(x[rows], a), b.t(), alpha=scaling[slot])
-            else:
-                delta = F.linear(F.linear(x.index_select(0, rows), a), b) * scaling[slot]
-                y.index_add_(0, rows, delta)
+            # Contiguous rows: views, each part's B product added in place; else one
+            # gather of the rows and one scatter of the whole delta.
+            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+            ys = y[rows] if isinstance(rows, slice) else torch.zeros_like(y[: xs.shape[0]])
+            for j, (lo, hi) in enumerate(self.columns):
+                ys[:, lo:hi].addmm_(
+                    F.linear(xs, self.a[j, slot]), self.bt_slot[j][slot], alpha=scaling
+                )
+            if not isinstance(rows, slice):
+                y.index_add_(0, rows, ys)
         return y
 
 
@@ -127,11 +171,12 @@ class LoRALayers:
                 for name, _ in parts:
                     self.projections[(i, name)] = (hook, name)
         self._hooks = hooks
+        self._num_parts = sorted({h.num_parts for h in hooks})
 
     @property
     def nbytes(self) -> int:
         """Device memory the slots take (all ``num_slots``, padded to ``max_rank``)."""
-        return sum(h.a.nbytes + h.b.nbytes for h in self._hooks)
+        return sum(h.a.nbytes + sum(b.nbytes for b in h.b) for h in self._hooks)
 
     def load(self, slot: int, adapter: LoRAWeights) -> None:
         """Put ``adapter`` into ``slot`` (whatever was there is overwritten)."""
@@ -144,15 +189,31 @@ class LoRALayers:
 
     def set_batch(self, token_slots: list[int]) -> None:
         """This step's slot of each token of the flattened batch (-1: the base model)."""
-        groups: list[tuple[int, slice | torch.Tensor]] = []
         rows: dict[int, list[int]] = {}
         for i, s in enumerate(token_slots):
             if s >= 0:
                 rows.setdefault(s, []).append(i)
+        if len(rows) >= STACKED_MIN_ADAPTERS and len(token_slots) <= STACKED_MAX_TOKENS:
+            self.batch = _Batch(masks=self._masks(token_slots))
+            return
+        groups: list[tuple[int, slice | torch.Tensor, float]] = []
         for s, where in sorted(rows.items()):
             if where[-1] - where[0] + 1 == len(where):  # contiguous
-                groups.append((s, slice(where[0], where[-1] + 1)))
+                groups.append((s, slice(where[0], where[-1] + 1), self.scaling[s]))
             else:
                 t = torch.tensor(where, dtype=torch.long).to(self.device, non_blocking=True)
-                groups.append((s, t))
-        self.batch.groups = groups
+                groups.append((s, t, self.scaling[s]))
+        self.batch = _Batch(groups=groups)
+
+    def _masks(self, token_slots: list[int]) -> dict[int, torch.Tensor]:
+        """Per number of parts P: ``[tokens, P·slots·r]`` (a part-major stacked product's
+        columns), each token's own slot's columns set to its adapter's scaling, the rest
+        (and a base token's whole row) zero."""
+        n = self.num_slots
+        scale = [[0.0] * n for _ in token_slots]
+        for row, s in zip(scale, token_slots, strict=True):
+            if s >= 0:
+                row[s] = self.scaling[s]
+        per_slot = torch.tensor(scale, dtype=self.dtype).to(self.device, non_blocking=True)
+        one_part = per_slot.repeat_interleave(self.max_rank, dim=1)
+        return {p: one_part.repeat(1, p) for p in self._num_parts}
