@@ -36,7 +36,8 @@ typecheck: install
 	$(BIN)/mypy
 
 # With Go on PATH, build (once; cached in ~/.cache/kvserve/k8s) the Kubernetes control
-# plane the cluster tests use, with progress shown; without Go those tests skip.
+# plane the cluster tests use, GIE's endpoint picker and a Prometheus with Kubernetes
+# service discovery, with progress shown; without Go those tests skip.
 cluster-bins:
 	@if command -v go >/dev/null 2>&1; then python3 tests/cluster/build.py >/dev/null; \
 	else echo "go not found: the Kubernetes cluster tests will be skipped"; fi
