@@ -118,18 +118,31 @@ def fp8_values(raw: torch.Tensor, fp8: torch.dtype, dtype: torch.dtype) -> torch
     return bits.view(torch.float16).to(dtype)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gather_rows(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """For ``_gather``: the row of every (head, block) in the cache's storage seen as
+    [kv_heads * num_blocks, block_size * d], heads first. (``index_select`` along dim 0 of
+    a 2-D tensor copies whole rows, ~2× faster on the CPU than the same blocks selected
+    along dim 1 of the 4-D storage.)"""
+    num_blocks, kvh = cache.shape[0], cache.shape[2]
+    heads = torch.arange(kvh, device=block_tables.device)[:, None] * num_blocks
+    return (heads + block_tables.flatten()[None, :]).flatten()
+
+
+def _gather(
+    cache: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Keys (or values) of each row's blocks, in ``dtype``: [B, kv_heads, max_blocks *
-    block_size, d]. An fp8 cache is gathered as bytes, then converted (``fp8_values``)."""
+    block_size, d]; ``rows`` from ``_gather_rows``. An fp8 cache is gathered as bytes,
+    then converted (``fp8_values``)."""
     b, nb = block_tables.shape
-    _, bs, kvh, d = cache.shape
-    storage = _heads_major(cache)
+    num_blocks, bs, kvh, d = cache.shape
+    storage = _heads_major(cache)  # contiguous
     if cache.dtype in FP8_DTYPES:
-        rows = storage.view(torch.uint8).index_select(1, block_tables.flatten())
-        rows = fp8_values(rows, cache.dtype, dtype)
+        raw = storage.view(torch.uint8).view(kvh * num_blocks, bs * d).index_select(0, rows)
+        out = fp8_values(raw, cache.dtype, dtype)
     else:
-        rows = storage.index_select(1, block_tables.flatten())
-    return rows.view(kvh, b, nb * bs, d).transpose(0, 1)
+        out = storage.view(kvh * num_blocks, bs * d).index_select(0, rows)
+    return out.view(kvh, b, nb * bs, d).transpose(0, 1)
 
 
 def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -176,10 +189,11 @@ def paged_attention(
         group = heads // kv_heads
         for g in meta.decode_groups:
             n = g.block_tables.shape[0]
+            rows = _gather_rows(k_cache, g.block_tables)
             out = F.scaled_dot_product_attention(
                 q[g.start : g.start + n].view(n, kv_heads, group, d),
-                _gather(k_cache, g.block_tables, dtype),
-                _gather(v_cache, g.block_tables, dtype),
+                _gather(k_cache, g.block_tables, rows, dtype),
+                _gather(v_cache, g.block_tables, rows, dtype),
                 attn_mask=g.mask,
                 scale=scale,
             )
@@ -203,10 +217,12 @@ def paged_attention(
             assert meta.prefill_block_tables is not None and meta.prefill_dest is not None
             bp, qmax = meta.num_prefills, meta.max_query_len
             padded = qp.new_zeros(bp * qmax, heads, d).index_copy_(0, meta.prefill_dest, qp)
+            tables = meta.prefill_block_tables
+            rows = _gather_rows(k_cache, tables)
             out = F.scaled_dot_product_attention(
                 padded.view(bp, qmax, heads, d).transpose(1, 2),
-                _gather(k_cache, meta.prefill_block_tables, dtype),
-                _gather(v_cache, meta.prefill_block_tables, dtype),
+                _gather(k_cache, tables, rows, dtype),
+                _gather(v_cache, tables, rows, dtype),
                 attn_mask=meta.prefill_mask,
                 scale=scale,
                 enable_gqa=True,
