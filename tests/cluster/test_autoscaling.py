@@ -275,6 +275,17 @@ def test_a_request_at_zero_replicas_is_answered_after_the_cold_start(
     if deployment_replicas(p) != 0:
         p.wait_settled(0, "scaled to zero (no requests for scaleToZeroAfterSeconds)")
     gateway = p.gateway_url()
+    # The gateway learns the model from its Service's EndpointSlice, which may come a
+    # moment after the Deployment settles; a request before that is a 404 (unknown model),
+    # not a hold. Its held gauge has a series for every model it knows.
+    poll(
+        "the gateway to know the model",
+        lambda: any(
+            n == HELD and dict(ls).get("model") == DEMO_MODEL_NAME
+            for n, ls in metrics(f"{gateway}/metrics")
+        ),
+        timeout=60,
+    )
     before = metrics(f"{gateway}/metrics")
     timeline = Timeline(p).start()
     try:
