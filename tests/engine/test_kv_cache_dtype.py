@@ -22,6 +22,7 @@ from kvserve.model.attention import (
     fp8_quantize,
     fp8_read_factor,
     fp8_values,
+    gather_rows,
     paged_attention,
 )
 from kvserve.model.config import ModelConfig
@@ -87,11 +88,12 @@ def test_attention_over_fp8_equals_attention_over_the_dequantized_cache(
     mask = torch.zeros(blocks * bs).masked_fill_(~visible, float("-inf"))[None, None, None]
     # Fill the context (the last token is this step's decode, written by the call).
     prefill = AttentionMetadata(slot_mapping=slots[:-1], num_decodes=ctx - 1)
-    prefill.decode_groups.append(DecodeGroup(0, table.expand(ctx - 1, -1), mask))
+    many = table.expand(ctx - 1, -1)
+    prefill.decode_groups.append(DecodeGroup(0, many, gather_rows(many, blocks, kvh), mask))
     dummy_q = torch.zeros(ctx - 1, heads, d)
     paged_attention(dummy_q, keys[:-1], values[:-1], cache, prefill, d**-0.5)
     meta = AttentionMetadata(slot_mapping=slots[-1:], num_decodes=1)
-    meta.decode_groups.append(DecodeGroup(0, table, mask))
+    meta.decode_groups.append(DecodeGroup(0, table, gather_rows(table, blocks, kvh), mask))
     got = paged_attention(q, keys[-1:], values[-1:], cache, meta, d**-0.5)
 
     k_ref = fp8_quantize(keys, k_scale, dtype).float() * k_scale

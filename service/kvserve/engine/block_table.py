@@ -27,9 +27,6 @@ class BlockTable:
         self._length: dict[str, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
-    def length(self, request_id: str) -> int:
-        return self._length.get(request_id, 0)
-
     def extend(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Append blocks to the request's row (giving it a row on its first blocks)."""
         if not block_ids:
@@ -66,12 +63,11 @@ class BlockTable:
         """The row index of each request, as a tensor."""
         return torch.tensor([self._row[rid] for rid in request_ids], dtype=torch.long)
 
-    def gather(self, request_ids: Sequence[str], num_blocks: int) -> torch.Tensor:
-        """[len(request_ids), num_blocks]: each request's first ``num_blocks`` entries
-        (past its own blocks: stale entries, see the module's invariant)."""
-        if num_blocks > self.table.shape[1]:
-            self._grow(self.table.shape[0], num_blocks)
-        return self.table[self.rows(request_ids), :num_blocks]
+    def gather(self, rows: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """[len(rows), num_blocks]: the first ``num_blocks`` entries of each row (``rows``
+        from ``rows()``; past a request's own blocks: stale entries, see the module's
+        invariant). ``extend`` made the table wide enough for every block held."""
+        return self.table[rows, :num_blocks]
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
         """The cache slot of each (row, position): its block's id × block_size + offset."""

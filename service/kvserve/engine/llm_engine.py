@@ -496,13 +496,11 @@ class LLMEngine:
         sched = self.last_schedule = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        lora_slots, batch = None, sched.scheduled
-        if self.lora is not None:  # each request's slot (-1: the base model)
+        lora_slots = None
+        if self.lora is not None:  # each request's slot (-1: the base model); the LoRA
+            # layers take the tokens in the runner's order (kvserve.lora.layers)
             lora_slots = {r.request_id: self.lora.slot(r.lora) for r, _ in sched.scheduled}
-            # Ordered by slot (stable), each adapter's tokens are one contiguous range,
-            # which the LoRA layers use as views (kvserve.lora.layers).
-            batch = sorted(batch, key=lambda item: lora_slots[item[0].request_id])
-        sampled_reqs, sampled = self.runner.execute(batch, self.kv.tables, lora_slots)
+        sampled_reqs, sampled = self.runner.execute(sched.scheduled, self.kv.tables, lora_slots)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
         now = self.clock()
@@ -519,12 +517,12 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             out = self._append_tokens(req, tokens, logprobs, now)
-            # (A finished request, by a stop rule or failing alone, has no blocks left.)
-            if not req.is_finished and self.config.recompute_every_step:
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-            elif not req.is_finished and num_drafts:
-                self.kv.trim(req, req.num_tokens)
+            if not req.is_finished:  # (finished, by a stop rule or alone: no blocks left)
+                if self.config.recompute_every_step:
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
+                elif num_drafts:
+                    self.kv.trim(req, req.num_tokens)
             outputs.append(out)
         if self.kv_events is not None:  # the step's cache changes, as one batch
             self.kv_events.end_step()

@@ -19,6 +19,7 @@ from kvserve.model.attention import (
     DecodeGroup,
     KVCache,
     allocate_kv_cache,
+    gather_rows,
 )
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
@@ -211,20 +212,22 @@ class ModelRunner:
                 )
                 sample_requests.append(req)
 
-        rows = tables.rows([r.request_id for r, _ in ordered])
+        rows = tables.rows([r.request_id for r, _ in ordered])  # decodes first
         pos = torch.tensor(positions, dtype=torch.long)
         slots = tables.slots(rows[torch.tensor(token_rows, dtype=torch.long)], pos, bs)
         meta = AttentionMetadata(slot_mapping=self._device(slots), num_decodes=len(decodes))
+        # Every layer's cache has this many blocks and KV heads: the gathers' rows are
+        # computed here, once per step (not per layer).
+        num_blocks, kv_heads = self.kv_caches[0].k.shape[0], self.config.num_kv_heads
         if decodes:
             ctx = [r.num_computed_tokens + 1 for r, _ in decodes]
-            ids = [r.request_id for r, _ in decodes]
             for lo, hi in _split_by_length(ctx, bs):
-                bt = self._device(tables.gather(ids[lo:hi], blocks_for(ctx[hi - 1], bs)))
+                bt = self._device(tables.gather(rows[lo:hi], blocks_for(ctx[hi - 1], bs)))
                 keys = torch.arange(bt.shape[1] * bs, device=self.device)
                 visible = keys[None, :] < self._long(ctx[lo:hi])[:, None]
-                meta.decode_groups.append(
-                    DecodeGroup(lo, bt, self._additive(visible)[:, None, None, :])
-                )
+                mask = self._additive(visible)[:, None, None, :]
+                group_rows = gather_rows(bt, num_blocks, kv_heads)
+                meta.decode_groups.append(DecodeGroup(lo, bt, group_rows, mask))
         if prefills:
             first = prefills[0][0]
             meta.num_prefills = len(prefills)
@@ -232,9 +235,10 @@ class ModelRunner:
             meta.single_fresh_prefill = len(prefills) == 1 and first.num_computed_tokens == 0
             if not meta.single_fresh_prefill:
                 ends = [r.num_computed_tokens + n for r, n in prefills]
-                meta.prefill_block_tables = self._device(
-                    tables.gather([r.request_id for r, _ in prefills], blocks_for(max(ends), bs))
+                meta.prefill_block_tables = bt = self._device(
+                    tables.gather(rows[len(decodes) :], blocks_for(max(ends), bs))
                 )
+                meta.prefill_rows = gather_rows(bt, num_blocks, kv_heads)
                 dest: list[int] = []
                 qpos = torch.zeros(len(prefills), qmax, dtype=torch.long)
                 for b, (req, n) in enumerate(prefills):

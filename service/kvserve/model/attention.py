@@ -56,6 +56,7 @@ class DecodeGroup:
 
     start: int  # first token of the group in the batch
     block_tables: torch.Tensor  # [B, max_blocks]
+    rows: torch.Tensor  # its blocks' rows in the 2-D cache storage (``gather_rows``)
     mask: torch.Tensor  # additive, [B, 1, 1, max_blocks * block_size]
 
 
@@ -66,6 +67,7 @@ class AttentionMetadata:
     # Decodes sorted by context length, split where that saves padding.
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_block_tables: torch.Tensor | None = None  # [Bp, max_blocks]
+    prefill_rows: torch.Tensor | None = None  # their rows (``gather_rows``)
     prefill_mask: torch.Tensor | None = None  # additive, [Bp, 1, Qmax, max_blocks * block_size]
     prefill_dest: torch.Tensor | None = None  # [Tp] row of each prefill token in [Bp*Qmax]
     num_prefills: int = 0
@@ -118,13 +120,13 @@ def fp8_values(raw: torch.Tensor, fp8: torch.dtype, dtype: torch.dtype) -> torch
     return bits.view(torch.float16).to(dtype)
 
 
-def _gather_rows(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """For ``_gather``: the row of every (head, block) in the cache's storage seen as
-    [kv_heads * num_blocks, block_size * d], heads first. (``index_select`` along dim 0 of
-    a 2-D tensor copies whole rows, ~2× faster on the CPU than the same blocks selected
-    along dim 1 of the 4-D storage.)"""
-    num_blocks, kvh = cache.shape[0], cache.shape[2]
-    heads = torch.arange(kvh, device=block_tables.device)[:, None] * num_blocks
+def gather_rows(block_tables: torch.Tensor, num_blocks: int, kv_heads: int) -> torch.Tensor:
+    """For ``_gather``, once per step (every layer's cache has the same shape): the row
+    of every (head, block) in a cache's storage seen as [kv_heads * num_blocks,
+    block_size * d], heads first. (``index_select`` along dim 0 of a 2-D tensor copies
+    whole rows, ~2× faster on the CPU than the same blocks selected along dim 1 of the
+    4-D storage.)"""
+    heads = torch.arange(kv_heads, device=block_tables.device)[:, None] * num_blocks
     return (heads + block_tables.flatten()[None, :]).flatten()
 
 
@@ -132,7 +134,7 @@ def _gather(
     cache: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Keys (or values) of each row's blocks, in ``dtype``: [B, kv_heads, max_blocks *
-    block_size, d]; ``rows`` from ``_gather_rows``. An fp8 cache is gathered as bytes,
+    block_size, d]; ``rows`` from ``gather_rows``. An fp8 cache is gathered as bytes,
     then converted (``fp8_values``)."""
     b, nb = block_tables.shape
     num_blocks, bs, kvh, d = cache.shape
@@ -189,11 +191,10 @@ def paged_attention(
         group = heads // kv_heads
         for g in meta.decode_groups:
             n = g.block_tables.shape[0]
-            rows = _gather_rows(k_cache, g.block_tables)
             out = F.scaled_dot_product_attention(
                 q[g.start : g.start + n].view(n, kv_heads, group, d),
-                _gather(k_cache, g.block_tables, rows, dtype),
-                _gather(v_cache, g.block_tables, rows, dtype),
+                _gather(k_cache, g.block_tables, g.rows, dtype),
+                _gather(v_cache, g.block_tables, g.rows, dtype),
                 attn_mask=g.mask,
                 scale=scale,
             )
@@ -215,10 +216,10 @@ def paged_attention(
             outputs.append(out[0].transpose(0, 1).reshape(-1, heads * d))
         else:
             assert meta.prefill_block_tables is not None and meta.prefill_dest is not None
+            assert meta.prefill_rows is not None
             bp, qmax = meta.num_prefills, meta.max_query_len
             padded = qp.new_zeros(bp * qmax, heads, d).index_copy_(0, meta.prefill_dest, qp)
-            tables = meta.prefill_block_tables
-            rows = _gather_rows(k_cache, tables)
+            tables, rows = meta.prefill_block_tables, meta.prefill_rows
             out = F.scaled_dot_product_attention(
                 padded.view(bp, qmax, heads, d).transpose(1, 2),
                 _gather(k_cache, tables, rows, dtype),
