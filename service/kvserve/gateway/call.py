@@ -18,7 +18,7 @@ import grpc
 from opentelemetry import trace
 
 from kvserve.gateway import adapters
-from kvserve.gateway.admission import AdmissionRejected, Slot
+from kvserve.gateway.admission import AdmissionRejected, QueueFull, QueueTimeout, Slot
 from kvserve.gateway.auth import Tenant
 from kvserve.gateway.ratelimit import Admission
 from kvserve.gateway.replicas import Replica
@@ -69,7 +69,10 @@ class UpstreamCall:
         cfg = st.config
         exclude: set[str] = set()
         last_error = "no replica answered"
-        held = await self._hold()
+        try:
+            held = await self._hold()
+        except AdmissionRejected as exc:
+            raise self._rejected(exc) from None
         for attempt in range(cfg.retry.max_attempts):
             if attempt:
                 st.metrics.retries.labels(self.model).inc()
@@ -81,11 +84,7 @@ class UpstreamCall:
                 )
                 held = 0.0  # a retry's wait is its own
             except AdmissionRejected as exc:
-                reason = "queue_timeout" if exc.reason == "timeout" else "queue_full"
-                st.metrics.rejections.labels(reason).inc()
-                raise OpenAIError(
-                    503, str(exc), code=reason, headers={"retry-after": str(exc.retry_after)}
-                ) from None
+                raise self._rejected(exc) from None
             decision = decisions[-1]
             st.metrics.routing.labels(self.model, cfg.routing.policy, decision.address).inc()
             if decision.overridden or attempt:
@@ -144,32 +143,37 @@ class UpstreamCall:
     async def _hold(self) -> float:
         """Seconds held for the model's first replica: none while it has one; else (it is
         scaled to zero) up to the queue timeout, counted in ``held_requests`` so the
-        operator scales it up. Raises the 503 ``queue_full``/``queue_timeout`` the
-        admission queue would."""
+        operator scales it up. Raises what the admission queue would: ``QueueFull`` or
+        ``QueueTimeout``."""
         st = self.state
         if st.fleet.has_replicas(self.model):
             return 0.0
         admission = st.config.admission
+        retry_after = st.queue.retry_after
         if sum(st.fleet.held.values()) + st.queue.queue_length >= admission.queue_size:
-            st.metrics.rejections.labels("queue_full").inc()
-            raise OpenAIError(
-                503,
+            raise QueueFull(
                 f"admission queue full ({admission.queue_size} waiting)",
-                code="queue_full",
-                headers={"retry-after": str(st.queue.retry_after)},
+                reason="full",
+                retry_after=retry_after,
             )
         started = time.monotonic()
         self.span.add_event("held: the model has no replica")
         if not await st.fleet.wait_for_replicas(self.model, admission.queue_timeout_seconds):
-            st.metrics.rejections.labels("queue_timeout").inc()
-            raise OpenAIError(
-                503,
+            raise QueueTimeout(
                 f"no replica of {self.model!r} came up within "
                 f"{admission.queue_timeout_seconds:g} s",
-                code="queue_timeout",
-                headers={"retry-after": str(st.queue.retry_after)},
+                reason="timeout",
+                retry_after=retry_after,
             )
         return time.monotonic() - started
+
+    def _rejected(self, exc: AdmissionRejected) -> OpenAIError:
+        """The 503 a client gets when admission refuses it (counted by reason)."""
+        reason = "queue_timeout" if exc.reason == "timeout" else "queue_full"
+        self.state.metrics.rejections.labels(reason).inc()
+        return OpenAIError(
+            503, str(exc), code=reason, headers={"retry-after": str(exc.retry_after)}
+        )
 
     def _pick(self, key: str, exclude: set[str], decisions: list[Any]) -> str | None:
         """The admission queue's ``pick``: route now, remember the decision."""
