@@ -76,6 +76,7 @@ def test_the_crd_properties_are_the_options_with_a_crd_name() -> None:
         "maxModelLen",
         "kvCacheMemoryFraction",
         "enablePrefixCaching",
+        "tensorParallelSize",
     ]
     assert props["blockSize"] == {
         "type": "integer",

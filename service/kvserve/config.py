@@ -286,6 +286,19 @@ class EngineConfig:
         ),
     )
     seed: int = _option(0, Option("seed of the sampler's default generator", flag="--seed"))
+    # Tensor parallelism (docs/engine.md, "Tensor parallelism"): vLLM's name. Rank 0 runs
+    # the scheduler and sampler; the other ranks are worker processes (kvserve.parallel).
+    tensor_parallel_size: int = _option(
+        1,
+        Option(
+            "shard the model across this many ranks (processes; one GPU each on CUDA): "
+            "attention heads, MLP and vocabulary split Megatron-style",
+            flag="--tensor-parallel-size",
+            crd="tensorParallelSize",
+            minimum=1,
+            maximum=1024,
+        ),
+    )
     # LoRA adapters (docs/engine.md, "LoRA adapters"). Not in the CRD's engine block: an
     # InferenceModel's spec.lora will own them (issue 20, item 5).
     enable_lora: bool = _option(
@@ -380,6 +393,7 @@ class EngineConfig:
         positive("kv_cache_memory", self.kv_cache_memory)
         positive("max_loras", self.max_loras)
         positive("max_lora_rank", self.max_lora_rank)
+        positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.max_cpu_loras is not None and (
             not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 0
         ):

@@ -23,6 +23,7 @@ class EngineKwargs(TypedDict, total=False):
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     seed: int
+    tensor_parallel_size: int
     enable_lora: bool
     max_loras: int
     max_lora_rank: int

@@ -27,6 +27,9 @@ class LLM:
 
     >>> llm = LLM(model="path/to/hf_dir", dtype="bfloat16")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+
+    With ``tensor_parallel_size > 1`` the worker ranks are processes of their own:
+    ``close()`` (or a ``with`` block) stops them; they also die with this process.
     """
 
     def __init__(
@@ -41,6 +44,16 @@ class LLM:
             model = default_model_dir()  # the bundled travel-assistant demo model
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes and publishers (if any)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -19,6 +19,8 @@ Sections (--only picks some; each is a module of kvserve.bench):
   speculative             n-gram speculative decoding on vs off, demo model chat at
                           concurrency 1 and 16: output tokens/s and acceptance
   kv_dtype                fp8 KV cache vs the fp32 cache: decode tokens/s at batch 1/16
+  tensor_parallel         2 ranks × 1 thread vs 1 rank × 2 threads on this CPU: decode
+                          tokens/s at batch 1/16 (the cost of TP's communication)
 
 Each section runs the sides it compares in the same run, alternating them for --rounds
 rounds (this machine's speed drifts) and keeping each side's best, on random
@@ -63,6 +65,7 @@ SECTIONS = (
     "quantization",
     "speculative",
     "kv_dtype",
+    "tensor_parallel",
 )
 
 # Model shapes (random Llama checkpoints). vocab_size None = the test tokenizer's own

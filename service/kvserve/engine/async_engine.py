@@ -10,6 +10,10 @@ The engine names each request itself (``make_request`` mints ``Request.request_i
 client's id is kept as ``Request.external_id``. Clients choose their ids, so two of them
 may send the same one at the same time, or reuse an id while the engine is still
 aborting the request that had it: neither may fail nor receive the other's outputs.
+
+If the engine thread dies (an uncaught error, or with tensor parallelism a worker rank
+lost), every stream ends with ``EngineDeadError``, ``dead`` is set (the health probes
+answer 503) and ``EngineHooks.on_dead`` is called: the server then exits non-zero.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvserve.engine.llm_engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
+from kvserve.parallel.group import GroupFailedError
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,8 @@ OFFLOAD_CHARS = 16_384
 # the output so far per step.
 MERGE_AFTER = 64
 TOKENIZER_THREADS = 2
+# With tensor parallelism, how often an idle engine checks that its workers live.
+KEEPALIVE_SECONDS = 2.0
 _T = TypeVar("_T")
 
 
@@ -69,6 +76,13 @@ class _Wake:
 
 
 @dataclass
+class _Lost:
+    """A tensor-parallel worker died: the engine cannot step any more."""
+
+    why: str
+
+
+@dataclass
 class _Call:
     """Run ``fn(engine)`` on the engine thread (LoRA adapters change there); its result
     or exception settles ``future`` on the event loop."""
@@ -88,6 +102,7 @@ class EngineHooks:
     on_finished: Callable[[RequestOutput], None] | None = None
     on_failed: Callable[[Request], None] | None = None
     on_stats: Callable[[EngineStats], None] | None = None
+    on_dead: Callable[[BaseException], None] | None = None
 
 
 class AsyncEngine:
@@ -98,7 +113,7 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self.hooks = hooks or EngineHooks()
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Wake | _Call | None] = (
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Wake | _Lost | _Call | None] = (
             queue.SimpleQueue()
         )
         self._streams: dict[str, OutputSink] = {}  # engine id → consumer
@@ -110,6 +125,7 @@ class AsyncEngine:
         self._stopping = False
         self.dead: BaseException | None = None
         engine.on_grammar_ready = lambda: self._commands.put(_Wake())
+        engine.on_worker_lost = lambda why: self._commands.put(_Lost(why))
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -278,7 +294,7 @@ class AsyncEngine:
                 # Block only when there is nothing to step (requests that wait for their
                 # grammar are not: its compile wakes the thread with a _Wake).
                 idle = not self.engine.has_work()
-                first = self._commands.get() if idle else None
+                first = self._next_command() if idle else None
                 commands = [first] if first is not None or idle else []
                 while True:
                     try:
@@ -295,6 +311,20 @@ class AsyncEngine:
             log.exception("engine thread died")
             self.dead = exc
             self._deliver_all(EngineDeadError(f"the engine stopped: {exc}"))
+            if self.hooks.on_dead is not None:
+                self.hooks.on_dead(exc)
+
+    def _next_command(self) -> _Add | _Abort | _Wake | _Lost | _Call | None:
+        """Wait for a command. With tensor parallelism an idle engine sends the workers
+        a keepalive every ``KEEPALIVE_SECONDS``: a worker lost on another node surfaces
+        as a ``GroupFailedError`` here, not at the next request."""
+        if self.engine.group is None:
+            return self._commands.get()
+        while True:
+            try:
+                return self._commands.get(timeout=KEEPALIVE_SECONDS)
+            except queue.Empty:
+                self.engine.keepalive()
 
     def _apply(self, commands: object) -> None:
         aborted: list[RequestOutput] = []
@@ -314,6 +344,8 @@ class AsyncEngine:
                 aborted += self.engine.abort_request(cmd.request_id)
             elif isinstance(cmd, _Call):
                 self._settle(cmd)
+            elif isinstance(cmd, _Lost):
+                raise GroupFailedError(cmd.why)
         if aborted:
             self._publish(aborted)
 
@@ -338,6 +370,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except GroupFailedError:
+            raise  # a rank is gone: no later step can run either
         except Exception as exc:
             # A failure inside a batched step cannot be pinned on one request: fail the
             # requests of that batch, keep the engine serving the others.

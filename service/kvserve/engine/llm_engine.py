@@ -12,6 +12,7 @@ like any other. So every request the scheduler holds can run.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import time
@@ -34,7 +35,7 @@ from kvserve.conversation import text_chars
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.kv_events import start_kv_events
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import KEEPALIVE, ModelRunner
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.errors import InvalidRequestError
@@ -48,6 +49,14 @@ from kvserve.outputs import (
     RequestOutput,
     TokenLogprob,
 )
+from kvserve.parallel.group import GroupFailedError, TensorGroup
+from kvserve.parallel.launch import (
+    STOP_GRACE_SECONDS,
+    Launch,
+    LocalWorkers,
+    cpu_threads_per_rank,
+)
+from kvserve.parallel.shard import check_shardable
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.metrics import SpecDecodeStats
 from kvserve.spec_decode.proposer import NgramProposer
@@ -78,28 +87,102 @@ class EngineStats:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
-class LLMEngine:
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
-        self.clock = clock
+@dataclass(frozen=True)
+class ModelSetup:
+    """What an engine derives from its config before it loads the model; rank 0 and
+    the tensor-parallel workers (``kvserve.parallel.worker``) derive it alike."""
+
+    model_dir: Path
+    model_config: ModelConfig
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+
+    @classmethod
+    def resolve(cls, config: EngineConfig, rank: int = 0) -> ModelSetup:
         model_dir = Path(config.model)
         if not model_dir.is_dir():
             raise FileNotFoundError(
                 f"model directory {config.model!r} does not exist (pass a local Hugging Face "
                 "checkpoint directory; nothing is downloaded)"
             )
-        self.model_config = ModelConfig.from_file(model_dir)
-        self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
-        max_pos = self.model_config.max_position_embeddings
-        self.max_model_len = config.max_model_len or max_pos
-        if self.max_model_len > max_pos:
+        model_config = ModelConfig.from_file(model_dir)
+        max_pos = model_config.max_position_embeddings
+        max_model_len = config.max_model_len or max_pos
+        if max_model_len > max_pos:
             raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={max_pos}"
             )
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.model_config.torch_dtype)
-        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if config.tensor_parallel_size > 1:
+            check_shardable(model_config, config.tensor_parallel_size)
+        device = config.torch_device()
+        if device.type == "cuda" and config.tensor_parallel_size > 1:
+            device = torch.device("cuda", rank % torch.cuda.device_count())  # a GPU a rank
+        dtype = config.torch_dtype(model_config.torch_dtype)
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        return cls(model_dir, model_config, max_model_len, device, dtype, kv_dtype)
+
+    def runner(self, config: EngineConfig, group: TensorGroup | None) -> ModelRunner:
+        return ModelRunner(
+            self.model_dir,
+            self.model_config,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            seed=config.seed,
+            quantization=config.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
+            group=group,
+        )
+
+    def kv_pool_blocks(self, config: EngineConfig, rank_config: ModelConfig) -> int:
+        """KV blocks of one rank's pool (``rank_config``: the rank's KV heads)."""
+        c = config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        elem = self.kv_cache_dtype.itemsize  # 1 for fp8: twice bf16's blocks
+        if c.kv_cache_memory is not None:
+            budget = c.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(c.gpu_memory_utilization * total) - (total - free)
+        else:
+            full = c.max_num_seqs * blocks_for(self.max_model_len, c.block_size)
+            budget = min(
+                DEFAULT_CPU_KV_CACHE_MEMORY,
+                full * c.block_size * rank_config.kv_bytes_per_token(elem),
+            )
+        blocks = num_kv_blocks(rank_config, budget, c.block_size, elem)
+        if blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds no block of "
+                f"{c.block_size} tokens; raise kv_cache_memory or gpu_memory_utilization"
+            )
+        return blocks
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        launch: Launch | None = None,
+    ) -> None:
+        """``launch``: where the tensor-parallel ranks run (default: all on this node)."""
+        self.config = config
+        self.clock = clock
+        setup = ModelSetup.resolve(config)
+        model_dir = setup.model_dir
+        self.model_config = setup.model_config
+        self.max_model_len = setup.max_model_len
+        self.device, self.dtype = setup.device, setup.dtype
+        self.kv_cache_dtype = setup.kv_cache_dtype
+        if config.tensor_parallel_size > 1 and config.enable_lora:
+            raise ValueError("enable_lora cannot be combined with tensor_parallel_size > 1 yet")
+        self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = _eos_token_ids(model_dir, self.model_config, self.tokenizer)
         # No token stands for more characters than the longest token's text, so a prompt
         # of more than max_model_len times that (twice, for normalizers that drop
@@ -109,23 +192,26 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.max_prompt_chars = 2 * self.max_model_len * _longest_token_chars(self.tokenizer)
 
-        self.runner = ModelRunner(
-            model_dir,
-            self.model_config,
-            dtype=self.dtype,
-            device=self.device,
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-            seed=config.seed,
-            quantization=config.quantization,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
-        # LoRA slots before the KV pool: on CUDA the pool takes what memory is left.
-        self.lora = self._lora_manager() if config.enable_lora else None
-        if self.lora is not None:
-            self.runner.lora = self.lora.layers
-        self.num_kv_blocks = self._size_kv_pool()
-        self.runner.allocate_kv_cache(self.num_kv_blocks)
+        # Called (from a watcher thread) when a tensor-parallel worker dies: the async
+        # engine fails the replica with it.
+        self.on_worker_lost: Callable[[str], None] | None = None
+        self.group: TensorGroup | None = None
+        self.workers: LocalWorkers | None = None
+        self._saved_threads: int | None = None  # torch's CPU threads before the group's
+        if config.tensor_parallel_size > 1:
+            self.group, self.workers = self._start_group(launch or Launch())
+        try:
+            self.runner = setup.runner(config, self.group)
+            # LoRA slots before the KV pool: on CUDA the pool takes what memory is left.
+            self.lora = self._lora_manager() if config.enable_lora else None
+            if self.lora is not None:
+                self.runner.lora = self.lora.layers
+            blocks = setup.kv_pool_blocks(config, self.runner.config)
+            self.num_kv_blocks = blocks if self.group is None else self.group.min_int(blocks)
+            self.runner.allocate_kv_cache(self.num_kv_blocks)
+        except BaseException:
+            self.close()
+            raise
         self.kv = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -164,30 +250,56 @@ class LLMEngine:
         # their streams instead.
         self.failures: list[tuple[Request, str]] = []
 
-    # ---- sizing ----------------------------------------------------------------------
-    def _size_kv_pool(self) -> int:
-        c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        elem = self.kv_cache_dtype.itemsize  # 1 for fp8: twice bf16's blocks
-        if c.kv_cache_memory is not None:
-            budget = c.kv_cache_memory
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(c.gpu_memory_utilization * total) - (total - free)
-        else:
-            full = c.max_num_seqs * blocks_for(self.max_model_len, c.block_size)
-            budget = min(
-                DEFAULT_CPU_KV_CACHE_MEMORY,
-                full * c.block_size * self.model_config.kv_bytes_per_token(elem),
-            )
-        blocks = num_kv_blocks(self.model_config, budget, c.block_size, elem)
-        if blocks < 1:
-            raise ValueError(
-                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds no block of "
-                f"{c.block_size} tokens; raise kv_cache_memory or gpu_memory_utilization"
-            )
-        return blocks
+    # ---- tensor parallelism ----------------------------------------------------------
+    def _start_group(self, launch: Launch) -> tuple[TensorGroup, LocalWorkers]:
+        """Start this node's other ranks as workers and open the group as rank 0."""
+        tp = self.config.tensor_parallel_size
+        if launch.node_rank != 0:
+            raise ValueError("only node 0 runs the engine; other nodes run workers only")
+        launch = launch.with_port()
+        ranks = launch.node_ranks(tp)
+        if self.device.type == "cpu":  # put back by close()
+            self._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(cpu_threads_per_rank(len(ranks)))
+        workers = LocalWorkers(self.config, launch, ranks[1:], tp, self._worker_lost)
+        try:
+            assert launch.master_port is not None
+            group = TensorGroup.join(0, tp, launch.master_addr, launch.master_port, self.device)
+        except BaseException:
+            workers.stop(timeout=0)
+            raise
+        return group, workers
+
+    def _worker_lost(self, why: str) -> None:  # in a watcher thread
+        if self.on_worker_lost is not None:
+            self.on_worker_lost(why)
+
+    def keepalive(self) -> None:
+        """Exchange an empty message with the workers: an idle rank 0 learns that a
+        worker on another node died (``GroupFailedError``), and no worker's wait for
+        the next step runs into its timeout."""
+        if self.group is not None:
+            self.group.broadcast(KEEPALIVE)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (they leave after the stop message) and the
+        KV-event publisher. Idempotent."""
+        group, workers = self.group, self.workers
+        self.group = self.workers = None
+        if group is not None:
+            # The workers' stop message (a worker already gone: the others leave alone).
+            with contextlib.suppress(GroupFailedError):
+                group.broadcast(None)
+            group.close()
+        if workers is not None:
+            workers.stop(timeout=0 if group is None else STOP_GRACE_SECONDS)
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+            self._saved_threads = None
+        if getattr(self, "kv_events", None) is not None:
+            assert self.kv_events is not None
+            self.kv_events.close()
+            self.kv_events = None
 
     def _lora_manager(self) -> LoRAManager:
         from kvserve.lora.layers import LoRALayers

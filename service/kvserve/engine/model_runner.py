@@ -1,4 +1,11 @@
-"""Turns a scheduled batch into one forward pass and samples the next tokens."""
+"""Turns a scheduled batch into one forward pass and samples the next tokens.
+
+With tensor parallelism this runner is rank 0's: before each forward pass it broadcasts
+the step's model input to the workers, whose runners ``follow`` it through the same
+forward pass (and the logits' gather), so every rank runs every collective in the same
+order. Calibration (fp8 KV scales) needs no broadcast: each rank runs the same fixed
+prefill when it allocates its cache.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.outputs import RequestMetrics
+from kvserve.parallel.group import TensorGroup, to_device
 from kvserve.sample.sampler import Sampler, StepTokens
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.bitmask import TokenMasker
@@ -38,6 +46,10 @@ _SCORE_PARAMS = SamplingParams(max_tokens=1, temperature=0)
 # tokens, with this much room above the largest |key| / |value| seen there.
 KV_CALIBRATION_TOKENS = 256
 KV_SCALE_HEADROOM = 8.0
+
+
+# The messages rank 0 broadcasts besides steps: a keepalive while idle (and None: stop).
+KEEPALIVE = "keepalive"
 
 
 @dataclass
@@ -63,14 +75,18 @@ class ModelRunner:
         seed: int,
         quantization: str | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        group: TensorGroup | None = None,
     ) -> None:
-        self.config = config
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.max_model_len = max_model_len
         self.device = device
         self.block_size = block_size
-        self.model = load_model(model_dir, config, dtype, device, quantization)
+        self.group = group if group is not None and group.size > 1 else None
+        self.model = load_model(model_dir, config, dtype, device, quantization, self.group)
+        # This rank's shapes (its heads and KV heads with tensor parallelism): the KV
+        # cache and the gathers are sized from them.
+        self.config = self.model.local
         self.rope = RotaryEmbedding(config, max_model_len, device)
         self.sampler = Sampler(device, seed)
         self.token_masker = TokenMasker()  # structured outputs' masks (and their cost)
@@ -143,8 +159,9 @@ class ModelRunner:
 
         ``lora_slots``: each request's LoRA slot (-1: the base model), with LoRA on."""
         inp = self.prepare(batch, tables, lora_slots)
-        hidden = self._forward(inp)
         reqs = inp.sample_requests
+        self._lead(inp, inp.sample_indices if reqs else None)
+        hidden = self._forward(inp)
         if not reqs:
             return [], StepTokens([], [])
         speculative = any(r.spec_token_ids for r in reqs)
@@ -164,8 +181,26 @@ class ModelRunner:
         for the request whose blocks ``tables`` holds under ``request_id``."""
         req = Request(request_id, list(token_ids), _SCORE_PARAMS, RequestMetrics(0.0))
         inp = self.prepare([(req, len(token_ids))], tables, {request_id: -1})
+        self._lead(inp, torch.arange(len(token_ids), device=self.device))
         hidden = self._forward(inp)
         return torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+
+    def _lead(self, inp: ModelInput, logit_rows: torch.Tensor | None) -> None:
+        """With tensor parallelism: send the workers this step (without its requests)
+        and the hidden rows whose logits rank 0 will gather."""
+        if self.group is not None:
+            step = ModelInput(inp.input_ids, inp.positions, inp.meta, inp.sample_indices, [])
+            self.group.broadcast((step, logit_rows))
+
+    @torch.inference_mode()
+    def follow(self, message: object) -> None:
+        """A worker rank: run one message of rank 0's (``_lead``, or a keepalive)."""
+        if message == KEEPALIVE:
+            return
+        inp, logit_rows = to_device(message, self.device)
+        hidden = self._forward(inp)
+        if logit_rows is not None:
+            self.model.compute_logits(hidden.index_select(0, logit_rows))
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
         if self.lora is not None:

@@ -5,6 +5,12 @@ The differences between those families are flags in ``ModelConfig``: q/k/v bias
 tied embeddings. Q/K/V and gate/up projections are fused into one matmul each; the
 loader fills them from the checkpoint's separate Hugging Face tensors. With
 ``quantization="int8"`` the projections hold int8 weights (``quant``).
+
+With a ``TensorGroup`` of more than one rank the model is one rank's slice
+(``kvserve.parallel.shard``): its layers are built with the rank's heads and
+intermediate size, o_proj and down_proj outputs are all-reduced (their biases are
+loaded on rank 0 only, so they are added once), the embedding looks up the rank's
+vocabulary rows and is all-reduced, and the LM head's logits are gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -20,6 +26,14 @@ from kvserve.model.attention import AttentionMetadata, KVCache, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.quant import Int8Weight
 from kvserve.model.rope import apply_rotary
+from kvserve.parallel.group import TensorGroup
+from kvserve.parallel.shard import local_config, vocab_rows
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -80,8 +94,11 @@ class Linear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+    """``c``: this rank's shapes; ``reduce`` sums o_proj's partial outputs over ranks."""
+
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, reduce: Reduce = _identity) -> None:
         super().__init__()
+        self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = c.q_size, c.kv_size
         self.scale = c.head_dim**-0.5
@@ -111,28 +128,29 @@ class Attention(nn.Module):
             )
             q, k = qk[:, :heads], qk[:, heads:]
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out)  # type: ignore[no-any-return]
+        return self.reduce(self.o_proj(out))
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, reduce: Reduce = _identity) -> None:
         super().__init__()
+        self.reduce = reduce
         self.intermediate_size = c.intermediate_size
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, dtype)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, c.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+        return self.reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, reduce: Reduce = _identity) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.self_attn = Attention(c, dtype)
+        self.self_attn = Attention(c, dtype, reduce)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = MLP(c, dtype)
+        self.mlp = MLP(c, dtype, reduce)
 
     def forward(
         self,
@@ -147,16 +165,24 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, group: TensorGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.group = group if group is not None and group.size > 1 else None
+        tp = 1 if self.group is None else self.group.size
+        self.local = local_config(config, tp)  # this rank's heads and intermediate size
+        rows = vocab_rows(config.vocab_size, tp)
+        reduce = _identity if self.group is None else self.group.all_reduce
+        self.vocab = range(config.vocab_size) if group is None else group.shard.vocab(config)
+        self.embed_tokens = _param(rows, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(self.local, dtype, reduce) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+            None if config.tie_word_embeddings else _param(rows, config.hidden_size, dtype=dtype)
         )
         self.packed_lm_head: torch.Tensor | None = None
 
@@ -168,16 +194,32 @@ class CausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self._embed(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)  # type: ignore[no-any-return]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocabulary-parallel: each rank looks up the ids in its rows, zeros the others,
+        # and the all-reduce assembles every token's embedding.
+        local = input_ids - self.vocab.start
+        outside = (local < 0) | (local >= len(self.vocab))
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self.group.all_reduce(x.masked_fill_(outside[:, None], 0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the vocabulary (with tensor parallelism: on rank 0; every
+        rank must call it, the other ranks get their slice)."""
         if self.packed_lm_head is not None:
-            return cpu_gemm.linear(hidden, self.packed_lm_head, None).float()
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+            logits = cpu_gemm.linear(hidden, self.packed_lm_head, None).float()
+        else:
+            weight = self.embed_tokens if self.lm_head is None else self.lm_head
+            logits = F.linear(hidden, weight).float()
+        if self.group is None:
+            return logits
+        return self.group.gather_logits(logits, self.config.vocab_size)
 
     def quantize_int8(self, kernel: str = "auto") -> None:
         """int8 weights for every decoder projection (q/k/v, o, gate/up, down); the

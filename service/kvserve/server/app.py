@@ -142,8 +142,9 @@ def create_app(
             if grpc_server is not None:
                 await grpc_server.stop(grace=1.0)
             await async_engine.stop()
-            if engine.kv_events is not None:  # the engine has stopped: send what is queued
-                engine.kv_events.close()
+            # The engine thread has stopped: send the queued KV events, stop the
+            # tensor-parallel workers.
+            engine.close()
             # Last: Prometheus may read the figures until the engine has stopped.
             if listener is not None:
                 await listener.stop()

@@ -14,6 +14,7 @@ from kvserve.openai.http_limits import HttpLimits, protocol_with
 from kvserve.openai.reasoning import REASONING_PARSERS
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.openai.tool_parsers import TOOL_CALL_PARSERS
+from kvserve.parallel.launch import DEFAULT_MASTER_PORT, Launch
 from kvserve.sampling_params import StopLimits
 from kvserve.telemetry.vllm_compat import METRICS_COMPAT
 
@@ -64,6 +65,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         help="split <think>...</think> into reasoning_content (default: none)",
+    )
+    g = p.add_argument_group(
+        "multi-node tensor parallelism",
+        "a group of --tensor-parallel-size ranks over several nodes (pods), each running "
+        "tensor-parallel-size / nnodes of them; node 0 serves the API, the others only "
+        "/health. In a LeaderWorkerSet the defaults come from LWS_GROUP_SIZE, "
+        "LWS_WORKER_INDEX and LWS_LEADER_ADDRESS (docs/engine.md, 'Tensor parallelism')",
+    )
+    g.add_argument("--nnodes", type=int, help="nodes in the group (default: 1)")
+    g.add_argument("--node-rank", type=int, help="this node's index, 0 leads (default: 0)")
+    g.add_argument("--master-addr", help="node 0's address (default: 127.0.0.1)")
+    g.add_argument(
+        "--master-port",
+        type=int,
+        help=f"node 0's rendezvous port (default: {DEFAULT_MASTER_PORT} with several "
+        "nodes, a free one with one node)",
     )
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument(
@@ -149,12 +166,22 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print("no --model given: serving the bundled demo model", file=sys.stderr)
     name = args.served_model_name or Path(args.model).resolve().name
+    try:
+        engine_config = engine_options.config_from_args(args)
+        launch = Launch.resolve(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        launch.node_ranks(engine_config.tensor_parallel_size)  # splits evenly, or an error
+    except ValueError as exc:
+        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    if launch.node_rank > 0:
+        from kvserve.parallel.node import serve_worker_node
+
+        return serve_worker_node(engine_config, launch, args.host, args.port)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        engine_config = engine_options.config_from_args(args)
         # In a thread that exits when loading is done; see kvserve.engine.cpu_threads.
-        engine = call_in_short_lived_thread(LLMEngine, engine_config)
+        engine = call_in_short_lived_thread(LLMEngine, engine_config, time.monotonic, launch)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -164,7 +191,13 @@ def run(args: argparse.Namespace) -> int:
         f"({str(engine.dtype).removeprefix('torch.')}); KV cache: {engine.num_kv_blocks} blocks "
         f"of {bs} tokens = {engine.num_kv_blocks * bs:,} tokens "
         f"({str(engine.kv_cache_dtype).removeprefix('torch.')}); max_model_len "
-        f"{engine.max_model_len}",
+        f"{engine.max_model_len}"
+        + (
+            f"; {engine.config.tensor_parallel_size} tensor-parallel ranks (each holds that "
+            "many blocks of its own KV heads)"
+            if engine.group is not None
+            else ""
+        ),
         file=sys.stderr,
         flush=True,
     )
@@ -211,8 +244,10 @@ def run(args: argparse.Namespace) -> int:
         http=protocol_with(limits),
     )
     freeze_startup_heap()
-    DrainingServer(config, app.state.kvserve, args.drain_timeout).run()
-    return 0
+    server = DrainingServer(config, app.state.kvserve, args.drain_timeout)
+    app.state.kvserve.engine.hooks.on_dead = server.engine_died
+    server.run()
+    return server.exit_code
 
 
 def lora_problem(args: argparse.Namespace) -> str | None:

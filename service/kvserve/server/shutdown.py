@@ -26,6 +26,9 @@ class DrainingServer(uvicorn.Server):
     quietly, with exit 0. (uvicorn's own second-signal exit cancels the lifespan and the
     open requests mid-await, which printed tracebacks and could abort the process in
     gRPC's threads.) A third signal exits at once with status 1.
+
+    If the engine dies (``engine_died``; e.g. a tensor-parallel worker was lost) the
+    server shuts down at once and ``exit_code`` is 1, so the pod is restarted.
     """
 
     def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
@@ -35,6 +38,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self._drain_ended = False
+        self.exit_code = 0
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -67,6 +71,12 @@ class DrainingServer(uvicorn.Server):
             self.drain_timeout,
         )
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    def engine_died(self, exc: BaseException) -> None:  # in the engine thread
+        log.error("the engine stopped (%s): shutting down with status 1", exc)
+        self.exit_code = 1
+        self.state.admitting = False
+        self.should_exit = True
 
     def _end_drain(self) -> None:  # on the event loop
         self.state.engine.abort_all()

@@ -1,0 +1,1 @@
+"""Tensor parallelism: how a model is split over ranks, and the ranks' processes."""
