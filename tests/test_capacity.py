@@ -43,6 +43,11 @@ JSON_KEYS = {
     "slots",
     "decode_lower_bound_ms",
     "max_kv_tokens",
+    "tensor_parallel_size",
+    "rank_params",
+    "rank_weight_bytes",
+    "rank_kv_bytes_per_token",
+    "rank_kv_bytes",
 }
 
 
@@ -199,6 +204,91 @@ def test_weights_do_not_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert out == ""
     assert err.startswith("kvserve calc: error: ")
     assert "do not fit" in err and "14.95 GiB" in err and "8 GiB" in err
+
+
+# ---- tensor parallelism ------------------------------------------------------------------
+
+
+def test_tp1_rank_figures_are_the_whole_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = calc_json(tmp_path, LLAMA_8B, capsys, "--tokens", "100")
+    assert r["tensor_parallel_size"] == 1
+    assert r["rank_params"] == r["params"] == LLAMA_8B_PARAMS
+    assert r["rank_weight_bytes"] == r["weight_bytes"]
+    assert r["rank_kv_bytes_per_token"] == r["kv_bytes_per_token"] == LLAMA_8B_KV_BF16
+    assert r["rank_kv_bytes"] == r["kv_bytes"]
+
+
+def test_tp_splits_weights_and_kv_per_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    whole = calc_json(tmp_path, LLAMA_8B, capsys, "--tokens", "100")
+    r = calc_json(
+        tmp_path, LLAMA_8B, capsys, "--tokens", "100", "--tensor-parallel-size", "4",
+        "--memory-gib", "20", "--bandwidth-gbps", "1000",
+    )  # fmt: skip
+    assert r["tensor_parallel_size"] == 4
+    # The whole model's figures do not change with the split.
+    for key in ("params", "weight_bytes", "kv_bytes_per_token", "kv_bytes", "blocks"):
+        assert r[key] == whole[key], key
+    # 8 KV heads over 4 ranks: 2 each, a quarter of the KV.
+    assert r["rank_kv_bytes_per_token"] == LLAMA_8B_KV_BF16 // 4
+    assert r["rank_kv_bytes"] == 100 * LLAMA_8B_KV_BF16 // 4
+    # Everything is split except the norms (replicated): a quarter, plus 3/4 of them.
+    h, layers = 4096, 32
+    norms = (2 * layers + 1) * h
+    assert r["rank_params"] == (LLAMA_8B_PARAMS - norms) // 4 + norms
+    assert r["rank_weight_bytes"] == 2 * r["rank_params"]
+    # --memory-gib is one rank's memory: its weights and its KV.
+    assert r["max_kv_tokens"] == (20 * 2**30 - r["rank_weight_bytes"]) // (LLAMA_8B_KV_BF16 // 4)
+    per_rank = (r["rank_weight_bytes"] + r["rank_kv_bytes"]) / 1e12 * 1000
+    assert r["decode_lower_bound_ms"] == pytest.approx(per_rank)
+
+
+def test_tp_beyond_kv_heads_replicates_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 16 ranks, 8 KV heads: every rank stores one KV head (each one on two ranks).
+    r = calc_json(tmp_path, LLAMA_8B, capsys, "--tensor-parallel-size", "16")
+    assert r["rank_kv_bytes_per_token"] == LLAMA_8B_KV_BF16 // 8
+
+
+def test_tp_table_shows_rank_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_config(tmp_path, LLAMA_8B)
+    rc, out, err = calc(
+        ["--config", str(path), "--tensor-parallel-size", "2", "--memory-gib", "20"], capsys
+    )
+    assert rc == 0, err
+    assert "2 ranks; the figures below are one rank's" in out
+    assert "rank weights" in out and "rank KV per token    64.00 KiB (65,536 bytes)" in out
+    assert "GiB per rank after weights" in out
+    rc, out, err = calc(["--config", str(path)], capsys)
+    assert rc == 0 and "rank" not in out
+
+
+def test_unshardable_tp_refused_with_the_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_config(tmp_path, LLAMA_8B)
+    rc, out, err = calc(["--config", str(path), "--tensor-parallel-size", "3"], capsys)
+    assert (rc, out) == (2, "")
+    assert err.startswith("kvserve calc: error: cannot shard LlamaForCausalLM")
+    assert "num_attention_heads=32 is not divisible by 3" in err
+    assert "intermediate_size=14336 is not divisible by 3" in err
+    for bad in ("0", "-2"):
+        rc, out, err = calc(["--config", str(path), "--tensor-parallel-size", bad], capsys)
+        assert (rc, out) == (2, "") and "tensor_parallel_size must be" in err
+
+
+def test_weights_of_one_rank_do_not_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_config(tmp_path, LLAMA_8B)
+    argv = ["--config", str(path), "--memory-gib", "3", "--tensor-parallel-size", "4"]
+    rc, out, err = calc(argv, capsys)
+    assert (rc, out) == (2, "")
+    assert "one rank's weights (of 4)" in err and "3 GiB" in err
+    rc, _, err = calc([*argv[:-1], "8"], capsys)
+    assert rc == 0, err
 
 
 def test_num_kv_blocks() -> None:

@@ -33,9 +33,12 @@ def capacity_status(
 ) -> dict[str, Any]:
     """status.capacity for one replica; raises ValueError (for status.capacityError).
 
-    Memory per replica = gpus × gpuMemoryGiB × kvCacheMemoryFraction, as the engine
-    budgets ``--gpu-memory-utilization`` of the GPU for weights plus KV cache.
-    tokensPerReplica is rounded down to whole KV blocks, as the engine's pool is.
+    The model is sharded over ``spec.tensor_parallel_size`` ranks, one GPU each, and
+    every rank holds every token's KV for its own heads, so one rank's GPU decides:
+    memory per rank = gpuMemoryGiB × kvCacheMemoryFraction, as the engine budgets
+    ``--gpu-memory-utilization`` of its GPU for its weights plus KV cache. weightBytes
+    and kvBytesPerToken are one rank's. tokensPerReplica is rounded down to whole KV
+    blocks, as the engine's pool is.
     """
     r = spec.resources
     if r.gpus < 1:
@@ -51,12 +54,15 @@ def capacity_status(
         raise ValueError(f"config.json is malformed: {type(e).__name__}: {e}") from None
 
     dtype = serving_dtype(config, spec)
-    memory_gib = r.gpus * r.gpu_memory_gib * spec.engine.kv_cache_memory_fraction
+    tp = spec.tensor_parallel_size
+    memory_gib = r.gpu_memory_gib * spec.engine.kv_cache_memory_fraction
     block_size = spec.engine.block_size
     budget = (
-        f"{r.gpus} × {r.gpu_memory_gib:g} GiB × kvCacheMemoryFraction "
-        f"{spec.engine.kv_cache_memory_fraction:g} = {memory_gib:g} GiB per replica"
+        f"{r.gpu_memory_gib:g} GiB × kvCacheMemoryFraction "
+        f"{spec.engine.kv_cache_memory_fraction:g} = {memory_gib:g} GiB per GPU"
     )
+    if tp > 1:
+        budget += f", one rank of tensorParallelSize {tp}"
     try:
         report = estimate(
             config,
@@ -66,6 +72,7 @@ def capacity_status(
             quantization=spec.engine.quantization,
             # auto: the weights' dtype; fp8_e4m3 / fp8_e5m2: 1 byte (docs/engine.md).
             kv_dtype=None if spec.engine.kv_cache_dtype == "auto" else "fp8",
+            tensor_parallel_size=tp,
         )
     except ValueError as e:
         raise ValueError(f"{e} ({budget})") from None
@@ -74,11 +81,12 @@ def capacity_status(
     if tokens < 1:
         raise ValueError(
             f"no KV-cache block of {block_size} tokens fits beside "
-            f"{report.weight_bytes / 2**30:.2f} GiB of weights ({dtype}) in {budget}"
+            f"{report.rank_weight_bytes / 2**30:.2f} GiB of weights ({dtype}) in {budget}"
         )
     return {
-        "weightBytes": report.weight_bytes,
-        "kvBytesPerToken": report.kv_bytes_per_token,
+        "tensorParallelSize": tp,
+        "weightBytes": report.rank_weight_bytes,
+        "kvBytesPerToken": report.rank_kv_bytes_per_token,
         "tokensPerReplica": tokens,
         "source": source,
     }

@@ -29,3 +29,13 @@ INFERENCE_POOL_API_VERSION: Final = f"{INFERENCE_POOL_GROUP}/{INFERENCE_POOL_VER
 INFERENCE_POOL_KIND: Final = "InferencePool"
 INFERENCE_POOL_PLURAL: Final = "inferencepools"
 INFERENCE_POOL_CRD_NAME: Final = f"{INFERENCE_POOL_PLURAL}.{INFERENCE_POOL_GROUP}"
+
+# The LeaderWorkerSet (sigs.k8s.io/lws) that runs a model of several pods per replica
+# (spec.nodes > 1). Its CRD comes from the LWS project; the operator only writes objects
+# of it, and refuses such a model while the API server does not serve it.
+LWS_GROUP: Final = "leaderworkerset.x-k8s.io"
+LWS_VERSION: Final = "v1"
+LWS_API_VERSION: Final = f"{LWS_GROUP}/{LWS_VERSION}"
+LWS_KIND: Final = "LeaderWorkerSet"
+LWS_PLURAL: Final = "leaderworkersets"
+LWS_CRD_NAME: Final = f"{LWS_PLURAL}.{LWS_GROUP}"

@@ -21,12 +21,14 @@ import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from kvserve.engine_options import crd_properties
 from kvserve.observability.generated import sync_files
 from kvserve_operator.constants import CRD_NAME
+from kvserve_operator.spec import DERIVED_ENGINE_OPTIONS
 
 SOURCE = "operator/kvserve_operator/manifests/crd.yaml"
 CHART_COPY = f"charts/kvserve/crds/{CRD_NAME}.yaml"
@@ -51,6 +53,16 @@ ENGINE_BEGIN = "# engine options: generated from kvserve.config.EngineConfig"
 ENGINE_END = "# engine options: end"
 
 
+def engine_properties() -> dict[str, Any]:
+    """The engine options' CRD properties, less the defaults of those the operator
+    derives when they are unset (``spec.DERIVED_ENGINE_OPTIONS``)."""
+    props = crd_properties()
+    for name, unset in DERIVED_ENGINE_OPTIONS.items():
+        del props[name]["default"]
+        props[name]["description"] += f" {unset}"
+    return props
+
+
 def with_engine_options(source: str) -> str:
     """``source`` with its engine-options block made anew from the engine's schema."""
     lines = source.splitlines(keepends=True)
@@ -58,7 +70,7 @@ def with_engine_options(source: str) -> str:
     end = next(i for i, line in enumerate(lines) if line.strip() == ENGINE_END)
     indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
     # One line per description: folding would depend on the block's indentation.
-    block = yaml.safe_dump(crd_properties(), sort_keys=False, width=10_000, allow_unicode=True)
+    block = yaml.safe_dump(engine_properties(), sort_keys=False, width=10_000, allow_unicode=True)
     body = "".join(f"{indent}{line}\n" if line else "\n" for line in block.splitlines())
     return "".join(lines[: begin + 1]) + body + "".join(lines[end:])
 

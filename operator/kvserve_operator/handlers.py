@@ -17,7 +17,17 @@ from kubernetes.client.exceptions import ApiException
 
 from kvserve_operator import metrics
 from kvserve_operator.config import OperatorConfig, config_from_env
-from kvserve_operator.constants import GROUP, KIND, MANAGED_BY_LABEL, OPERATOR_NAME, PLURAL, VERSION
+from kvserve_operator.constants import (
+    GROUP,
+    KIND,
+    LWS_GROUP,
+    LWS_PLURAL,
+    LWS_VERSION,
+    MANAGED_BY_LABEL,
+    OPERATOR_NAME,
+    PLURAL,
+    VERSION,
+)
 from kvserve_operator.kube import Kube, load_config
 from kvserve_operator.reconcile import Reconciler, SpecInvalid
 
@@ -138,6 +148,20 @@ def deployment_event(
     memo: Any, event: kopf.RawEvent, body: kopf.Body, logger: Log, **_: Any
 ) -> None:
     """A child Deployment changed (status, a manual edit) or was deleted: reconcile its owner."""
+    _child_event(memo, event, body, logger, "deployment")
+
+
+# Kopf serves this once the LeaderWorkerSet CRD exists (it warns "Unresolved resources"
+# until then and watches the CRDs for it), so a cluster without LWS runs as before.
+@kopf.on.event(LWS_GROUP, LWS_VERSION, LWS_PLURAL, labels={MANAGED_BY_LABEL: OPERATOR_NAME})
+def leader_worker_set_event(
+    memo: Any, event: kopf.RawEvent, body: kopf.Body, logger: Log, **_: Any
+) -> None:
+    """A child LeaderWorkerSet (spec.nodes > 1) changed or was deleted: reconcile its owner."""
+    _child_event(memo, event, body, logger, "leaderworkerset")
+
+
+def _child_event(memo: Any, event: kopf.RawEvent, body: kopf.Body, logger: Log, kind: str) -> None:
     owner = next(
         (
             ref
@@ -150,11 +174,11 @@ def deployment_event(
         return
     try:
         memo.reconciler.reconcile(
-            body.metadata.namespace, owner["name"], f"deployment-{event['type']}".lower(), logger
+            body.metadata.namespace, owner["name"], f"{kind}-{event['type']}".lower(), logger
         )
     except (SpecInvalid, ApiException) as error:
         # The owner's own handlers retry; an event handler must not crash the watch.
-        logger.warning("reconcile after a Deployment event failed: %s", error)
+        logger.warning("reconcile after a %s event failed: %s", kind, error)
 
 
 @kopf.on.probe(id="reconciler")

@@ -21,6 +21,9 @@ from kvserve_operator.constants import (
     INFERENCE_POOL_KIND,
     INFERENCE_POOL_PLURAL,
     KIND,
+    LWS_API_VERSION,
+    LWS_KIND,
+    LWS_PLURAL,
     PLURAL,
 )
 
@@ -32,6 +35,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Pod"): "pods",
     ("v1", "ConfigMap"): "configmaps",
     (INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND): INFERENCE_POOL_PLURAL,
+    (LWS_API_VERSION, LWS_KIND): LWS_PLURAL,
 }
 
 
@@ -105,6 +109,19 @@ class Kube:
             if error.status == 404:
                 return None
             raise
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves ``kind`` (its CRD is installed), from the API
+        group's discovery document, which every authenticated client may read. (A 404
+        on an object cannot tell a missing CRD from a missing object.)"""
+        try:
+            found = self._call("GET", f"/apis/{api_version}")
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        plural = PLURALS[(api_version, kind)]
+        return any(r.get("name") == plural for r in found.get("resources") or [])
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete one object; False when it was not there."""

@@ -42,6 +42,9 @@ from kvserve_operator.constants import (
     INFERENCE_POOL_CRD_NAME,
     INFERENCE_POOL_KIND,
     KIND,
+    LWS_API_VERSION,
+    LWS_CRD_NAME,
+    LWS_KIND,
 )
 from kvserve_operator.kube import Kube
 from kvserve_operator.render import (
@@ -59,6 +62,7 @@ from kvserve_operator.spec import (
     parse_spec,
 )
 from kvserve_operator.status import (
+    LWS_CRD_MISSING,
     POOL_CRD_MISSING,
     POOL_FORBIDDEN,
     adapters_status,
@@ -68,6 +72,15 @@ from kvserve_operator.status import (
 )
 
 Log = logging.Logger | logging.LoggerAdapter[Any]
+
+# The two kinds of engine workload: (apiVersion, kind).
+DEPLOYMENT = ("apps/v1", "Deployment")
+LWS = (LWS_API_VERSION, LWS_KIND)
+
+
+def workload_of(spec: InferenceModelSpec) -> tuple[str, str]:
+    """What runs the engine pods: a Deployment, or a LeaderWorkerSet with spec.nodes > 1."""
+    return LWS if spec.nodes > 1 else DEPLOYMENT
 
 
 class SpecInvalid(Exception):
@@ -156,7 +169,9 @@ class Reconciler:
         except SpecError as invalid:
             # Past the API server's schema but not renderable: say so in status and stop
             # retrying until the spec changes.
-            deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
+            deployment = self._get_optional(*DEPLOYMENT, namespace, name) or self._get_optional(
+                *LWS, namespace, name
+            )
             status = self._status(
                 int(previous.get("observedGeneration") or 0),
                 int((deployment or {}).get("spec", {}).get("replicas") or 0),
@@ -170,18 +185,26 @@ class Reconciler:
         metrics.DESIRED_REPLICAS.labels(namespace, name).set(replicas)
         error: str | None = None
         applied = False
-        try:
-            for child in children:
-                self.kube.apply(child)
-            applied = True
-        except ApiException as exc:
-            error = f"apply failed: {_api_reason(exc)}"
-            logger.error("reconcile of %s/%s failed: %s", namespace, name, error)
-        pool = self._inference_pool(namespace, name, meta["uid"], spec, previous, logger)
-        if pool.error is not None and error is None:
-            error = pool.error
+        workload = workload_of(spec)
+        refused = self._refusal(spec)
+        if refused is not None:
+            # Nothing is rendered (what exists already is left as it is) until the API
+            # server serves what the spec needs; the drift timer looks again.
+            pool = PoolOutcome(previous.get("inferencePool"), refused, None)
+        else:
+            try:
+                for child in children:
+                    self.kube.apply(child)
+                self._remove_other_workload(namespace, name, workload, logger)
+                applied = True
+            except ApiException as exc:
+                error = f"apply failed: {_api_reason(exc)}"
+                logger.error("reconcile of %s/%s failed: %s", namespace, name, error)
+            pool = self._inference_pool(namespace, name, meta["uid"], spec, previous, logger)
+            if pool.error is not None and error is None:
+                error = pool.error
 
-        deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
+        deployment = self.kube.get(*workload, namespace, name)
         status = self._status(
             generation if applied else previous.get("observedGeneration", 0),
             replicas,
@@ -189,6 +212,7 @@ class Reconciler:
             previous,
             error,
             pool.problem,
+            workload[1],
         )
         status["selector"] = selector_string(name)
         status["endpoint"] = endpoint_status(name, namespace, self.config.render)
@@ -208,6 +232,7 @@ class Reconciler:
         previous: Mapping[str, Any],
         error: str | None,
         pool_problem: tuple[str, str] | None = None,
+        workload_kind: str | None = None,
     ) -> dict[str, Any]:
         return compute_status(
             generation=int(generation),
@@ -217,7 +242,46 @@ class Reconciler:
             error=error,
             now=self.now(),
             pool_problem=pool_problem,
+            workload_kind=workload_kind or str((deployment or {}).get("kind") or "Deployment"),
         )
+
+    def _refusal(self, spec: InferenceModelSpec) -> tuple[str, str] | None:
+        """(reason, message) when the cluster cannot run ``spec``: with spec.nodes > 1,
+        an API server that does not serve LeaderWorkerSets."""
+        if spec.nodes == 1 or self.kube.serves(*LWS):
+            return None
+        return (
+            LWS_CRD_MISSING,
+            f"spec.nodes is {spec.nodes}, which needs a {LWS_API_VERSION} LeaderWorkerSet, "
+            f"but the API server does not serve it (CRD {LWS_CRD_NAME}): install "
+            f"LeaderWorkerSet (sigs.k8s.io/lws) in the cluster; the model is rendered "
+            f"once it is served",
+        )
+
+    def _get_optional(
+        self, api_version: str, kind: str, namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        """``get``, None also when the operator may not read the kind (a LeaderWorkerSet
+        under an older ClusterRole)."""
+        try:
+            return self.kube.get(api_version, kind, namespace, name)
+        except ApiException as exc:
+            if exc.status == 403:
+                return None
+            raise
+
+    def _remove_other_workload(
+        self, namespace: str, name: str, workload: tuple[str, str], logger: Log
+    ) -> None:
+        """After spec.nodes changed between 1 and more: delete the workload of the other
+        kind, now that this one is applied (its pods go at once: the kinds cannot hand
+        over pod by pod)."""
+        other = DEPLOYMENT if workload == LWS else LWS
+        found = self._get_optional(*other, namespace, name)
+        if found is None or not _owned_by_model(found):
+            return
+        logger.info("deleting %s %s/%s: replaced by a %s", other[1], namespace, name, workload[1])
+        self.kube.delete(*other, namespace, name)
 
     def _inference_pool(
         self,
@@ -447,6 +511,13 @@ def _enabled_autoscaling(im: Mapping[str, Any] | None) -> AutoscalingSpec | None
         # fixed, so a scaling decision could not take effect either.
         return None
     return spec.autoscaling if spec.autoscaling.enabled else None
+
+
+def _owned_by_model(obj: Mapping[str, Any]) -> bool:
+    return any(
+        ref.get("kind") == KIND and ref.get("controller")
+        for ref in (obj.get("metadata") or {}).get("ownerReferences") or []
+    )
 
 
 def _api_reason(exc: ApiException) -> str:

@@ -9,7 +9,11 @@ server-side apply does not count as a change.
 
 Children (all named after the InferenceModel, in its namespace, owned by it):
 
-- Deployment: the engine pods (init container ``model-pull`` + container ``engine``)
+- Deployment: the engine pods (init container ``model-pull`` + container ``engine``);
+  with spec.nodes > 1 a LeaderWorkerSet instead (``leaderworkerset.x-k8s.io/v1``): groups
+  of spec.nodes pods, the leader's template the Deployment's and the workers' the same
+  container answering only /health, with labels that keep them out of every selector
+  (Service, PDB, InferencePool, the operator's and the gateway's discovery)
 - Service: ClusterIP with ports http 8000, grpc 50051 and metrics 9090 (→ http)
 - PodDisruptionBudget: at most one engine pod evicted at a time
 - ConfigMap ``NAME-adapters`` (only with spec.lora or spec.adapters): spec.adapters as
@@ -35,6 +39,8 @@ from kvserve_operator.constants import (
     INFERENCE_POOL_API_VERSION,
     INFERENCE_POOL_KIND,
     KIND,
+    LWS_API_VERSION,
+    LWS_KIND,
     MANAGED_BY_LABEL,
     OPERATOR_NAME,
 )
@@ -68,6 +74,10 @@ POOL_LABEL = f"{GROUP}/inference-pool"
 # What the endpoint pickers of GIE and llm-d read by default: vLLM's metric names.
 POOL_ENGINE_ARGS: tuple[str, ...] = ("--metrics-compat", "vllm")
 ENGINE_APP_NAME = "kvserve-engine"
+# A LeaderWorkerSet's worker pods: not "kvserve-engine", so that no selector of engine
+# pods (Service, PDB, InferencePool, the operator's scrapes, the chart's PodMonitor)
+# picks a pod that serves nothing but /health.
+WORKER_APP_NAME = "kvserve-engine-worker"
 
 # preStop sleep: endpoints controllers and the gateway drop the pod before SIGTERM starts
 # the engine's drain, so no request is sent to an engine that has begun to exit (the
@@ -131,6 +141,18 @@ def pod_labels(name: str, spec: InferenceModelSpec) -> dict[str, str]:
     if spec.inference_pool.enabled:
         labels[POOL_LABEL] = name
     return labels
+
+
+def worker_labels(name: str) -> dict[str, str]:
+    """Labels of a LeaderWorkerSet's worker pods: the model's, but not the engine's
+    selector labels (``selector_labels``), which only leaders carry."""
+    return {
+        "app.kubernetes.io/name": WORKER_APP_NAME,
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "engine-worker",
+        MANAGED_BY_LABEL: OPERATOR_NAME,
+        MODEL_LABEL: name,
+    }
 
 
 def pool_selector_labels(name: str) -> dict[str, str]:
@@ -243,6 +265,7 @@ def adapters_config(spec: InferenceModelSpec) -> str:
 def engine_args(spec: InferenceModelSpec, model_dir: str, served_name: str) -> list[str]:
     """Arguments of ``kvserve serve`` (after the command); extraArgs come last."""
     e = spec.engine
+    options = {**e.engine_options(), "tensorParallelSize": spec.tensor_parallel_size}
     args = [
         "--model",
         model_dir,
@@ -259,7 +282,11 @@ def engine_args(spec: InferenceModelSpec, model_dir: str, served_name: str) -> l
         "--device",
         "cuda" if spec.resources.gpus > 0 else "cpu",
         # The engine options, by the engine's own schema (kvserve.engine_options).
-        *flags_from_spec(e.engine_options()),
+        *flags_from_spec(options),
+        # With several pods, each runs tensorParallelSize / nodes ranks; the
+        # LeaderWorkerSet's environment (LWS_LEADER_ADDRESS, LWS_WORKER_INDEX) gives the
+        # rendezvous address and each pod's rank.
+        *(["--nnodes", str(spec.nodes)] if spec.nodes > 1 else []),
         "--drain-timeout",
         str(e.drain_timeout_seconds),
         *lora_args(spec),
@@ -329,15 +356,9 @@ def _engine_resources(spec: InferenceModelSpec) -> dict[str, Any]:
     return out
 
 
-def render_deployment(
-    name: str,
-    namespace: str,
-    uid: str,
-    spec: InferenceModelSpec,
-    settings: OperatorSettings,
-    replicas: int,
-) -> dict[str, Any]:
-    """The engine Deployment: pull the model in an init container, then serve it."""
+def pod_template(name: str, spec: InferenceModelSpec, settings: OperatorSettings) -> dict[str, Any]:
+    """The engine pod's template (a Deployment's, or a LeaderWorkerSet's leader's): pull
+    the model in an init container, then serve it."""
     source = spec.source
     dest = _model_dir(source)
     image = spec.image or settings.engine_image
@@ -454,32 +475,89 @@ def render_deployment(
         pod_spec["priorityClassName"] = r.priority_class_name
 
     return {
+        "metadata": {
+            "labels": pod_labels(name, spec),
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(HTTP_PORT),
+                "prometheus.io/path": "/metrics",
+                SERVED_NAME_ANNOTATION: name_served,
+            },
+        },
+        "spec": pod_spec,
+    }
+
+
+# Zero downtime: a new pod (group) must be ready before an old one goes, so capacity
+# never drops below spec.replicas. A surge of one keeps what a rollout needs beyond
+# spec.replicas to one replica's GPUs (a larger surge would be faster only where that
+# many more GPUs are free).
+ROLLING_UPDATE = {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def render_deployment(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: InferenceModelSpec,
+    settings: OperatorSettings,
+    replicas: int,
+) -> dict[str, Any]:
+    """The engine Deployment (spec.nodes 1)."""
+    return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(name, namespace, uid),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(name)},
-            # Zero downtime: a new pod must be ready before an old one goes, so capacity
-            # never drops below spec.replicas. A surge of one keeps what a rollout needs
-            # beyond spec.replicas to one replica's GPUs (a larger surge would be faster
-            # only where that many more GPUs are free).
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": dict(ROLLING_UPDATE)},
             "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
-            "template": {
-                "metadata": {
-                    "labels": pod_labels(name, spec),
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(HTTP_PORT),
-                        "prometheus.io/path": "/metrics",
-                        SERVED_NAME_ANNOTATION: name_served,
-                    },
-                },
-                "spec": pod_spec,
+            "template": pod_template(name, spec, settings),
+        },
+    }
+
+
+def worker_template(leader: dict[str, Any], name: str) -> dict[str, Any]:
+    """A LeaderWorkerSet's worker pod, from its leader's template: the same engine
+    container, volumes and arguments (its rank comes from LWS_WORKER_INDEX), but its
+    probes on /health (a worker serves nothing else) and labels outside every engine
+    selector (``worker_labels``)."""
+    spec = json.loads(json.dumps(leader["spec"]))  # a deep copy of plain JSON
+    (engine,) = (c for c in spec["containers"] if c["name"] == "engine")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        engine[probe]["httpGet"]["path"] = "/health"
+    # Only the leader serves the API; a worker's gRPC port would be a lie.
+    engine["ports"] = [p for p in engine["ports"] if p["name"] == "http"]
+    return {"metadata": {"labels": worker_labels(name)}, "spec": spec}
+
+
+def as_leader_worker_set(deployment: dict[str, Any], nodes: int) -> dict[str, Any]:
+    """The engine LeaderWorkerSet (spec.nodes > 1) in place of ``deployment``: as many
+    groups of ``nodes`` pods as it has replicas, the leader pod its pod (same labels,
+    probes and ports), so everything that selects engine pods selects the leaders; the
+    workers join the leader's torch.distributed group."""
+    leader = deployment["spec"]["template"]
+    name = deployment["metadata"]["name"]
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": LWS_KIND,
+        "metadata": deployment["metadata"],
+        "spec": {
+            "replicas": deployment["spec"]["replicas"],
+            # Workers start with the leader: their ranks rendezvous at it while it loads.
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": dict(ROLLING_UPDATE),
+            },
+            "leaderWorkerTemplate": {
+                "size": nodes,
+                # A torch.distributed group does not survive the loss of one rank: a pod
+                # that restarts takes its whole group down and up again.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": leader,
+                "workerTemplate": worker_template(leader, name),
             },
         },
     }
@@ -556,16 +634,24 @@ def render_service(name: str, namespace: str, uid: str, spec: InferenceModelSpec
     }
 
 
+def pdb_selector_labels(name: str, spec: InferenceModelSpec) -> dict[str, str]:
+    """The engine pods, and with spec.nodes > 1 the workers too: evicting a worker takes
+    its whole group down, as evicting its leader does."""
+    if spec.nodes > 1:
+        return {"app.kubernetes.io/instance": name, MODEL_LABEL: name}
+    return selector_labels(name)
+
+
 def render_pdb(name: str, namespace: str, uid: str, spec: InferenceModelSpec) -> dict[str, Any]:
     """Node drains evict at most one engine pod at a time (each drains as on any
-    deletion: preStop, SIGTERM, drain). Rollouts are paced by the Deployment's strategy,
-    not by this budget."""
+    deletion: preStop, SIGTERM, drain). Rollouts are paced by the Deployment's (or the
+    LeaderWorkerSet's) strategy, not by this budget."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(name, namespace, uid),
         "spec": {
-            "selector": {"matchLabels": selector_labels(name)},
+            "selector": {"matchLabels": pdb_selector_labels(name, spec)},
             "maxUnavailable": 1,
             # A pod that never became ready (stuck loading) must not block a drain.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
@@ -616,13 +702,15 @@ def render_children(
     replicas: int,
 ) -> list[dict[str, Any]]:
     """The adapters' ConfigMap (with LoRA on: the pods mount it, so it comes first), then
-    Deployment, Service and PodDisruptionBudget, in the order they should be applied."""
+    the Deployment (or LeaderWorkerSet), Service and PodDisruptionBudget, in the order
+    they should be applied."""
     check_name(name)
     check_adapter_names(spec.adapters, served_name(name, spec))
     config = [render_adapters_config_map(name, namespace, uid, spec)] if spec.lora_enabled else []
+    deployment = render_deployment(name, namespace, uid, spec, settings, replicas)
     return [
         *config,
-        render_deployment(name, namespace, uid, spec, settings, replicas),
+        as_leader_worker_set(deployment, spec.nodes) if spec.nodes > 1 else deployment,
         render_service(name, namespace, uid, spec),
         render_pdb(name, namespace, uid, spec),
     ]

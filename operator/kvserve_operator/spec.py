@@ -52,6 +52,25 @@ LORA_FLAGS: tuple[str, ...] = (
     "--lora-modules",
 )
 
+# `kvserve serve`'s tensor-parallel and multi-node launch flags.
+TP_FLAGS: tuple[str, ...] = (
+    "--tensor-parallel-size",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+)
+# Engine options of spec.engine that the operator derives from other fields when they
+# are unset, so the CRD gives them no default (an API-server default could not be told
+# apart from a value the user chose).
+# Each with what the CRD's description says of it.
+DERIVED_ENGINE_OPTIONS: dict[str, str] = {
+    "tensorParallelSize": (
+        "Unset: spec.resources.gpus × spec.nodes (spec.nodes without GPUs). Set: a "
+        "multiple of spec.nodes, with at most spec.resources.gpus ranks per pod."
+    ),
+}
+
 # `kvserve serve` flags that the operator derives itself: the Pod's ports, probes, drain
 # and the gateway's discovery depend on them, so spec.engine.extraArgs may not override
 # them (argparse keeps the last occurrence). The CRD refuses the same list.
@@ -68,6 +87,10 @@ OPERATOR_OWNED_FLAGS: tuple[str, ...] = (
     # spec.lora and spec.adapters: the adapter-sync sidecar writes into --lora-dir and
     # loads from it, so the engine must serve exactly the folder and limits rendered.
     *LORA_FLAGS,
+    # Tensor parallelism: the ranks follow spec.resources.gpus, spec.nodes and
+    # spec.engine.tensorParallelSize, and a LeaderWorkerSet's pods find their group
+    # through its environment (docs/inference-model.md, "Models bigger than one GPU").
+    *TP_FLAGS,
 )
 
 # The Kubernetes resource.Quantity syntax (as in controller-gen's CRDs).
@@ -163,6 +186,8 @@ class EngineSpec:
     block_size: int = _engine_default("blockSize")
     kv_cache_memory_fraction: float = _engine_default("kvCacheMemoryFraction")
     enable_prefix_caching: bool = _engine_default("enablePrefixCaching")
+    # None: derived (InferenceModelSpec.tensor_parallel_size).
+    tensor_parallel_size: int | None = None
     drain_timeout_seconds: int = 30
     extra_args: tuple[str, ...] = ()
 
@@ -242,10 +267,25 @@ class InferenceModelSpec:
     lora: LoraSpec | None = None
     adapters: tuple[AdapterSpec, ...] = ()
     inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
+    # Pods per replica: with more than one, a LeaderWorkerSet of groups of this many pods.
+    nodes: int = 1
 
     @property
     def source(self) -> ModelSource:
         return self.model.parsed_source
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks per replica: spec.engine.tensorParallelSize, else each pod's GPUs (one
+        rank per pod on CPU) times spec.nodes. parse_spec checks it fits the pods."""
+        explicit = self.engine.tensor_parallel_size
+        if explicit is not None:
+            return explicit
+        return max(self.resources.gpus, 1) * self.nodes
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nodes
 
     @property
     def lora_enabled(self) -> bool:
@@ -277,6 +317,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
         "lora",
         "adapters",
         "inferencePool",
+        "nodes",
     )
     kw: dict[str, Any] = {"model": _parse_model(r.required_object("model"))}
     _put(kw, "replicas", r.get_int("replicas", minimum=0, maximum=INT32_MAX))
@@ -301,7 +342,38 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
         _check_adapter_claims(kw["adapters"], kw["model"].parsed_source)
     if (pool := r.get_object("inferencePool")) is not None:
         kw["inference_pool"] = _parse_inference_pool(pool)
-    return InferenceModelSpec(**kw)
+    _put(kw, "nodes", r.get_int("nodes", minimum=1, maximum=MAX_NODES))
+    parsed = InferenceModelSpec(**kw)
+    check_parallelism(parsed)
+    return parsed
+
+
+MAX_NODES = 64
+
+
+def check_parallelism(spec: InferenceModelSpec) -> None:
+    """The ranks must split evenly over the pods and fit each pod's GPUs; a group of
+    several pods cannot serve LoRA adapters (only the leader's adapter-sync loads them)."""
+    nodes, gpus = spec.nodes, spec.resources.gpus
+    tp = spec.engine.tensor_parallel_size
+    if tp is not None and tp % nodes:
+        raise SpecError(
+            "spec.engine.tensorParallelSize",
+            f"{tp} ranks do not split over spec.nodes={nodes} pods: tensorParallelSize "
+            f"must be a multiple of nodes (each pod runs tensorParallelSize / nodes ranks)",
+        )
+    if tp is not None and gpus > 0 and tp // nodes > gpus:
+        raise SpecError(
+            "spec.engine.tensorParallelSize",
+            f"{tp} ranks over spec.nodes={nodes} pods is {tp // nodes} ranks per pod, more "
+            f"than the spec.resources.gpus={gpus} each pod requests (one GPU per rank)",
+        )
+    if nodes > 1 and spec.lora_enabled:
+        raise SpecError(
+            "spec.nodes",
+            f"spec.lora and spec.adapters are not supported with spec.nodes={nodes}: "
+            "adapters are loaded into the leader pod only",
+        )
 
 
 def _check_adapter_claims(adapters: Sequence[AdapterSpec], model: ModelSource) -> None:

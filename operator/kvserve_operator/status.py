@@ -1,4 +1,5 @@
-"""The InferenceModel's status, computed from its Deployment (pure: the clock is passed in).
+"""The InferenceModel's status, computed from its Deployment, or its LeaderWorkerSet with
+spec.nodes > 1 (pure: the clock is passed in).
 
 Conditions follow the Kubernetes convention: ``lastTransitionTime`` changes only when
 a condition's status flips, so ``kubectl wait --for=condition=Ready`` and dashboards see
@@ -11,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from kvserve_operator.constants import LWS_KIND
 from kvserve_operator.spec import InferenceModelSpec
 
 READY = "Ready"
@@ -21,6 +23,9 @@ DEGRADED = "Degraded"
 # pods may serve, but the pool the user asked for does not exist.
 POOL_CRD_MISSING = "InferencePoolCRDMissing"
 POOL_FORBIDDEN = "InferencePoolForbidden"
+# Ready=False when spec.nodes > 1 but the API server does not serve LeaderWorkerSets:
+# nothing is rendered until it does.
+LWS_CRD_MISSING = "LeaderWorkerSetCRDMissing"
 
 # What status.inferencePool copies from the InferencePool's status (GIE v1 ParentStatus);
 # the InferenceModel's status schema is strict, so only these keys are taken.
@@ -66,11 +71,21 @@ def condition(
 
 
 def deployment_counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
+    """The replica counts of a Deployment, or of a LeaderWorkerSet (in groups)."""
     status = (deployment or {}).get("status") or {}
-    return {
+    counts = {
         key: int(status.get(key) or 0)
         for key in ("replicas", "readyReplicas", "updatedReplicas", "availableReplicas")
     }
+    if _is_lws(deployment):
+        # A LeaderWorkerSet reports no availableReplicas: a group serves once all its
+        # pods are ready (it has no minReadySeconds).
+        counts["availableReplicas"] = counts["readyReplicas"]
+    return counts
+
+
+def _is_lws(workload: Mapping[str, Any] | None) -> bool:
+    return (workload or {}).get("kind") == LWS_KIND
 
 
 def deployment_condition(deployment: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
@@ -79,10 +94,19 @@ def deployment_condition(deployment: Mapping[str, Any], type_: str) -> Mapping[s
 
 
 def rollout_in_progress(deployment: Mapping[str, Any], desired: int) -> bool:
-    """True until the Deployment controller reports the latest template fully available."""
+    """True until the Deployment controller reports the latest template fully available
+    (a LeaderWorkerSet: every group updated and its UpdateInProgress condition off)."""
     meta = deployment.get("metadata") or {}
     status = deployment.get("status") or {}
     counts = deployment_counts(deployment)
+    if _is_lws(deployment):
+        # No observedGeneration in a LeaderWorkerSet's status.
+        updating = deployment_condition(deployment, "UpdateInProgress")
+        return (
+            counts["updatedReplicas"] < desired
+            or counts["replicas"] > counts["updatedReplicas"]
+            or updating.get("status") == "True"
+        )
     progressing = deployment_condition(deployment, "Progressing")
     return (
         int(status.get("observedGeneration") or 0) < int(meta.get("generation") or 0)
@@ -104,16 +128,23 @@ def compute_status(
     error: str | None,
     now: datetime,
     pool_problem: tuple[str, str] | None = None,
+    workload_kind: str = "Deployment",
 ) -> dict[str, Any]:
     """Replica counts and the Ready / Progressing / Degraded conditions.
 
-    ``pool_problem`` (reason, message): the InferencePool asked for could not be written;
-    Ready is then False with that reason, whatever the replicas."""
+    ``deployment``: the engine workload, a ``workload_kind`` (Deployment or
+    LeaderWorkerSet). ``pool_problem`` (reason, message): the InferencePool asked for
+    could not be written, or the workload could not be rendered; Ready is then False
+    with that reason, whatever the replicas."""
     counts = deployment_counts(deployment)
     conditions = previous.get("conditions") or []
     ready = counts["readyReplicas"]
     if deployment is None:
-        ready_c = (False, "DeploymentMissing", "the engine Deployment does not exist yet")
+        ready_c = (
+            False,
+            f"{workload_kind}Missing",
+            f"the engine {workload_kind} does not exist yet",
+        )
     elif desired_replicas == 0:
         ready_c = (False, "ScaledToZero", "replicas is 0")
     elif ready >= desired_replicas:

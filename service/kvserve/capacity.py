@@ -7,6 +7,13 @@ Formulas are the fixed ones in docs/architecture.md §3:
 - blocks = Σ ceil(Tᵢ / block_size); slots = block_size × blocks
 - decode lower bound per step = bytes read (weights + KV of the batch) / bandwidth
 
+With tensor parallelism over N ranks (``tensor_parallel_size``) each rank holds its own
+slice of the weights and the KV of its own heads (``kvserve.parallel.shard``): the
+``rank_*`` figures are one rank's, ``memory_gib`` is one rank's accelerator memory, and
+the decode bound is one rank's reads (the ranks read in parallel; the all-reduces
+between them are not counted). ``params``, ``weight_bytes``, ``kv_bytes_per_token`` and
+``kv_bytes`` stay the whole model's.
+
 ``num_kv_blocks`` is the single definition of how many KV blocks fit in a byte
 budget; the engine's block pool sizing uses it too.
 """
@@ -23,6 +30,7 @@ from typing import Any
 
 from kvserve.config import DEFAULT_BLOCK_SIZE
 from kvserve.model.config import ModelConfig, total_blocks
+from kvserve.parallel.shard import local_config, rank_num_params
 
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4,
@@ -62,6 +70,12 @@ class CapacityReport:
     slots: int
     decode_lower_bound_ms: float | None
     max_kv_tokens: int | None
+    # One rank's share with tensor parallelism (the whole model's when it is 1).
+    tensor_parallel_size: int
+    rank_params: int
+    rank_weight_bytes: int
+    rank_kv_bytes_per_token: int
+    rank_kv_bytes: int
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,13 +91,16 @@ def estimate(
     bandwidth_gbps: float | None = None,
     memory_gib: float | None = None,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> CapacityReport:
     """Size weights and KV cache for ``config``.
 
     ``tokens`` are request lengths (prompt + output) sharing the KV cache.
     ``bandwidth_gbps`` is memory bandwidth in GB/s (10⁹ bytes/s); ``memory_gib``
-    is the accelerator memory in GiB, giving how many KV tokens fit beside the
+    is one rank's accelerator memory in GiB, giving how many KV tokens fit beside its
     weights. ``quantization="int8"``: the projections' weights are int8.
+    ``tensor_parallel_size``: ranks the model is sharded over; ValueError, with the
+    numbers, when it cannot be.
     """
     if quantization not in (None, "int8"):
         raise ValueError(f"quantization must be None or 'int8' (got {quantization!r})")
@@ -100,31 +117,40 @@ def estimate(
     if memory_gib is not None and not memory_gib > 0:
         raise ValueError(f"memory_gib must be > 0 (got {memory_gib!r})")
 
+    tp = tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1 (got {tp!r})")
+    local = local_config(config, tp)  # refuses an unshardable tp with the numbers
+
     params = config.num_params()
-    weight_bytes = params * weight_elem
-    if quantization == "int8":
-        proj, rows = config.projection_params()
-        weight_bytes += proj * (1 - weight_elem) + rows * INT8_SCALE_BYTES
+    weight_bytes = _weight_bytes(config, params, weight_elem, quantization)
+    rank_params = rank_num_params(config, tp)
+    rank_weight_bytes = _weight_bytes(local, rank_params, weight_elem, quantization)
     kv_per_token = config.kv_bytes_per_token(kv_elem)
     if kv_per_token <= 0:
         raise ValueError(f"config gives {kv_per_token} KV bytes per token; expected > 0")
+    rank_kv_per_token = local.kv_bytes_per_token(kv_elem)
     kv_bytes = kv_per_token * sum(token_list)
+    rank_kv_bytes = rank_kv_per_token * sum(token_list)
     blocks = total_blocks(token_list, block_size)
 
     decode_ms: float | None = None
     if bandwidth_gbps is not None:
-        # One decode step reads every weight once plus the KV of the whole batch.
-        decode_ms = (weight_bytes + kv_bytes) / (bandwidth_gbps * 1e9) * 1000.0
+        # One decode step reads every weight of the rank once plus its KV of the batch.
+        decode_ms = (rank_weight_bytes + rank_kv_bytes) / (bandwidth_gbps * 1e9) * 1000.0
 
     max_kv_tokens: int | None = None
     if memory_gib is not None:
-        free = memory_gib * GIB - weight_bytes
+        free = memory_gib * GIB - rank_weight_bytes
         if free < 0:
+            whose = "weights" if tp == 1 else f"one rank's weights (of {tp})"
             raise ValueError(
-                f"weights alone do not fit: {weight_bytes / GIB:.2f} GiB of weights "
+                f"weights alone do not fit: {rank_weight_bytes / GIB:.2f} GiB of {whose} "
                 f"({_weights_label(dtype, quantization)}) > {memory_gib:g} GiB of memory"
             )
-        max_kv_tokens = math.floor(free / kv_per_token)
+        # Every rank holds every token (of its own heads), so one rank's room is the
+        # replica's.
+        max_kv_tokens = math.floor(free / rank_kv_per_token)
 
     return CapacityReport(
         params=params,
@@ -135,7 +161,25 @@ def estimate(
         slots=block_size * blocks,
         decode_lower_bound_ms=decode_ms,
         max_kv_tokens=max_kv_tokens,
+        tensor_parallel_size=tp,
+        rank_params=rank_params,
+        rank_weight_bytes=rank_weight_bytes,
+        rank_kv_bytes_per_token=rank_kv_per_token,
+        rank_kv_bytes=rank_kv_bytes,
     )
+
+
+def _weight_bytes(
+    config: ModelConfig, params: int, weight_elem: int, quantization: str | None
+) -> int:
+    """Bytes of ``params`` weights of ``config`` (a whole model or one rank's shapes)."""
+    out = params * weight_elem
+    if quantization == "int8":
+        # One rank's projections are its local config's (row-parallel o/down keep all
+        # their output rows, so their scales are on every rank).
+        proj, rows = config.projection_params()
+        out += proj * (1 - weight_elem) + rows * INT8_SCALE_BYTES
+    return out
 
 
 def _weights_label(dtype: str, quantization: str | None) -> str:
@@ -217,7 +261,16 @@ def add_calc_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="M",
-        help="accelerator memory in GiB, for how many KV tokens fit beside the weights",
+        help="accelerator memory in GiB (one rank's with --tensor-parallel-size), for how "
+        "many KV tokens fit beside the weights",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N ranks (kvserve serve --tensor-parallel-size): "
+        "prints one rank's weights and KV (default: 1)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -248,6 +301,7 @@ def run_calc(args: argparse.Namespace) -> int:
             bandwidth_gbps=args.bandwidth_gbps,
             memory_gib=args.memory_gib,
             quantization=args.quantization,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except ValueError as e:
         return _error(str(e))
@@ -312,11 +366,27 @@ def _table(
             f"{_bytes(report.kv_bytes_per_token)} ({report.kv_bytes_per_token:,} bytes)",
         ),
     ]
+    tp = report.tensor_parallel_size
+    if tp > 1:
+        rows += [
+            ("tensor parallel", f"{tp} ranks; the figures below are one rank's"),
+            (
+                "rank weights",
+                f"{_bytes(report.rank_weight_bytes)} ({report.rank_weight_bytes:,} bytes, "
+                f"{_count(report.rank_params)} params)",
+            ),
+            (
+                "rank KV per token",
+                f"{_bytes(report.rank_kv_bytes_per_token)} "
+                f"({report.rank_kv_bytes_per_token:,} bytes)",
+            ),
+        ]
     if tokens:
         total = sum(tokens)
         rows += [
             ("requests", f"{len(tokens)} ({total:,} tokens)"),
             ("KV for requests", f"{_bytes(report.kv_bytes)} ({report.kv_bytes:,} bytes)"),
+            *([("rank KV for requests", f"{_bytes(report.rank_kv_bytes)}")] if tp > 1 else []),
             ("blocks", f"{report.blocks:,} (block size {block_size})"),
             ("slots", f"{report.slots:,} ({report.slots - total:,} unused)"),
         ]
@@ -328,15 +398,16 @@ def _table(
             (
                 "decode lower bound",
                 f"{report.decode_lower_bound_ms:.2f} ms/step at {bandwidth_gbps:g} GB/s "
-                f"(reads {read} once)",
+                f"(reads {read} once{', per rank, without the all-reduces' if tp > 1 else ''})",
             )
         )
     if report.max_kv_tokens is not None and memory_gib is not None:
-        free = memory_gib * GIB - report.weight_bytes
+        free = memory_gib * GIB - report.rank_weight_bytes
+        per = " per rank" if tp > 1 else ""
         rows.append(
             (
                 "max KV tokens",
-                f"{report.max_kv_tokens:,} ({_bytes(free)} free of {memory_gib:g} GiB "
+                f"{report.max_kv_tokens:,} ({_bytes(free)} free of {memory_gib:g} GiB{per} "
                 "after weights)",
             )
         )

@@ -42,6 +42,7 @@ from kvserve_operator.spec import (
 )
 from kvserve_operator.status import adapters_status
 from tests.cluster.controlplane import Cluster
+from tests.support.inference_models import inference_model
 from tests.support.operator_process import OperatorProcess, install_operator_rbac
 from tests.support.waiting import poll
 
@@ -411,17 +412,6 @@ def test_crd_adapter_name_pattern_agrees_with_parse_spec() -> None:
 # ---- on the real control plane ----------------------------------------------------------
 
 
-def _inference_model(name: str, ns: str, **spec_fields: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": {"source": "file:///opt/models/tiny", "servedName": "tiny"}}
-    body.update(spec_fields)
-    return {
-        "apiVersion": "kvserve.dev/v1alpha1",
-        "kind": "InferenceModel",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": body,
-    }
-
-
 def _apply(cluster: Cluster, obj: dict[str, Any], *flags: str) -> subprocess.CompletedProcess[str]:
     return cluster.kubectl("apply", *flags, "-f", "-", input=json.dumps(obj), check=False)
 
@@ -441,7 +431,7 @@ def test_the_api_server_enforces_the_adapter_rules(k8s_cluster: Cluster) -> None
     install_operator_rbac(k8s_cluster)  # installs the CRD
     ns = "adapter-rules"
     k8s_cluster.kubectl("create", "namespace", ns, check=False)
-    ok = _inference_model("ok", ns, lora={"maxLoras": 2}, adapters=[SQL, SUPPORT])
+    ok = inference_model("ok", ns, lora={"maxLoras": 2}, adapters=[SQL, SUPPORT])
     accepted = _apply(k8s_cluster, ok, "--dry-run=server")
     assert accepted.returncode == 0, accepted.stderr
     cases: list[tuple[dict[str, Any], str]] = [
@@ -465,11 +455,11 @@ def test_the_api_server_enforces_the_adapter_rules(k8s_cluster: Cluster) -> None
         ({"engine": {"extraArgs": ["--lora-dir=/x"]}}, "LoRA flags"),
     ]
     for fields, fragment in cases:
-        proc = _apply(k8s_cluster, _inference_model("bad", ns, **fields), "--dry-run=server")
+        proc = _apply(k8s_cluster, inference_model("bad", ns, **fields), "--dry-run=server")
         assert proc.returncode != 0, f"{fields} was accepted"
         assert fragment in proc.stderr, (fields, proc.stderr)
     # Without servedName the served name is metadata.name.
-    unnamed = _inference_model("solo", ns, adapters=[{"name": "solo", "source": "file:///a"}])
+    unnamed = inference_model("solo", ns, adapters=[{"name": "solo", "source": "file:///a"}])
     del unnamed["spec"]["model"]["servedName"]
     proc = _apply(k8s_cluster, unnamed, "--dry-run=server")
     assert proc.returncode != 0 and "base model's served name" in proc.stderr, proc.stderr
@@ -482,7 +472,7 @@ def test_operator_changes_adapters_without_a_rollout(
 ) -> None:
     ns = "adapter-rollout"
     k8s_cluster.kubectl("create", "namespace", ns, check=False)
-    proc = _apply(k8s_cluster, _inference_model("llm", ns, lora={"maxLoras": 2}, adapters=[SQL]))
+    proc = _apply(k8s_cluster, inference_model("llm", ns, lora={"maxLoras": 2}, adapters=[SQL]))
     assert proc.returncode == 0, proc.stderr
 
     def config_map_lists(names: list[str]) -> bool:

@@ -227,6 +227,7 @@ def test_status_schema(schema: dict[str, Any]) -> None:
         "url",
     }
     assert set(_at(status, "capacity")["properties"]) == {
+        "tensorParallelSize",
         "weightBytes",
         "kvBytesPerToken",
         "tokensPerReplica",
@@ -658,21 +659,16 @@ def _granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
     }
 
 
+# What the operator server-side applies, reads back and deletes.
+WRITES = {"get", "list", "watch", "create", "patch", "update", "delete"}
 NEEDED: dict[tuple[str, str], set[str]] = {
     ("kvserve.dev", "inferencemodels"): {"get", "list", "watch", "patch", "update"},
     ("kvserve.dev", "inferencemodels/status"): {"get", "patch", "update"},
     ("kvserve.dev", "inferencemodels/scale"): {"get", "patch", "update"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "update", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): WRITES,
     ("", "services"): {"get", "list", "watch", "create", "patch", "update", "delete"},
-    ("policy", "poddisruptionbudgets"): {
-        "get",
-        "list",
-        "watch",
-        "create",
-        "patch",
-        "update",
-        "delete",
-    },
+    ("policy", "poddisruptionbudgets"): WRITES,
     ("", "pods"): {"get", "list", "watch"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "update", "delete"},
     ("", "events"): {"create", "patch"},

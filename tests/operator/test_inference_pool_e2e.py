@@ -24,6 +24,7 @@ from kvserve_operator.constants import (
 )
 from kvserve_operator.render import POOL_LABEL
 from tests.cluster.controlplane import Cluster
+from tests.support.inference_models import get_object, inference_model
 from tests.support.operator_process import OPERATOR_NS, OPERATOR_SA, OperatorProcess
 from tests.support.waiting import poll
 
@@ -38,13 +39,7 @@ OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}"
 
 
 def get(cluster: Cluster, kind: str, name: str, ns: str = NS) -> dict[str, Any] | None:
-    proc = cluster.kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
-    if proc.returncode != 0:
-        assert "NotFound" in proc.stderr or "doesn't have a resource type" in proc.stderr, (
-            proc.stderr
-        )
-        return None
-    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+    return get_object(cluster, kind, name, ns)
 
 
 def ready_condition(cluster: Cluster) -> dict[str, Any]:
@@ -89,17 +84,13 @@ def model(k8s_cluster: Cluster, operator: OperatorProcess) -> Any:
     # Another module of the session may have installed the CRD: this one starts without.
     k8s_cluster.kubectl("delete", "crd", INFERENCE_POOL_CRD_NAME, "--ignore-not-found", "--wait")
     k8s_cluster.kubectl("create", "namespace", NS)
-    body = {
-        "apiVersion": "kvserve.dev/v1alpha1",
-        "kind": "InferenceModel",
-        "metadata": {"name": NAME, "namespace": NS},
-        "spec": {
-            "model": {"source": "file:///opt/models/tiny", "servedName": "tiny"},
-            "replicas": 2,
-            "resources": {"gpus": 1},
-            "inferencePool": {"enabled": True, "endpointPickerRef": {"name": "llm-epp"}},
-        },
-    }
+    body = inference_model(
+        NAME,
+        NS,
+        replicas=2,
+        resources={"gpus": 1},
+        inferencePool={"enabled": True, "endpointPickerRef": {"name": "llm-epp"}},
+    )
     k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
     yield body
     # While the operator still runs: it removes its finalizer from the model.

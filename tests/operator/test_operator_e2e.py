@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.cluster.controlplane import Cluster
+from tests.support.inference_models import inference_model
 from tests.support.operator_process import OPERATOR_NS, OPERATOR_SA, OperatorProcess
 from tests.support.waiting import poll
 
@@ -27,17 +28,6 @@ def get(cluster: Cluster, kind: str, ns: str, name: str) -> dict[str, Any] | Non
         assert "NotFound" in proc.stderr, proc.stderr
         return None
     return json.loads(proc.stdout)  # type: ignore[no-any-return]
-
-
-def inference_model(name: str, ns: str, **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": {"source": "file:///opt/models/tiny", "servedName": "tiny"}}
-    body.update(spec)
-    return {
-        "apiVersion": "kvserve.dev/v1alpha1",
-        "kind": "InferenceModel",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": body,
-    }
 
 
 def apply(cluster: Cluster, obj: dict[str, Any], check: bool = True) -> Any:

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from kubernetes.client import ApiClient
 
+from kvserve.model.config import ModelConfig
+from kvserve.parallel.shard import rank_num_params
 from kvserve_operator.capacity import capacity_status
 from kvserve_operator.render import (
     GRPC_PORT,
@@ -95,6 +97,9 @@ DEFAULT_ARGS = [
     "2048",
     "--gpu-memory-utilization",
     "0.9",
+    # One GPU, one pod: one rank.
+    "--tensor-parallel-size",
+    "1",
     "--drain-timeout",
     "30",
 ]
@@ -398,6 +403,8 @@ def test_engine_overrides_give_exact_args() -> None:
         "--gpu-memory-utilization",
         "0.85",
         "--no-prefix-caching",
+        "--tensor-parallel-size",
+        "1",
         "--drain-timeout",
         "120",
         "--seed",
@@ -684,6 +691,7 @@ def test_capacity_llama_8b_on_one_80gib_gpu() -> None:
     # 8,030,261,248 params × 2 bytes; KV 2 × 32 layers × 8 heads × 128 × 2 bytes per token;
     # (80 GiB × 0.9 − weights) / KV per token = 467,292 → whole 16-token blocks: 467,280.
     assert capacity_status(LLAMA_8B, spec(), "configmap/llama-config") == {
+        "tensorParallelSize": 1,
         "weightBytes": 16_060_522_496,
         "kvBytesPerToken": 131_072,
         "tokensPerReplica": 467_280,
@@ -691,16 +699,40 @@ def test_capacity_llama_8b_on_one_80gib_gpu() -> None:
     }
 
 
-def test_capacity_uses_dtype_gpus_and_fraction() -> None:
+def test_capacity_uses_dtype_and_fraction_of_one_rank() -> None:
     s = spec(
-        resources={"gpus": 4, "gpuMemoryGiB": 80},
+        resources={"gpus": 1, "gpuMemoryGiB": 80},
         engine={"dtype": "float32", "kvCacheMemoryFraction": 0.5, "blockSize": 32},
     )
     out = capacity_status(LLAMA_8B, s, "x")
     assert out["weightBytes"] == 8_030_261_248 * 4
     assert out["kvBytesPerToken"] == 262_144
-    free = 4 * 80 * 0.5 * 2**30 - 8_030_261_248 * 4
+    free = 80 * 0.5 * 2**30 - 8_030_261_248 * 4
     assert out["tokensPerReplica"] == int(free // 262_144) // 32 * 32
+
+
+def test_capacity_is_one_ranks_with_tensor_parallelism() -> None:
+    # 4 GPUs: 4 ranks, each with a quarter of the weights (plus the replicated norms)
+    # and 2 of the 8 KV heads in its own 80 GiB × 0.9.
+    out = capacity_status(LLAMA_8B, spec(resources={"gpus": 4}), "x")
+    assert out["tensorParallelSize"] == 4
+    rank_params = rank_num_params(ModelConfig.from_dict(LLAMA_8B), 4)
+    assert out["weightBytes"] == 2 * rank_params
+    assert out["kvBytesPerToken"] == 131_072 // 4
+    free = 80 * 0.9 * 2**30 - 2 * rank_params
+    assert out["tokensPerReplica"] == int(free // 32_768) // 16 * 16
+    # Two pods of 2 GPUs: the same 4 ranks; an explicit size overrides the GPUs.
+    two_nodes = capacity_status(LLAMA_8B, spec(resources={"gpus": 2}, nodes=2), "x")
+    assert two_nodes == out
+    two = capacity_status(
+        LLAMA_8B, spec(resources={"gpus": 4}, engine={"tensorParallelSize": 2}), "x"
+    )
+    assert (two["tensorParallelSize"], two["kvBytesPerToken"]) == (2, 131_072 // 2)
+
+
+def test_capacity_refuses_an_unshardable_size() -> None:
+    with pytest.raises(ValueError, match=r"num_attention_heads=32 is not divisible by 3"):
+        capacity_status(LLAMA_8B, spec(resources={"gpus": 3}), "x")
 
 
 def test_capacity_counts_int8_projections() -> None:
@@ -730,10 +762,12 @@ def test_capacity_auto_dtype_follows_the_checkpoint() -> None:
 
 
 def test_capacity_70b_needs_the_memory_of_several_gpus() -> None:
-    with pytest.raises(ValueError, match=r"weights alone do not fit.*1 × 80 GiB"):
+    with pytest.raises(ValueError, match=r"weights alone do not fit.*80 GiB × kvCacheMemory"):
         capacity_status(LLAMA_70B, spec(), "x")
     out = capacity_status(LLAMA_70B, spec(resources={"gpus": 4}), "x")
-    assert out["weightBytes"] == 141_107_412_992
+    assert out["tensorParallelSize"] == 4
+    assert out["weightBytes"] == 2 * rank_num_params(ModelConfig.from_dict(LLAMA_70B), 4)
+    assert out["weightBytes"] < 141_107_412_992 // 3
     assert out["tokensPerReplica"] > 0 and out["tokensPerReplica"] % 16 == 0
 
 
