@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import llguidance
 import pytest
 
+from kvserve.openai import format as fmt
 from kvserve.openai.chat_output import ChatDelta, ChatOutputParser, ChatParsing
 from kvserve.openai.reasoning import ReasoningParser
 from kvserve.openai.tool_grammar import tool_call_grammar
@@ -28,6 +30,8 @@ ADD = ToolSpec(
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
     strict=True,
 )
+# "auto" without a strict tool: no grammar, so the text may hold anything.
+UNCONSTRAINED = ChatTools((WEATHER, replace(ADD, strict=False)), ToolChoice("auto"))
 
 
 def run(parser: ChatOutputParser, chunks: list[str]) -> ChatDelta:
@@ -44,18 +48,24 @@ def cuts(text: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
 
 
-def answer(parser: str | None, reasoning: str | None, chunks: list[str]) -> ChatDelta:
-    tools = ChatTools((WEATHER, ADD), ToolChoice("auto"))
+def answer(
+    parser: str | None,
+    reasoning: str | None,
+    chunks: list[str],
+    tools: ChatTools = UNCONSTRAINED,
+) -> ChatDelta:
     reader = ChatParsing(parser, reasoning).parser(tools)
     assert reader is not None
     return run(reader, chunks)
 
 
 def without_ids(delta: ChatDelta) -> tuple[str, str, list[tuple[int, str, str]]]:
+    """The answer as a whole (its call deltas joined), call ids left out."""
+    calls = fmt.joined_calls(delta.tool_calls)
     return (
         delta.content,
         delta.reasoning,
-        [(c.index, c.name, c.arguments) for c in delta.tool_calls],
+        [(i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(calls)],
     )
 
 
@@ -99,7 +109,7 @@ def test_hermes_calls_and_content() -> None:
         (0, "get_weather", {"city": "Paris"}),
         (1, "add", {"a": 1, "b": 2}),
     ]
-    assert all(c.id.startswith("call_") for c in calls.tool_calls)
+    assert all(c.id and c.id.startswith("call_") for c in calls.tool_calls)
     for text in OUTPUTS["hermes"][1:]:  # never a malformed call: the text is content
         out = answer("hermes", None, [text])
         assert out.tool_calls == [] and out.content == text

@@ -20,6 +20,7 @@ from tests.support.checkpoints import TOOLS_CHECKPOINT
 from tests.support.gateway import KEY_A, KEY_LIMITED, Gateway, start_gateway
 from tests.support.replicas import REPLICA_MODEL as MODEL
 from tests.support.replicas import Replica, start_replicas
+from tests.support.tool_streams import streamed_in_pieces
 
 PARAMETERS: dict[str, Any] = {
     "type": "object",
@@ -34,6 +35,12 @@ TOOLS: list[Any] = [
     {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}
 ]
 QUESTION: list[Any] = [{"role": "user", "content": "Weather in Oslo for three days?"}]
+FORCED: dict[str, Any] = {
+    "model": MODEL,
+    "messages": QUESTION,
+    "tools": TOOLS,
+    "tool_choice": "required",
+}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +121,13 @@ def test_tool_calls_round_trip(tools_gateway: Gateway) -> None:
         model=MODEL, messages=conversation, tools=TOOLS, max_tokens=6, temperature=0
     ).choices[0]
     assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+
+
+def test_forced_calls_stream_argument_by_argument(tools_gateway: Gateway) -> None:
+    """The replica's call deltas reach the client as they are generated: a header, then
+    the arguments in pieces, which put together are the whole answer's."""
+    request = {**FORCED, "seed": 4, "temperature": 1.0, "max_tokens": 200}
+    streamed_in_pieces(sdk(tools_gateway), request)
 
 
 class Forecast(BaseModel):

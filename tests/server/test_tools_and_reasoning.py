@@ -13,17 +13,22 @@ import json
 from collections.abc import Iterator
 from typing import Any, Literal
 
+import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from kvserve.openai import format as fmt
 from kvserve.openai.chat_output import ChatParsing
+from kvserve.rpc import engine_pb2 as pb
+from kvserve.rpc import engine_pb2_grpc as pb_grpc
 from kvserve.testing.checkpoints import build_random_checkpoint
 from tests.support.checkpoints import TOOLS_CHECKPOINT
 from tests.support.engine_server import SERVED_MODEL as MODEL
 from tests.support.engine_server import RunningServer, start_server, stop_server
+from tests.support.tool_streams import streamed_in_pieces
 
 WEATHER_PARAMETERS: dict[str, Any] = {
     "type": "object",
@@ -60,13 +65,23 @@ TOOLS: list[Any] = [
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+FORCED: dict[str, Any] = {
+    "model": MODEL,
+    "messages": QUESTION,
+    "tools": TOOLS,
+    "tool_choice": "required",
+}
+
+
+def _tools_checkpoint(tmp_path_factory: pytest.TempPathFactory, **changes: Any) -> Any:
+    kwargs = {**TOOLS_CHECKPOINT, **changes}
+    arch = str(kwargs.pop("arch"))
+    return build_random_checkpoint(tmp_path_factory.mktemp("tools"), arch, **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    kwargs = dict(TOOLS_CHECKPOINT)
-    arch = str(kwargs.pop("arch"))
-    return build_random_checkpoint(tmp_path_factory.mktemp("tools"), arch, **kwargs)  # type: ignore[arg-type]
+    return _tools_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +89,9 @@ def tools_server(tools_model: Any) -> Iterator[RunningServer]:
     # The tool parser is left to detection (the template names <tool_call>). No reasoning
     # parser: with one, a constraint lets a think block of free text come first, which a
     # random-weight model may not close.
-    srv = start_server(tools_model, block_size=4, chat_parsing=_detected(tools_model, None))
+    srv = start_server(
+        tools_model, block_size=4, chat_parsing=_detected(tools_model, None), grpc=True
+    )
     yield srv
     stop_server(srv)
 
@@ -227,14 +244,18 @@ def test_required_calls_always_parse_and_validate(tools_server: RunningServer) -
         )
         choice = answer.choices[0]
         assert choice.message.tool_calls, choice
+        calls = choice.message.tool_calls
         if parallel:
-            # A random model may go on calling until max_tokens: the call cut short is
-            # then text, never a broken call.
+            # A random model may go on calling until max_tokens: the call cut short then
+            # keeps what was streamed of it (OpenAI's API does the same), and the finish
+            # reason "length" says so.
             assert choice.finish_reason in ("tool_calls", "length")
+            if choice.finish_reason == "length":
+                calls = calls[:-1]
         else:
             assert choice.finish_reason == "tool_calls", choice
             assert choice.message.content is None and len(choice.message.tool_calls) == 1
-        for call in choice.message.tool_calls:
+        for call in calls:
             assert call.id.startswith("call_") and call.type == "function"
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
@@ -290,6 +311,64 @@ def test_streaming_and_whole_answers_agree(tools_server: RunningServer, tool_cho
     assert streamed == (whole.message.content or "", calls, whole.finish_reason)
 
 
+def test_forced_calls_stream_argument_by_argument(tools_server: RunningServer) -> None:
+    """OpenAI's streaming shape: a call's first delta carries index, id, type and name;
+    later ones append to its arguments, which arrive in pieces as they are generated.
+    Put together, they are the whole answer's calls."""
+    request = {**FORCED, "seed": 7, "temperature": 1.0, "max_tokens": 300}
+    calls, finish = streamed_in_pieces(sdk(tools_server), request)
+    assert len(calls) > 1  # parallel calls, their indexes in order
+    # max_tokens may cut the last call short (its arguments then incomplete).
+    for call in calls[:-1] if finish == "length" else calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+@pytest.mark.parametrize("pieces", [False, True])
+def test_grpc_sends_calls_in_pieces_only_to_a_client_that_reads_them(
+    tools_server: RunningServer, pieces: bool
+) -> None:
+    """Wire compatibility within a release: a gateway from before piecewise calls takes
+    each ToolCallDelta for a whole call, so a replica sends pieces only when the request
+    sets tool_call_pieces (as this release's gateway does). Either way the calls are the
+    same."""
+    request = pb.GenerateRequest(
+        chat=pb.ChatMessages(
+            messages=[pb.ChatMessage(role="user", content=QUESTION[0]["content"])]
+        ),
+        tools=[
+            pb.Tool(
+                name=t["function"]["name"], parameters_json=json.dumps(t["function"]["parameters"])
+            )
+            for t in TOOLS
+        ],
+        tool_choice=pb.ToolChoice(mode="required"),
+        max_tokens=300,
+        seed=7,
+        temperature=1.0,
+        tool_call_pieces=pieces,
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{tools_server.grpc_port}") as channel:
+        responses = list(pb_grpc.EngineServiceStub(channel).Generate(request, timeout=120))
+    deltas = [d for r in responses if r.HasField("delta") for d in r.delta.tool_calls]
+    headers = [d for d in deltas if d.call.id]
+    if pieces:
+        assert len(deltas) > len(headers)  # arguments arrived in pieces after the headers
+    else:
+        assert deltas == headers  # every delta is a whole call: id, name, all arguments
+    joined = fmt.joined_calls(
+        [
+            fmt.ToolCallDelta(d.index, d.call.arguments, d.call.id or None, d.call.name or None)
+            for d in deltas
+        ]
+    )
+    assert len(joined) == len(headers) > 1
+    finish = next(r.final.finish_reason for r in responses if r.HasField("final"))
+    for call in joined[:-1] if finish == "length" else joined:
+        jsonschema.validate(
+            json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]]
+        )
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_tool_loop_over_several_turns(tools_server: RunningServer, stream: bool) -> None:
     """call → tool result → call → tool result → answer, the conversation growing as an
@@ -335,6 +414,55 @@ def test_a_tool_loop_over_several_turns(tools_server: RunningServer, stream: boo
     ).choices[0]
     assert final.finish_reason in ("stop", "length") and not final.message.tool_calls
     assert isinstance(final.message.content, str)
+
+
+# ---- the mistral format, its marker a special token ------------------------------------
+@pytest.fixture(scope="module")
+def mistral_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A random model whose tokenizer makes [TOOL_CALLS] a special token (as Mistral's
+    do) and whose chat template names it: the server picks the mistral parser, and the
+    grammar forces that token, which the answer's text leaves out."""
+    path = _tools_checkpoint(tmp_path_factory, tokenizer="byte_level_mistral_tools")
+    srv = start_server(path, block_size=4)
+    tok = srv.engine.tokenizer
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert tok.decode([marker], skip_special_tokens=True) == ""
+    yield srv
+    stop_server(srv)
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel"),
+    [
+        ("required", False),
+        ("required", True),
+        ({"type": "function", "function": {"name": "get_time"}}, True),
+    ],
+)
+def test_mistral_calls_through_its_grammar_parse_and_validate(
+    mistral_server: RunningServer, tool_choice: Any, parallel: bool
+) -> None:
+    client = sdk(mistral_server)
+    for seed in range(3):
+        request = {**FORCED, "tool_choice": tool_choice, "parallel_tool_calls": parallel}
+        request.update(temperature=1.0, seed=seed, max_tokens=300)
+        choice = client.chat.completions.create(**request).choices[0]
+        calls = choice.message.tool_calls or []
+        assert calls, choice
+        assert choice.message.content is None
+        if choice.finish_reason == "length":  # parallel: cut short while calling on
+            assert parallel
+            calls = calls[:-1]
+        else:
+            assert choice.finish_reason == "tool_calls", choice
+        if not parallel or isinstance(tool_choice, dict):
+            assert len(choice.message.tool_calls or []) == 1
+        if isinstance(tool_choice, dict):
+            assert {c.function.name for c in calls} <= {"get_time"}
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        whole = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert _streamed(client, **request) == ("", whole, choice.finish_reason)
 
 
 # ---- structured outputs ----------------------------------------------------------------

@@ -15,7 +15,7 @@ from kvserve.gateway.call import UpstreamCall
 from kvserve.openai import format as fmt
 from kvserve.openai.chat_output import delta_chunks
 from kvserve.openai.errors import OpenAIError, error_body
-from kvserve.openai.format import ToolCallValue
+from kvserve.openai.format import ToolCallDelta
 from kvserve.openai.sse import SSE_DONE, TextEvents, encode_event
 from kvserve.rpc.codec import DeltaLogprobs, decode_chat_delta, decode_delta_logprobs
 
@@ -75,7 +75,7 @@ async def collect(
     """The whole answer as one response body."""
     text: list[str] = []
     reasoning: list[str] = []
-    tool_calls: list[ToolCallValue] = []
+    tool_calls: list[ToolCallDelta] = []
     entries: list[Any] = []
     texts: dict[int, str] = {}
     final: Any = None

@@ -4,24 +4,32 @@ The one reader of model output for both front ends of the engine server (the HTT
 and the gRPC servicer, which sends the parts to the gateway; the gateway parses
 nothing). The reasoning parser runs first; what it leaves as the answer goes through the
 tool-call parser. Both are incremental and cut-invariant (see their modules), so a
-streamed answer and a whole one are the same.
+streamed answer and a whole one are the same: a whole answer is its deltas joined.
+
+Calls come out as deltas (``format.ToolCallDelta``): when a grammar forces them, as the
+model writes them (``openai/tool_streaming.py``), else each once it is complete.
+
+A tokenizer may make a call marker (mistral's ``[TOOL_CALLS]``) a special token, which
+the text of the answer leaves out (``skip_special_tokens``). The reader then gets the
+step's token ids and puts the marker back into the text it reads, where the token was.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.openai import format as fmt
-from kvserve.openai.format import ToolCallValue
+from kvserve.openai.format import ToolCallDelta
 from kvserve.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from kvserve.openai.tool_parsers import (
+    TOOL_CALL_MARKERS,
     TOOL_CALL_PARSERS,
-    ParsedToolCall,
-    ToolCallParser,
     detect_tool_parser,
     make_tool_parser,
 )
+from kvserve.openai.tool_streaming import CallsDelta, StreamedCalls, WholeCalls
 from kvserve.openai.tools import ChatTools
 
 
@@ -29,7 +37,7 @@ from kvserve.openai.tools import ChatTools
 class ChatDelta:
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[ToolCallValue] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
@@ -43,13 +51,50 @@ class ChatDelta:
         )
 
 
-class ChatOutputParser:
-    """``feed`` each text delta, then ``finish`` once; ``finish_reason`` maps the engine's."""
+class JoinedPieces:
+    """For a reader that takes each tool call whole (a gateway older than piecewise
+    calls): holds a call's pieces until the call is complete, that is, until the next
+    call opens or the answer ends, then gives it as one piece."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
+    def __init__(self) -> None:
+        self._open: ToolCallDelta | None = None
+
+    def join(self, delta: ChatDelta, finished: bool) -> ChatDelta:
+        complete: list[ToolCallDelta] = []
+        for piece in delta.tool_calls:
+            if piece.id is not None:  # a call opens: the one before it is complete
+                if self._open is not None:
+                    complete.append(self._open)
+                self._open = piece
+            elif self._open is not None:
+                self._open = replace(self._open, arguments=self._open.arguments + piece.arguments)
+        if finished and self._open is not None:
+            complete.append(self._open)
+            self._open = None
+        return replace(delta, tool_calls=complete)
+
+
+class ChatOutputParser:
+    """``feed`` each text delta, then ``finish`` once; ``finish_reason`` maps the engine's.
+
+    ``markers``: the call markers that are special tokens (token id: text); ``decode``
+    turns token ids into text as the engine does (to find where a marker was)."""
+
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: StreamedCalls | WholeCalls | None,
+        markers: Mapping[int, str] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
         self.reasoning = reasoning
         self.tools = tools
-        self.num_calls = 0
+        self.markers = markers or {}
+        self.decode = decode  # token ids to text, as the answer's text decodes them
+
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls if self.tools is not None else 0
 
     def feed(self, text: str) -> ChatDelta:
         if self.reasoning is None:
@@ -65,16 +110,38 @@ class ChatOutputParser:
         if self.tools is not None:
             rest = self.tools.finish()
             out.content += rest.content
-            out.tool_calls += self._indexed(rest.calls)
+            out.tool_calls += rest.calls
         return out
 
-    def step(self, text: str, finish_reason: str | None) -> tuple[ChatDelta, str | None]:
-        """One engine output: its delta text and, on the last, the finish reason. Returns
-        what it adds and OpenAI's finish reason (on the last)."""
+    def step(
+        self, text: str, finish_reason: str | None, token_ids: Sequence[int] = ()
+    ) -> tuple[ChatDelta, str | None]:
+        """One engine output: its delta text (and token ids) and, on the last, the finish
+        reason. Returns what it adds and OpenAI's finish reason (on the last)."""
+        if self.markers and any(t in self.markers for t in token_ids):
+            text = self._with_markers(text, token_ids)
         delta = self.feed(text)
         if finish_reason is None:
             return delta, None
         return delta.extend(self.finish()), self.finish_reason(finish_reason)
+
+    def _with_markers(self, text: str, token_ids: Sequence[int]) -> str:
+        """The step's text with its marker tokens' texts put back. A step may be several
+        engine steps (a reader that fell behind gets them as one): the text after a
+        marker is what the tokens after it decode to, when the step's text ends with
+        that; otherwise (text held back, e.g. for a stop string) the marker goes before
+        the rest of the step's text."""
+        pieces, end, after = [], len(text), []
+        for token in reversed(token_ids):
+            if token not in self.markers:
+                after.append(token)
+                continue
+            tail = self.decode(after[::-1]) if after and self.decode else ""
+            cut = end - len(tail) if text[:end].endswith(tail) else 0
+            pieces += [text[cut:end], self.markers[token]]
+            end, after = cut, []
+        pieces.append(text[:end])
+        return "".join(reversed(pieces))
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the answer ended by itself after making calls."""
@@ -83,15 +150,8 @@ class ChatOutputParser:
     def _answer(self, text: str, reasoning: str) -> ChatDelta:
         if self.tools is None or not text:
             return ChatDelta(text, reasoning)
-        parsed = self.tools.feed(text)
-        return ChatDelta(parsed.content, reasoning, self._indexed(parsed.calls))
-
-    def _indexed(self, calls: list[ParsedToolCall]) -> list[ToolCallValue]:
-        out = []
-        for call in calls:
-            out.append(ToolCallValue(self.num_calls, call.id, call.name, call.arguments))
-            self.num_calls += 1
-        return out
+        parsed: CallsDelta = self.tools.feed(text)
+        return ChatDelta(parsed.content, reasoning, parsed.calls)
 
 
 @dataclass(frozen=True)
@@ -100,6 +160,10 @@ class ChatParsing:
 
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # The tool parser's markers that the tokenizer makes special tokens (id: text), which
+    # the answer's text leaves out: the reader puts them back.
+    special_markers: Mapping[int, str] = field(default_factory=dict)
+    decode: Callable[[list[int]], str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.tool_parser is not None and self.tool_parser not in TOOL_CALL_PARSERS:
@@ -115,23 +179,54 @@ class ChatParsing:
 
     @classmethod
     def for_model(
-        cls, tool_parser: str | None, reasoning_parser: str | None, chat_template: Any
+        cls,
+        tool_parser: str | None,
+        reasoning_parser: str | None,
+        chat_template: Any,
+        tokenizer: Any = None,
     ) -> ChatParsing:
         """The flags' parsers; without ``--tool-call-parser``, the one the model's chat
-        template implies, if unambiguous."""
+        template implies, if unambiguous. ``tokenizer``: the model's, to find markers
+        that are special tokens."""
         if tool_parser is None and isinstance(chat_template, str):
             tool_parser = detect_tool_parser(chat_template)
-        return cls(tool_parser, reasoning_parser)
+        if tool_parser is None or tokenizer is None:
+            return cls(tool_parser, reasoning_parser)
+        markers = special_markers(tokenizer, TOOL_CALL_MARKERS[tool_parser])
+
+        def decode(ids: list[int]) -> str:
+            return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+        return cls(tool_parser, reasoning_parser, markers, decode if markers else None)
 
     def parser(self, tools: ChatTools) -> ChatOutputParser | None:
         """The reader of one answer, or None when there is nothing to read out of it."""
-        tool_parser = None
+        reader: StreamedCalls | WholeCalls | None = None
         if tools.calls_possible and self.tool_parser is not None:
-            tool_parser = make_tool_parser(self.tool_parser, tools.names)
+            if tools.constrained:  # a grammar: calls stream as they are written
+                reader = StreamedCalls(self.tool_parser, tools.names)
+            else:
+                reader = WholeCalls(make_tool_parser(self.tool_parser, tools.names))
         reasoning = ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None
-        if tool_parser is None and reasoning is None:
+        if reader is None and reasoning is None:
             return None
-        return ChatOutputParser(reasoning, tool_parser)
+        markers = self.special_markers if reader is not None else None
+        return ChatOutputParser(reasoning, reader, markers, self.decode)
+
+
+def special_markers(tokenizer: Any, markers: Sequence[str]) -> dict[int, str]:
+    """Those of ``markers`` that are one token which decoding with
+    ``skip_special_tokens`` leaves out (id: text)."""
+    found = {}
+    for marker in markers:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if (
+            len(ids) == 1
+            and tokenizer.decode(ids, skip_special_tokens=False) == marker
+            and tokenizer.decode(ids, skip_special_tokens=True) == ""
+        ):
+            found[ids[0]] = marker
+    return found
 
 
 def delta_chunks(
@@ -142,7 +237,7 @@ def delta_chunks(
     first: bool,
 ) -> list[dict[str, Any]]:
     """The SSE chunks of one step of a parsed answer (engine server and gateway alike):
-    its text and reasoning, then its complete calls, the finish reason on the last chunk.
+    its text and reasoning, then its call deltas, the finish reason on the last chunk.
     Empty when the step added nothing visible and is neither the first nor the last."""
     chunks = []
     text_or_end = delta.content or delta.reasoning or logprobs is not None

@@ -97,13 +97,26 @@ def completion_chunk(
 
 
 @dataclass(frozen=True)
-class ToolCallValue:
-    """One complete tool call of an answer: ``arguments`` is its JSON text."""
+class ToolCallDelta:
+    """A piece of the answer's call ``index``: its first (the header) carries ``id`` and
+    ``name``; each piece appends ``arguments`` (the call's JSON text, in order)."""
 
     index: int
-    id: str
-    name: str
-    arguments: str
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+def joined_calls(deltas: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
+    """The calls ``deltas`` make, whole (``message.tool_calls``), in index order."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        if d.id is not None:
+            function = {"name": d.name or "", "arguments": d.arguments}
+            calls[d.index] = {"id": d.id, "type": "function", "function": function}
+        else:
+            calls[d.index]["function"]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]
 
 
 def chat_chunk(
@@ -127,23 +140,27 @@ def chat_chunk(
 
 
 def tool_call_chunks(
-    ids: dict[str, Any], calls: Sequence[ToolCallValue], first: bool
+    ids: dict[str, Any], calls: Sequence[ToolCallDelta], first: bool
 ) -> list[dict[str, Any]]:
-    """OpenAI's streaming shape of complete calls: for each, a delta that opens it (index,
-    id, type, name, empty arguments), then one that appends its arguments."""
+    """OpenAI's streaming shape of call deltas: a header opens a call (index, id, type,
+    name, empty arguments); its arguments, and those of later pieces, are appended."""
     chunks = []
     for call in calls:
-        opening: dict[str, Any] = {
-            "index": call.index,
-            "id": call.id,
-            "type": "function",
-            "function": {"name": call.name, "arguments": ""},
-        }
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         first = False
-        chunks.append(_chat_chunk(ids, {**delta, "tool_calls": [opening]}, None, None))
+        if call.id is not None:
+            opening: dict[str, Any] = {
+                "index": call.index,
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": ""},
+            }
+            chunks.append(_chat_chunk(ids, {**delta, "tool_calls": [opening]}, None, None))
+            delta = {}
+            if not call.arguments:
+                continue
         appended = {"index": call.index, "function": {"arguments": call.arguments}}
-        chunks.append(_chat_chunk(ids, {"tool_calls": [appended]}, None, None))
+        chunks.append(_chat_chunk(ids, {**delta, "tool_calls": [appended]}, None, None))
     return chunks
 
 
@@ -186,23 +203,17 @@ def chat_response(
     finish_reason: str | None,
     usage_: dict[str, Any],
     reasoning: str | None = None,
-    tool_calls: Sequence[ToolCallValue] = (),
+    tool_calls: Sequence[ToolCallDelta] = (),
 ) -> dict[str, Any]:
-    """The whole answer. With tool calls and no text, ``content`` is null (OpenAI's);
-    ``reasoning_content`` is there when a reasoning parser is on."""
+    """The whole answer (``tool_calls``: its call deltas, joined). With tool calls and no
+    text, ``content`` is null (OpenAI's); ``reasoning_content`` is there when a reasoning
+    parser is on."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
     if tool_calls:
         message["content"] = text or None
-        message["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments},
-            }
-            for c in tool_calls
-        ]
+        message["tool_calls"] = joined_calls(tool_calls)
     return {
         **ids,
         "object": "chat.completion",

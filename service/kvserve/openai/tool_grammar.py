@@ -15,16 +15,22 @@ Per format (``openai/tool_parsers.py``):
 
 With ``tool_choice`` "auto" (a strict tool offered), the output may instead be plain
 text, which must not begin like a call.
+
+A marker that the tokenizer makes a special token (``special_markers``, e.g. Mistral's
+``[TOOL_CALLS]``) is that token in the grammar (``<[id]>``): a literal would force the
+model to spell it in plain tokens, which it was not trained to do.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from kvserve.openai.tools import ChatTools, ToolSpec
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+NL = "\n"
 # llguidance's JSON options: one space after ":" and ",", none elsewhere. A call's JSON
 # then has one spelling, and a model cannot spend its tokens on whitespace.
 COMPACT_JSON: dict[str, Any] = {
@@ -34,8 +40,25 @@ COMPACT_JSON: dict[str, Any] = {
 }
 
 
-def tool_call_grammar(parser: str, tools: ChatTools) -> str:
-    """Lark text (llguidance syntax) for the calls ``tools`` allows, in ``parser``'s format."""
+def tool_call_grammar(
+    parser: str, tools: ChatTools, special_markers: Mapping[int, str] | None = None
+) -> str:
+    """Lark text (llguidance syntax) for the calls ``tools`` allows, in ``parser``'s format.
+    ``special_markers``: the format's markers that are special tokens (id: text)."""
+    ids = {text: i for i, text in (special_markers or {}).items()}
+
+    def literal(*parts: str) -> str:
+        """``parts`` in a row: plain text as one literal, a special marker as its token."""
+        out, plain = [], ""
+        for part in parts:
+            if part in ids:
+                out += [json.dumps(plain)] if plain else []
+                out.append(f"<[{ids[part]}]>")
+                plain = ""
+            else:
+                plain += part
+        return " ".join(out + ([json.dumps(plain)] if plain else []))
+
     choice = tools.choice
     offered = [t for t in tools.tools if choice.mode != "function" or t.name == choice.function]
     # In "auto", only strict tools promise schema-valid arguments; the others are held to
@@ -44,14 +67,14 @@ def tool_call_grammar(parser: str, tools: ChatTools) -> str:
     # A named function is called once; otherwise as many times as parallel_tool_calls lets.
     parallel = tools.parallel and choice.mode != "function"
     if parser == "mistral":
-        calls = _mistral(offered, exact, parallel)
+        calls = _mistral(offered, exact, parallel, literal("[TOOL_CALLS]"))
         text = r"/[^\[][\s\S]*/"
     else:
         args_key = "parameters" if parser == "llama3_json" else "arguments"
         functions = [_call_schema(t, args_key, exact) for t in offered]
         alternatives = " | ".join(f"fn_{i}" for i in range(len(functions)))
         if parser == "hermes":
-            one = 'call: "<tool_call>\\n" fn "\\n</tool_call>"'
+            one = f"call: {literal('<tool_call>', NL)} fn {literal(NL, '</tool_call>')}"
             sep = '"\\n"'
             text = r"/[^<][\s\S]*/"
         else:
@@ -86,7 +109,7 @@ def _call_schema(tool: ToolSpec, args_key: str, exact: bool) -> dict[str, Any]:
     }
 
 
-def _mistral(offered: list[ToolSpec], exact: bool, parallel: bool) -> str:
+def _mistral(offered: list[ToolSpec], exact: bool, parallel: bool, marker: str) -> str:
     items = [_call_schema(t, "arguments", exact) for t in offered]
     for item in items:
         del item["x-guidance"]  # the array's own applies to the whole
@@ -98,4 +121,4 @@ def _mistral(offered: list[ToolSpec], exact: bool, parallel: bool) -> str:
     }
     if not parallel:
         array["maxItems"] = 1
-    return f'calls: "[TOOL_CALLS]" %json {json.dumps(array)}'
+    return f"calls: {marker} %json {json.dumps(array)}"

@@ -6,9 +6,11 @@ One parser per model family, with vLLM's names (``--tool-call-parser``):
   any number of them, with text around them;
 * ``llama3_json`` (Llama 3.1+): the whole output is ``{"name": ..., "parameters": {...}}``
   (optionally after ``<|python_tag|>``), several separated by ``;``;
-* ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``. The marker
-  is read in the text: a tokenizer that makes it a special token drops it from the text
-  (``skip_special_tokens``), and its calls are then not found (not handled yet).
+* ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``.
+
+Markers are read in the text. Where a tokenizer makes one a special token, which the
+text leaves out (``skip_special_tokens``), the reader puts it back by its token id
+(``TOOL_CALL_MARKERS``, ``openai/chat_output.py``).
 
 The invariants, for every parser and every way of cutting the text into deltas:
 
@@ -31,6 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# The texts each format's calls are marked with (some tokenizers make them special tokens).
+TOOL_CALL_MARKERS: dict[str, tuple[str, ...]] = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": ("<|python_tag|>",),
+    "mistral": ("[TOOL_CALLS]",),
+}
 
 
 @dataclass(frozen=True)

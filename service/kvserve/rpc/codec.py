@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatDelta
-from kvserve.openai.format import TokenText, ToolCallValue
+from kvserve.openai.format import TokenText, ToolCallDelta
 from kvserve.openai.structured import Constraint
 from kvserve.openai.tools import ChatTools, ToolChoice, ToolChoiceMode, ToolSpec
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -118,6 +118,7 @@ def encode_request(
             pb.ToolChoice(mode=tools.choice.mode, function=tools.choice.function or "")
         )
         req.parallel_tool_calls = tools.parallel
+        req.tool_call_pieces = True  # this gateway joins pieces (older replicas send none)
     if constraint is not None:
         req.structured_outputs.CopyFrom(_constraint_to_proto(constraint))
     return req
@@ -340,7 +341,8 @@ def encode_delta(
             reasoning=parsed.reasoning,
             tool_calls=[
                 pb.ToolCallDelta(
-                    index=c.index, call=pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                    index=c.index,
+                    call=pb.ToolCall(id=c.id or "", name=c.name or "", arguments=c.arguments),
                 )
                 for c in parsed.tool_calls
             ],
@@ -411,12 +413,12 @@ def decode_delta_logprobs(delta: pb.Delta) -> DeltaLogprobs | None:
 
 
 def decode_chat_delta(delta: pb.Delta) -> ChatDelta:
-    """A delta's content, reasoning and complete tool calls."""
+    """A delta's content, reasoning and tool-call pieces (an id opens a call)."""
     return ChatDelta(
         delta.text,
         delta.reasoning,
         [
-            ToolCallValue(c.index, c.call.id, c.call.name, c.call.arguments)
+            ToolCallDelta(c.index, c.call.arguments, c.call.id or None, c.call.name or None)
             for c in delta.tool_calls
         ],
     )

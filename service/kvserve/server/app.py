@@ -111,7 +111,9 @@ def create_app(
         stop_limits=stop_limits,
         write_stall_timeout=write_stall_timeout,
         chat_parsing=chat_parsing
-        or ChatParsing.for_model(None, None, getattr(engine.tokenizer, "chat_template", None)),
+        or ChatParsing.for_model(
+            None, None, getattr(engine.tokenizer, "chat_template", None), engine.tokenizer
+        ),
     )
 
     listener = None

@@ -58,7 +58,7 @@ async def prepare_chat(
                 f'"{tools.choice.mode}" or strict tools (both constrain the output)',
                 constraint.param,
             )
-        grammar = tool_call_grammar(parsing.tool_parser, tools)
+        grammar = tool_call_grammar(parsing.tool_parser, tools, parsing.special_markers)
         chosen = Constraint(StructuredOutputsParams(grammar=grammar), "tools")
     # A schema or a tool call describes the answer, which a reasoning model gives after its
     # think block; a regex, choice or grammar describes the whole output (a client may

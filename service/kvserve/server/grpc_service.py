@@ -32,7 +32,7 @@ import grpc
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
-from kvserve.openai.chat_output import ChatOutputParser, ChatParsing
+from kvserve.openai.chat_output import ChatOutputParser, ChatParsing, JoinedPieces
 from kvserve.openai.errors import OpenAIError
 from kvserve.openai.format import tokenizer_text
 from kvserve.outputs import RequestOutput
@@ -149,6 +149,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 request, default_max_tokens=default_max_tokens, constraint=structured
             )
             self.stop_limits.check(params.stop)
+            if parser is not None and not params.skip_special_tokens:
+                parser.markers = {}  # the text keeps them: nothing to put back
             req = self.engine.make_request(
                 await self.engine.prepare(prompt),  # type: ignore[arg-type]
                 params,
@@ -177,7 +179,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         except _Refused as exc:
             await _abort(context, exc)
 
-        started = _Started(req.request_id, parser=parser)
+        started = _Started(req.request_id, parser=parser, whole_calls=_whole_calls(request))
         token_text = tokenizer_text(self.engine.engine.tokenizer)
         last: RequestOutput | None = None
         final: pb.Final | None = None
@@ -295,6 +297,8 @@ class _Started:
     request_id: str
     num_sent: int = 0  # output tokens already sent (to pick each delta's logprobs)
     parser: ChatOutputParser | None = None  # reads a chat's reasoning and tool calls
+    # Without the request's tool_call_pieces: each call leaves whole (older gateways).
+    whole_calls: JoinedPieces | None = None
 
     def encode(
         self, out: RequestOutput, token_text: Callable[[int], str]
@@ -304,13 +308,21 @@ class _Started:
         parsed, finish_reason = None, None
         if self.parser is not None:
             parsed, finish_reason = self.parser.step(
-                completion.delta_text, completion.finish_reason if out.finished else None
+                completion.delta_text,
+                completion.finish_reason if out.finished else None,
+                completion.delta_token_ids,
             )
+            if self.whole_calls is not None:
+                parsed = self.whole_calls.join(parsed, out.finished)
         delta = codec.encode_delta(completion, self.num_sent, token_text, parsed)
         if delta is not None:
             self.num_sent += len(delta.token_ids)
         final = codec.encode_final(out, finish_reason) if out.finished else None
         return delta, final
+
+
+def _whole_calls(request: pb.GenerateRequest) -> JoinedPieces | None:
+    return None if request.tool_call_pieces else JoinedPieces()
 
 
 class _ManyCall:
@@ -370,7 +382,9 @@ class _ManyCall:
             req, parser = await self.servicer.build_request(
                 command.start, lambda: dict(command.metadata)
             )
-            started = _Started(req.request_id, parser=parser)
+            started = _Started(
+                req.request_id, parser=parser, whole_calls=_whole_calls(command.start)
+            )
             self.engine.add_request(req, functools.partial(self._on_output, tag, started))
         except Exception as exc:  # fails this request only; the call serves the others
             if not isinstance(exc, _Refused | EngineDeadError):

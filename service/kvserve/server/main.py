@@ -220,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
                 args.tool_call_parser,
                 args.reasoning_parser,
                 getattr(engine.tokenizer, "chat_template", None),
+                engine.tokenizer,
             ),
             lora_modules=dict(m.split("=", 1) for m in args.lora_modules),
             lora_dir=args.lora_dir,

@@ -13,15 +13,18 @@ from typing import Any
 import torch
 
 from kvserve.testing.tokenizers import (
+    BYTE_LEVEL_MISTRAL_TOOLS_CHAT_TEMPLATE,
     BYTE_LEVEL_TOOLS_CHAT_TEMPLATE,
+    MISTRAL_TOOL_MARKER,
     TRAINING_CORPUS,
     build_byte_fallback_tokenizer,
     build_byte_level_tokenizer,
 )
 
 # ``tokenizer=`` names: the byte-level BPE (with a plain chat template, or with one that
-# renders tools in the Hermes style), or the byte-fallback BPE.
-TOKENIZERS = ("byte_level", "byte_level_tools", "byte_fallback")
+# renders tools in the Hermes style, or in the Mistral style with a special [TOOL_CALLS]
+# token), or the byte-fallback BPE.
+TOKENIZERS = ("byte_level", "byte_level_tools", "byte_level_mistral_tools", "byte_fallback")
 
 ARCHITECTURES = {
     "llama": "LlamaConfig",
@@ -66,6 +69,11 @@ def build_random_checkpoint(
         tok = build_byte_level_tokenizer()
     elif tokenizer == "byte_level_tools":
         tok = build_byte_level_tokenizer(chat_template=BYTE_LEVEL_TOOLS_CHAT_TEMPLATE)
+    elif tokenizer == "byte_level_mistral_tools":
+        tok = build_byte_level_tokenizer(
+            chat_template=BYTE_LEVEL_MISTRAL_TOOLS_CHAT_TEMPLATE,
+            extra_special=(MISTRAL_TOOL_MARKER,),
+        )
     elif tokenizer == "byte_fallback":
         tok = build_byte_fallback_tokenizer()
     else:

@@ -33,7 +33,9 @@ from transformers import PreTrainedTokenizerFast
 __all__ = [
     "BYTE_FALLBACK_CHAT_TEMPLATE",
     "BYTE_LEVEL_CHAT_TEMPLATE",
+    "BYTE_LEVEL_MISTRAL_TOOLS_CHAT_TEMPLATE",
     "BYTE_LEVEL_TOOLS_CHAT_TEMPLATE",
+    "MISTRAL_TOOL_MARKER",
     "TRAINING_CORPUS",
     "build_byte_fallback_tokenizer",
     "build_byte_level_tokenizer",
@@ -110,6 +112,33 @@ BYTE_LEVEL_TOOLS_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
 )
 
+# Tools in the Mistral style: calls are "[TOOL_CALLS]" then a JSON list, and the marker
+# is a special token (MISTRAL_TOOL_MARKER), which decoding with skip_special_tokens drops
+# from the text, as Mistral's own tokenizers do. Its "[TOOL_CALLS]" makes the server pick
+# the mistral parser.
+MISTRAL_TOOL_MARKER = "[TOOL_CALLS]"
+BYTE_LEVEL_MISTRAL_TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|system|>\\nYou may call these functions:\\n' + (tools | tojson) + '\\nTo call "
+    "them, answer [TOOL_CALLS] then a JSON list of calls.' + eos_token + '\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{%- if message['tool_calls'] %}"
+    "{{- '[TOOL_CALLS]' }}{{- message['tool_calls'] | map(attribute='function') | list | tojson }}"
+    "{%- endif %}"
+    "{{- eos_token + '\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|user|>\\n[TOOL_RESULTS]' + message['content'] + eos_token + '\\n' }}"
+    "{%- else %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+
 BYTE_FALLBACK_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -125,7 +154,9 @@ _BYTE_LEVEL_SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>"
 
 
 def build_byte_level_tokenizer(
-    vocab_size: int = 512, chat_template: str = BYTE_LEVEL_CHAT_TEMPLATE
+    vocab_size: int = 512,
+    chat_template: str = BYTE_LEVEL_CHAT_TEMPLATE,
+    extra_special: tuple[str, ...] = (),
 ) -> PreTrainedTokenizerFast:
     """GPT-2 style byte-level BPE trained on :data:`TRAINING_CORPUS`.
 
@@ -135,13 +166,14 @@ def build_byte_level_tokenizer(
     corpus caps larger requests (fewer merges exist), so use ``len(tok)`` as the model's vocab size.
     No BOS/EOS is added by ``encode`` (like GPT-2).
     ``decode(encode(s)) == s`` for every string ``s``.
+    ``extra_special``: more special tokens, with the ids after the others.
     """
     from kvserve.demo_model.tokenizer import train_byte_level_bpe
 
     tok = train_byte_level_bpe(
         TRAINING_CORPUS.splitlines(keepends=True), vocab_size, _BYTE_LEVEL_SPECIAL, 1
     )
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",
         eos_token="<|eos|>",
@@ -151,6 +183,10 @@ def build_byte_level_tokenizer(
         chat_template=chat_template,
         model_max_length=4096,
     )
+    if extra_special:
+        added = [AddedToken(t, special=True, normalized=False) for t in extra_special]
+        fast.add_tokens(added, special_tokens=True)
+    return fast
 
 
 # Merges of the hand-written byte-fallback BPE, in priority order. Each merged piece is added to

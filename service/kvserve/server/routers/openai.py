@@ -16,7 +16,7 @@ from kvserve.lora.request import LoRARequest
 from kvserve.openai import checks
 from kvserve.openai import format as fmt
 from kvserve.openai.body import body_schema, parse_body
-from kvserve.openai.chat_output import delta_chunks
+from kvserve.openai.chat_output import ChatDelta, delta_chunks
 from kvserve.openai.disconnect import until_disconnected
 from kvserve.openai.errors import OpenAIError, error_body
 from kvserve.openai.messages import template_messages
@@ -130,7 +130,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             entries = _delta_logprobs(c)
             logprobs = fmt.chat_logprobs(entries, text_of) if entries is not None else None
             if parser is not None:  # reasoning and tool calls read out of the text
-                delta, finish = parser.step(c.delta_text, c.finish_reason)
+                delta, finish = parser.step(c.delta_text, c.finish_reason, c.delta_token_ids)
                 events = delta_chunks(ids, delta, logprobs, finish, first)
                 first = first and not events
                 return b"".join(encode_event(e) for e in events)
@@ -140,14 +140,26 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             first = False
             return encode_event(event)
 
-        return _sse(state, req, chunk, ids, True, body.include_usage)
+        markers = parser is not None and bool(parser.markers)
+        return _sse(state, req, chunk, ids, True, body.include_usage, markers)
 
-    out = await _run_to_end(request, state.engine, req)
+    if parser is None:
+        out = await _run_to_end(request, state.engine, req)
+        c = out.outputs[0]
+        logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
+        return JSONResponse(fmt.chat_response(ids, c.text, logprobs, c.finish_reason, _usage(out)))
+    # Read step by step, as a stream is: a marker token is put back where it was.
+    answer, finish = ChatDelta(), None
+
+    def read(out: RequestOutput) -> None:
+        nonlocal answer, finish
+        c = out.outputs[0]
+        delta, finish = parser.step(c.delta_text, c.finish_reason, c.delta_token_ids)
+        answer = answer.extend(delta)
+
+    out = await _run_to_end(request, state.engine, req, read)
     c = out.outputs[0]
     logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
-    if parser is None:
-        return JSONResponse(fmt.chat_response(ids, c.text, logprobs, c.finish_reason, _usage(out)))
-    answer, finish = parser.step(c.text, c.finish_reason)
     return JSONResponse(
         fmt.chat_response(
             ids,
@@ -231,7 +243,10 @@ def _sse(
     ids: dict[str, Any],
     chat: bool,
     include_usage: bool,
+    every_token: bool = False,
 ) -> EventStreamResponse:
+    """``every_token``: ``chunk`` also sees outputs that added no text (a marker token
+    that the text leaves out, which the parser puts back)."""
     # The request enters the engine now, before the response starts; the response's
     # close (end, client gone, or never started) aborts it unless it finished.
     try:
@@ -248,7 +263,12 @@ def _sse(
                 # the last ones wait to leave with the usage and [DONE] in one write.
                 for last in (out, *outputs.ready()):
                     c = last.outputs[0]
-                    if c.delta_text or c.finish_reason is not None or c.logprobs is not None:
+                    if (
+                        c.delta_text
+                        or c.finish_reason is not None
+                        or c.logprobs is not None
+                        or (every_token and c.delta_token_ids)
+                    ):
                         event = chunk(last)
                         if event:  # empty while a parser holds text back
                             parts.append(event)
@@ -266,12 +286,20 @@ def _sse(
     )
 
 
-async def _run_to_end(request: Request, engine: AsyncEngine, req: EngineRequest) -> RequestOutput:
-    """Run a non-streaming request, aborting it if the client disconnects meanwhile."""
+async def _run_to_end(
+    request: Request,
+    engine: AsyncEngine,
+    req: EngineRequest,
+    each: Callable[[RequestOutput], None] | None = None,
+) -> RequestOutput:
+    """Run a non-streaming request, aborting it if the client disconnects meanwhile;
+    ``each`` sees every output."""
 
     async def last_output() -> RequestOutput:
         last = None
         async for out in engine.stream(req):
+            if each is not None:
+                each(out)
             last = out
         assert last is not None
         return last
