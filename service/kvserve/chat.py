@@ -656,7 +656,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tools and not getattr(backend, "renders_tools", False):
         print(
             "kvserve chat: warning: this model's chat template does not render tools "
-            "(the bundled one: not before `kvserve train-demo --tools`); it will not call them",
+            "(a model trained with `kvserve train-demo --no-tools` does not); it will not call "
+            "them",
             file=sys.stderr,
         )
     interactive = sys.stdin.isatty()

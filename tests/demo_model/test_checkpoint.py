@@ -173,8 +173,7 @@ def test_eval_scores_real_generations(llm: LLM) -> None:
 
 @pytest.mark.skipif(
     not bundled_model_calls_tools(),
-    reason="the bundled checkpoint is not trained for tools yet (kvserve train-demo --tools "
-    "misses its targets: see the model card)",
+    reason="the bundled checkpoint is not trained for tools (kvserve train-demo --no-tools)",
 )
 def test_tool_eval_scores_real_generations(llm: LLM) -> None:
     report = evaluate_tools(llm, num_prompts=16, seed=5, num_samples=2)

@@ -212,7 +212,10 @@ def test_tool_calls_render_the_same_from_a_json_string_or_a_mapping() -> None:
     assert "<|assistant|>\nLet me look twice.\n<tool_call>" in text
     assert text.count("<|user|>\n<tool_response>") == 2  # two results share one user turn
     assert "</tool_response>\n<tool_response>\n\n</tool_response><|end|>" in text
-    assert text.startswith("<|begin_of_text|><|system|>\nBe brief.\n\nTools:\n<tools>\n{")
+    assert text.startswith(
+        "<|begin_of_text|><|system|>\nBe brief.\n\nTools:\n<tools>\n"
+        "search_hotels(city, max_price, kind, amenities)\n</tools>"
+    )
 
 
 def test_training_and_saving_are_deterministic(texts: list[str], tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ def default_model_dir() -> Path:
 
 def bundled_model_calls_tools() -> bool:
     """Whether the bundled checkpoint was trained to call ``search_hotels`` (``kvserve
-    train-demo --tools``): its tokenizer then has the tool tokens and the tool template."""
+    train-demo``, not ``--no-tools``): its tokenizer then has the tool tokens and the tool
+    template."""
     config = DEMO_MODEL_DIR / "tokenizer_config.json"
     return config.exists() and "<tool_call>" in config.read_text(encoding="utf-8")

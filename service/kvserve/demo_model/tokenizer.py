@@ -97,12 +97,13 @@ _TOOLS_OUTRO: Final = (
 )
 
 # Without ``tools`` it renders exactly what the model was first trained on. With ``tools``
-# (Hermes/Qwen2.5 structure): the system turn (the first system message's text, a blank line)
-# lists each tool as JSON inside <tools></tools>; an assistant turn with ``tool_calls``
-# renders each call as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> (arguments
-# given as a mapping go through ``tojson``; a JSON string is written as it is, the same text
-# when it is the model's own output); consecutive ``tool`` messages share one user turn, each
-# result inside <tool_response>\n...\n</tool_response>. Content may be null.
+# (Hermes/Qwen2.5 structure): the system turn (the first system message's text, a blank
+# line) lists each tool as a signature, name(param, ...), inside <tools></tools>; an
+# assistant turn with ``tool_calls`` renders each call as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> (arguments given as a mapping
+# go through ``tojson``; a JSON string is written as it is, the same text when it is the
+# model's own output); consecutive ``tool`` messages share one user turn, each result
+# inside <tool_response>\n...\n</tool_response>. Content may be null.
 CHAT_TEMPLATE: Final = (
     "{{ bos_token }}"
     "{% if tools %}"
@@ -111,7 +112,13 @@ CHAT_TEMPLATE: Final = (
     "{{ (messages[0]['content'] or '') + '\n\n' }}"
     "{% endif %}"
     "{{ '" + _TOOLS_INTRO.replace("\n", "\\n") + "' }}"
-    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{% for tool in tools %}"
+    "{% set fn = tool['function'] if tool['function'] is defined else tool %}"
+    "{{ '\n' + fn['name'] + '(' }}"
+    "{% if fn['parameters'] and fn['parameters']['properties'] %}"
+    "{{ fn['parameters']['properties'] | list | join(', ') }}{% endif %}"
+    "{{ ')' }}"
+    "{% endfor %}"
     "{{ '" + _TOOLS_OUTRO.replace("\n", "\\n") + "<|end|>\n' }}"
     "{% endif %}"
     "{% for message in messages %}"
@@ -166,6 +173,16 @@ def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _signature(tool: Mapping[str, Any]) -> str:
+    """A tool as the template lists it: ``name(param, ...)``, its parameters' names in
+    their schema's order (the JSON schema itself would be ~140 of a tool conversation's
+    ~340 tokens, paid in every training step: the tiny model knows its one tool's types
+    from the conversations)."""
+    fn = tool.get("function", tool)
+    properties = (fn.get("parameters") or {}).get("properties") or {}
+    return f"{fn['name']}({', '.join(properties)})"
+
+
 def _tool_call_text(call: Mapping[str, Any]) -> str:
     fn = call.get("function", call)
     args = fn["arguments"]
@@ -188,7 +205,7 @@ def render_conversation(
         if messages and messages[0]["role"] == "system":
             system = _text(messages[0]["content"]) + "\n\n"
             start = 1
-        signatures = "".join("\n" + _json(tool) for tool in tools)
+        signatures = "".join("\n" + _signature(tool) for tool in tools)
         parts.append(
             f"{SYSTEM_TOKEN}\n{system}{_TOOLS_INTRO}{signatures}{_TOOLS_OUTRO}{EOS_TOKEN}\n"
         )
