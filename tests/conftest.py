@@ -31,6 +31,18 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
 
 
 @pytest.fixture(scope="session")
+def lws_crd_file() -> Path:
+    """The LeaderWorkerSet CRD file from its Go module (tests/support/lws.py); the test is
+    skipped when it cannot be fetched."""
+    from tests.support.lws import lws_crd
+
+    try:
+        return lws_crd()
+    except RuntimeError as exc:
+        pytest.skip(f"the LeaderWorkerSet CRD could not be fetched: {exc}")
+
+
+@pytest.fixture(scope="session")
 def k8s_cluster():  # type: ignore[no-untyped-def]
     """A real control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok with
     fake GPU nodes) on 127.0.0.1 for the whole session; always stopped at the end."""

@@ -27,7 +27,7 @@ from kvserve.demo_model import DEMO_MODEL_NAME, corpus
 from kvserve_operator.constants import LWS_CRD_NAME
 from tests.cluster.controlplane import Cluster
 from tests.cluster.pod_runner import PodRunner
-from tests.support.lws import install_crd, lws_crd
+from tests.support.lws import install_crd
 from tests.support.product import (
     KEY,
     QUESTION,
@@ -50,22 +50,14 @@ LWS = "leaderworkerset.sigs.k8s.io"
 
 
 @pytest.fixture(scope="module")
-def crd_file() -> Path:
-    try:
-        return lws_crd()
-    except RuntimeError as exc:
-        pytest.skip(f"the LeaderWorkerSet CRD could not be fetched: {exc}")
-
-
-@pytest.fixture(scope="module")
 def product(
     k8s_cluster: Cluster,
     pod_runner: PodRunner,
-    crd_file: Path,
+    lws_crd_file: Path,
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Iterator[Product]:
-    install_crd(k8s_cluster, crd_file)
+    install_crd(k8s_cluster, lws_crd_file)
     workdir = tmp_path_factory.mktemp("tensor-parallel")
     try:
         with install(k8s_cluster, pod_runner, workdir, NS, RELEASE, MODEL) as p:

@@ -22,7 +22,7 @@ from kvserve_operator.constants import LWS_CRD_NAME
 from kvserve_operator.render import selector_labels, worker_labels
 from tests.cluster.controlplane import Cluster
 from tests.support.inference_models import get_object, inference_model
-from tests.support.lws import install_crd, lws_crd
+from tests.support.lws import install_crd
 from tests.support.operator_process import OperatorProcess
 from tests.support.waiting import poll
 
@@ -55,15 +55,7 @@ def selected(labels: dict[str, str], selector: dict[str, str]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def crd_file() -> Path:
-    try:
-        return lws_crd()
-    except RuntimeError as exc:
-        pytest.skip(f"the LeaderWorkerSet CRD could not be fetched: {exc}")
-
-
-@pytest.fixture(scope="module")
-def model(k8s_cluster: Cluster, operator: OperatorProcess, crd_file: Path) -> Any:
+def model(k8s_cluster: Cluster, operator: OperatorProcess, lws_crd_file: Path) -> Any:
     """A model of two pods per replica, before the LeaderWorkerSet CRD exists."""
     k8s_cluster.kubectl("delete", "crd", LWS_CRD_NAME, "--ignore-not-found", "--wait")
     k8s_cluster.kubectl("create", "namespace", NS)
@@ -94,9 +86,9 @@ def test_without_the_crd_the_model_is_refused(
 
 
 def test_the_api_server_accepts_the_leader_worker_set(
-    k8s_cluster: Cluster, model: Any, operator: OperatorProcess, crd_file: Path
+    k8s_cluster: Cluster, model: Any, operator: OperatorProcess, lws_crd_file: Path
 ) -> None:
-    install_crd(k8s_cluster, crd_file)
+    install_crd(k8s_cluster, lws_crd_file)
 
     # The drift timer applies it once the API server serves it.
     lws = wait_for("the LeaderWorkerSet", lambda: get(k8s_cluster, "lws", NAME), operator)

@@ -34,7 +34,7 @@ from kvserve.config import (
 from kvserve.conversation import text_chars
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache_manager import KVCacheManager
-from kvserve.engine.kv_events import start_kv_events
+from kvserve.engine.kv_events import KVEventPublisher, start_kv_events
 from kvserve.engine.model_runner import KEEPALIVE, ModelRunner
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -198,6 +198,7 @@ class LLMEngine:
         self.group: TensorGroup | None = None
         self.workers: LocalWorkers | None = None
         self._saved_threads: int | None = None  # torch's CPU threads before the group's
+        self.kv_events: KVEventPublisher | None = None  # started once the pool exists
         if config.tensor_parallel_size > 1:
             self.group, self.workers = self._start_group(launch or Launch())
         try:
@@ -296,8 +297,7 @@ class LLMEngine:
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)
             self._saved_threads = None
-        if getattr(self, "kv_events", None) is not None:
-            assert self.kv_events is not None
+        if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
 

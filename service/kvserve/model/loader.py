@@ -91,6 +91,10 @@ def _fill(model: CausalLM, config: ModelConfig, model_dir: Path) -> None:
     With tensor parallelism only this rank's slices are read (``get_slice``), so no rank
     ever holds a whole tensor it does not keep."""
     targets = _target_slices(model, config)
+    # The last rank's vocabulary rows past the real vocabulary are padding: zeros.
+    for table in (model.embed_tokens, model.lm_head):
+        if table is not None:
+            table.data[len(model.vocab) :].zero_()
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -150,8 +154,6 @@ def _target_slices(model: CausalLM, c: ModelConfig) -> dict[str, _Target]:
     def once(dest: torch.Tensor) -> _Target:  # added after the all-reduce: on rank 0 only
         return _Target(dest, tuple(dest.shape), zero=shard.rank != 0)
 
-    # The last rank's vocabulary rows past the real vocabulary are padding: zeros.
-    model.embed_tokens.data[len(vocab) :].zero_()
     out = {
         "model.embed_tokens.weight": rows(
             model.embed_tokens.data[: len(vocab)], c.vocab_size, vocab
@@ -159,7 +161,6 @@ def _target_slices(model: CausalLM, c: ModelConfig) -> dict[str, _Target]:
     }
     out["model.norm.weight"] = whole(model.norm.weight.data)
     if model.lm_head is not None:
-        model.lm_head.data[len(vocab) :].zero_()
         out["lm_head.weight"] = rows(model.lm_head.data[: len(vocab)], c.vocab_size, vocab)
     q, kv, n = len(q_rows), len(kv_rows), c.intermediate_size
     for i, layer in enumerate(model.layers):
