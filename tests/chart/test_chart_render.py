@@ -623,13 +623,20 @@ def test_the_gateway_metrics_port_moves_every_scrape_target(chart: Path) -> None
         }
 
     default = gateway_objects()
-    assert default["listen"] == {"host": "0.0.0.0", "port": 8080}
+    limits = {  # values.yaml's config.listen, passed through
+        "max_header_bytes": 65536,
+        "header_timeout_seconds": 10,
+        "body_timeout_seconds": 30,
+        "keep_alive_seconds": 75,
+        "refusals_per_second": 100,
+    }
+    assert default["listen"] == {"host": "0.0.0.0", "port": 8080, **limits}
     assert default["ports"] == {"http": 8080} and default["annotation"] == "8080"
     assert f"{GATEWAY}-metrics" not in default["services"]
     assert default["monitor"]["endpoints"][0]["port"] == "http"
 
     apart = gateway_objects("gateway.metricsPort=9090", "gateway.service.type=LoadBalancer")
-    assert apart["listen"] == {"host": "0.0.0.0", "port": 8080, "metrics_port": 9090}
+    assert apart["listen"] == {"host": "0.0.0.0", "port": 8080, "metrics_port": 9090, **limits}
     assert apart["ports"] == {"http": 8080, "metrics": 9090} and apart["annotation"] == "9090"
     api = apart["services"][GATEWAY]["spec"]
     assert [p["name"] for p in api["ports"]] == ["http"], "the LoadBalancer must not carry it"
@@ -661,8 +668,10 @@ def test_gateway_config_values_schema_follows_the_gateway() -> None:
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     props = schema["properties"]["gateway"]["properties"]["config"]["properties"]
-    chart_owned = {"listen", "keys_file", "discovery"}
+    chart_owned = {"keys_file", "discovery"}
     assert set(props) == set(gw.GatewayConfig.model_fields) - chart_owned
+    listen_owned = {"host", "port", "metrics_port"}  # gateway.port, gateway.metricsPort
+    assert set(props["listen"]["properties"]) == set(gw.ListenConfig.model_fields) - listen_owned
     for name, model in (
         ("routing", gw.RoutingConfig),
         ("admission", gw.AdmissionConfig),
@@ -812,7 +821,8 @@ SCHEMA_REJECTIONS = [
     ("gateway.keys.source=inline", ["/gateway/keys/inline"]),
     ("gateway.config.routing.polcy=prefix", ["/gateway/config/routing", "'polcy' not allowed"]),
     ("gateway.config.routing.policy=random", ["/gateway/config/routing/policy"]),
-    ("gateway.config.listen.port=9000", ["/gateway/config", "'listen' not allowed"]),
+    ("gateway.config.listen.port=9000", ["/gateway/config/listen", "'port' not allowed"]),
+    ("gateway.config.listen.refusals_per_second=-1", ["/gateway/config/listen/refusals"]),
     ("gateway.service.type=Ingress", ["/gateway/service/type"]),
     ("images.kvserve.pullPolicy=Sometimes", ["/images/kvserve/pullPolicy"]),
     ("images.operator.digest=abc", ["/images/operator/digest"]),

@@ -7,48 +7,21 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
 
-from kvserve.openai.errors import install_error_handlers
-from kvserve.openai.http_limits import HttpLimits, protocol_with
-from kvserve.openai.middleware import RequestContextMiddleware
-from tests.support.net import free_port
-from tests.support.waiting import wait_until
+from kvserve.openai.http_limits import HttpLimits
+from tests.support.guarded_server import guarded_server
 
 LIMITS = HttpLimits(max_head_bytes=4096, head_timeout=0.5, body_timeout=0.5)
 
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
-    app = FastAPI()
-
-    @app.post("/echo")
-    async def echo(request: Request) -> dict[str, int]:
-        return {"bytes": len(await request.body())}
-
-    install_error_handlers(app)
-    app.add_middleware(
-        RequestContextMiddleware,  # type: ignore[arg-type]
-        max_body_bytes=1 << 20,
-        body_timeout=LIMITS.body_timeout,
-    )
-    chosen = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=chosen, log_level="warning", http=protocol_with(LIMITS)
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, timeout=30)
-    yield chosen
-    server.should_exit = True
-    thread.join(timeout=30)
+    with guarded_server(LIMITS, max_body_bytes=1 << 20) as chosen:
+        yield chosen
 
 
 def exchange(port: int, *parts: bytes, pause: float = 0.0) -> bytes:

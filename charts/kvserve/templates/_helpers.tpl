@@ -135,10 +135,13 @@ app.kubernetes.io/managed-by: kvserve-operator
 {{- end -}}
 
 {{/* The gateway's config file (docs/gateway-config.md): values.gateway.config plus
-     the fields the chart owns (listen, keys_file, discovery). */}}
+     the fields the chart owns (listen's host, port and metrics_port, keys_file,
+     discovery). */}}
 {{- define "kvserve.gateway.config" -}}
 {{- $config := deepCopy .Values.gateway.config -}}
-{{- $listen := dict "host" "0.0.0.0" "port" (int .Values.gateway.port) -}}
+{{- $listen := deepCopy (.Values.gateway.config.listen | default dict) -}}
+{{- $_ := set $listen "host" "0.0.0.0" -}}
+{{- $_ := set $listen "port" (int .Values.gateway.port) -}}
 {{- with .Values.gateway.metricsPort -}}
 {{- if eq (int .) (int $.Values.gateway.port) -}}
 {{- fail (printf "gateway.metricsPort (%d) must differ from gateway.port: /metrics gets a port of its own" (int .)) -}}

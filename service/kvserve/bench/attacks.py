@@ -31,6 +31,7 @@ from kvserve.bench.sse_client import (
     run_on_uvloop,
 )
 from kvserve.config import DTYPES
+from kvserve.openai.refusal_pacing import REPLICA_REFUSALS_PER_SECOND
 from kvserve.telemetry import definitions
 
 STOPS = [f"{i:02d}" + "q" * 254 for i in range(16)]
@@ -48,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stalled-tokens", type=int, default=450, help="tokens of each stream that stops reading"
     )
+    p.add_argument(
+        "--refusals-per-second",
+        type=float,
+        default=REPLICA_REFUSALS_PER_SECOND,
+        help="the replica's pace of refusals (kvserve serve's flag; 0: unpaced) "
+        f"(default: {REPLICA_REFUSALS_PER_SECOND:g})",
+    )
 
 
 @dataclass
@@ -56,6 +64,7 @@ class Phase:
     itl_p50_ms: float
     tpot_ms: float
     health_p99_ms: float
+    idle_cpu_pct: float  # the replica's CPU with only the attackers and the prober running
 
 
 def _victim_itl(url: str, tokens: int) -> tuple[float, float]:
@@ -93,7 +102,7 @@ def _attack(url: str, kind: str, stop: Any) -> None:  # in an attacker process
                 c.post(url + "/v1/completions", content=content, headers=headers)
 
 
-def _phase(url: str, kind: str | None, args: argparse.Namespace) -> Phase:
+def _phase(url: str, replica: Proc, kind: str | None, args: argparse.Namespace) -> Phase:
     stop = mp.get_context("fork").Event()
     latencies: list[float] = []
 
@@ -115,6 +124,10 @@ def _phase(url: str, kind: str | None, args: argparse.Namespace) -> Phase:
         for proc in procs:
             proc.start()
         time.sleep(1.0)  # the attack under way before the victim starts (not a sync point)
+    # What the attack alone costs the replica, before the victim's stream keeps it busy.
+    cpu, start = replica.cpu_seconds(), time.perf_counter()
+    time.sleep(1.0)
+    idle_cpu = 100 * (replica.cpu_seconds() - cpu) / (time.perf_counter() - start)
     try:
         runs = [_victim_itl(url, args.victim_tokens) for _ in range(args.victim_streams)]
     finally:
@@ -126,7 +139,8 @@ def _phase(url: str, kind: str | None, args: argparse.Namespace) -> Phase:
                 proc.kill()
     latencies.sort()
     itl, tpot = (statistics.median(figures) for figures in zip(*runs, strict=True))
-    return Phase(kind or "baseline", itl, tpot, latencies[int(0.99 * (len(latencies) - 1))])
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    return Phase(kind or "baseline", itl, tpot, p99, idle_cpu)
 
 
 def _peak_mb(proc: Proc) -> float:
@@ -211,10 +225,18 @@ def run(args: argparse.Namespace) -> int:
         Launcher(settings, Path(tmp)) as launcher,
         running_on(client_cpus),
     ):
-        (replica,) = launcher.start_replicas(1, grpc=False, cpus=replica_cpus)
+        (replica,) = launcher.start_replicas(
+            1,
+            grpc=False,
+            cpus=replica_cpus,
+            extra_flags=["--refusals-per-second", str(args.refusals_per_second)],
+        )
         url, port = replica.http_url, int(replica.http_url.rsplit(":", 1)[1])
         _victim_itl(url, 8)  # warm-up
-        phases = [_phase(url, kind, args) for kind in (None, "load", "stops", "huge", "flood")]
+        phases = [
+            _phase(url, replica.proc, kind, args)
+            for kind in (None, "load", "stops", "huge", "flood")
+        ]
         unread = _peak_mb(replica.proc)
         _stalled_streams(url, port, args.stalled_streams, args.stalled_tokens)
         before = _peak_mb(replica.proc)
@@ -235,10 +257,16 @@ def run(args: argparse.Namespace) -> int:
             f"placement: the replica on CPU {cpu_list(replica_cpus)}, the clients on CPU "
             f"{cpu_list(client_cpus)} (attackers at nice 19)"
         )
-    widths = (10, 12, 10, 16)
-    print(text_row(["phase", "ITL p50 ms", "TPOT ms", "/health p99 ms"], widths))
+    print(f"refusals paced to {args.refusals_per_second:g} a second (0: unpaced)")
+    widths = (10, 12, 10, 16, 20)
+    print(
+        text_row(
+            ["phase", "ITL p50 ms", "TPOT ms", "/health p99 ms", "replica CPU, idle %"], widths
+        )
+    )
     for p in phases:
-        print(text_row([p.name, p.itl_p50_ms, p.tpot_ms, p.health_p99_ms], widths, ".2f .2f .1f"))
+        row = [p.name, p.itl_p50_ms, p.tpot_ms, p.health_p99_ms, p.idle_cpu_pct]
+        print(text_row(row, widths, ".2f .2f .1f .1f"))
 
     def ratio(a: str, b: str) -> str:
         x, y = by[a], by[b]

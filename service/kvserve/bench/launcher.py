@@ -98,10 +98,12 @@ class Launcher:
         threads: int | None = None,
         cpus: frozenset[int] | None = None,
         log_level: str = "warning",
+        extra_flags: Sequence[str] = (),
     ) -> list[Replica]:
         """``n`` replicas started together (on ``cpus`` when given, with ``threads``
-        OpenMP threads unless the caller set OMP_NUM_THREADS); returns once every one
-        answers /ready. At ``log_level`` info their logs hold the request log."""
+        OpenMP threads unless the caller set OMP_NUM_THREADS, and ``extra_flags`` for
+        `kvserve serve`); returns once every one answers /ready. At ``log_level`` info
+        their logs hold the request log."""
         s = self.settings
         flags: list[str] = []
         for name in ENGINE_FLAGS.split():  # each a `kvserve serve` flag of the same name
@@ -109,6 +111,7 @@ class Launcher:
                 flags += [f"--{name.replace('_', '-')}", str(value)]
         if not prefix_caching:
             flags.append("--no-prefix-caching")
+        flags += extra_flags
         reps: list[Replica] = []
         for _ in range(n):
             http_port, grpc_port = free_ports(2)

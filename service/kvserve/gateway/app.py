@@ -33,6 +33,7 @@ from kvserve.gateway.tenancy import CacheSalts
 from kvserve.gateway.watch import ConfigWatcher
 from kvserve.openai.errors import install_error_handlers
 from kvserve.openai.middleware import RequestContextMiddleware
+from kvserve.openai.refusal_pacing import RefusalPacer
 from kvserve.telemetry.metrics_listener import MetricsListener
 from kvserve.telemetry.tracing import tracer_provider_from_env
 
@@ -46,6 +47,7 @@ def create_gateway_app(
     metrics: GatewayMetrics | None = None,
     tracer_provider: TracerProvider | None = None,
     salts: CacheSalts | None = None,
+    refusal_pacer: RefusalPacer | None = None,
 ) -> FastAPI:
     """The gateway app; replicas are connected and polled while it runs (lifespan).
 
@@ -137,6 +139,7 @@ def create_gateway_app(
         RequestContextMiddleware,  # type: ignore[arg-type]
         max_body_bytes=config.max_body_bytes,
         body_timeout=config.listen.body_timeout_seconds,
+        pacer=refusal_pacer,
         on_error=lambda status: metrics.rejections.labels(
             "payload_too_large" if status == 413 else "invalid"
         ).inc(),

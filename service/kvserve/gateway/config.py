@@ -41,6 +41,7 @@ from kvserve.gateway.files import (
 )
 from kvserve.gateway.keys import WILDCARD
 from kvserve.openai.http_limits import HttpLimits
+from kvserve.openai.refusal_pacing import GATEWAY_REFUSALS_PER_SECOND
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.sampling_params import StopLimits
 
@@ -87,6 +88,11 @@ class ListenConfig(StrictModel):
     max_header_bytes: int = Field(default=HttpLimits.max_head_bytes, ge=1024)
     header_timeout_seconds: float = Field(default=HttpLimits.head_timeout, gt=0)
     body_timeout_seconds: float = Field(default=HttpLimits.body_timeout, gt=0)
+    # 4xx answers (a missing key, a 413, a 429 ...) are given no faster than this, after a
+    # burst of one second's worth (kvserve.openai.refusal_pacing); 0: at once.
+    refusals_per_second: float = Field(
+        default=GATEWAY_REFUSALS_PER_SECOND, ge=0, allow_inf_nan=False
+    )
 
     @property
     def http_limits(self) -> HttpLimits:

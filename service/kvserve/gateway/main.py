@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.gateway.app import create_gateway_app
     from kvserve.heap import freeze_startup_heap
     from kvserve.openai.http_limits import protocol_with
+    from kvserve.openai.refusal_pacing import RefusalPacer
 
     overrides = {"host": args.host, "port": args.port, "metrics_port": args.metrics_port}
     try:
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvserve gateway: error: listen.{problem}", file=sys.stderr)
         return 2
     host, port = config.listen.host, config.listen.port
-    app = create_gateway_app(config, watcher.keys, watcher=watcher)
+    pacer = RefusalPacer.at(config.listen.refusals_per_second)
+    app = create_gateway_app(config, watcher.keys, watcher=watcher, refusal_pacer=pacer)
     for name, model in config.models.items():
         print(
             f"model {name!r}: {len(model.replicas)} static replica(s) {', '.join(model.replicas)}",
@@ -92,6 +94,6 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         timeout_keep_alive=config.listen.keep_alive_seconds,
-        http=protocol_with(config.listen.http_limits),
+        http=protocol_with(config.listen.http_limits, pacer),
     )
     return 0

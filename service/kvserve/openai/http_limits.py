@@ -14,6 +14,9 @@ Malformed HTTP that the parser refuses (control characters in a header, both
 Transfer-Encoding and Content-Length, ...) is answered 400 in the OpenAI error shape too,
 where uvicorn answers plain text.
 
+These refusals wait for their turn like the application's own (``RefusalPacer``), the
+connection's reading paused meanwhile.
+
 A body that is promised (Content-Length) but does not arrive is bounded by the
 request-id middleware (``body_timeout``). Both servers run with these: ``kvserve serve``
 (``--max-header-bytes``, ``--header-timeout``, ``--body-timeout``) and the gateway
@@ -31,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvserve.openai.errors import error_body
 from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT
+from kvserve.openai.refusal_pacing import RefusalPacer
 
 HEAD_END = b"\r\n\r\n"
 # After a refusal the connection stays open this long, its input discarded, before it is
@@ -47,10 +51,11 @@ class HttpLimits:
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the head limits above (``limits`` is set by
-    ``protocol_with``)."""
+    """uvicorn's httptools protocol with the head limits above (``limits`` and ``pacer``
+    are set by ``protocol_with``)."""
 
     limits = HttpLimits()
+    pacer: RefusalPacer | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -118,8 +123,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(400, f"malformed HTTP request: {msg}")
 
     def _refuse(self, status: int, message: str) -> None:
-        """Answer in the OpenAI error shape and close (the request never started)."""
+        """Answer in the OpenAI error shape and close (the request never started), when
+        the pacer gives this refusal its turn."""
         self._stop_head_timer()
+        self._refused = True
+        delay = 0.0 if self.pacer is None else self.pacer.delay()
+        if delay <= 0:
+            self._answer(status, message)
+            return
+        self.transport.pause_reading()
+        self.loop.call_later(delay, self._answer, status, message)
+
+    def _answer(self, status: int, message: str) -> None:
+        if self.transport.is_closing():
+            return
+        self.transport.resume_reading()  # discarded until the close (a lingering close)
         body = json.dumps(error_body(status, message)).encode()
         reason = {
             400: b"Bad Request",
@@ -130,12 +148,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
         )
-        self._refused = True
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
 
-def protocol_with(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class to pass as uvicorn's ``http=``, with these limits."""
-    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+def protocol_with(
+    limits: HttpLimits, pacer: RefusalPacer | None = None
+) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class to pass as uvicorn's ``http=``, with these limits, its refusals
+    paced by ``pacer`` (the application's own, so that both share one pace)."""
+    return type(
+        "GuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
+        {"limits": limits, "pacer": pacer},
+    )

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.openai.errors import error_body
+from kvserve.openai.refusal_pacing import RefusalPacer, is_refusal
 
 MAX_REQUEST_ID_LEN = 128
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a body part may take to arrive
@@ -23,9 +24,10 @@ def valid_request_id(value: str) -> bool:
 
 
 class RequestContextMiddleware:
-    """Request ids (``x-request-id`` in, validated, echoed out), the body size limit, and
-    the body timeout: a body part that does not arrive within ``body_timeout`` seconds
-    (a client that promised a body and never sends it) is a 408."""
+    """Request ids (``x-request-id`` in, validated, echoed out), the body size limit, the
+    body timeout (a body part that does not arrive within ``body_timeout`` seconds, from a
+    client that promised a body and never sends it, is a 408), and the pace of refusals:
+    with a ``pacer``, each 4xx answer waits for its turn (kvserve.openai.refusal_pacing)."""
 
     def __init__(
         self,
@@ -33,11 +35,13 @@ class RequestContextMiddleware:
         max_body_bytes: int,
         on_error: Callable[[int], None] | None = None,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        pacer: RefusalPacer | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.on_error = on_error  # called with the status of each refusal (metrics)
         self.body_timeout = body_timeout
+        self.pacer = pacer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -48,6 +52,7 @@ class RequestContextMiddleware:
         if given is not None and not valid_request_id(given):
             rid = uuid.uuid4().hex
             self._refused(400)
+            await self._pace()
             await _send_error(
                 send,
                 400,
@@ -62,6 +67,7 @@ class RequestContextMiddleware:
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             self._refused(413)
+            await self._pace()  # the body unread meanwhile: the client's sending stalls
             # Then close the connection: reading and discarding the rest of an oversized
             # body would cost the server as much as taking it.
             await _send_error(
@@ -92,6 +98,8 @@ class RequestContextMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
+                if is_refusal(message["status"]):
+                    await self._pace()
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
             await send(message)
@@ -124,6 +132,11 @@ class RequestContextMiddleware:
     def _refused(self, status: int) -> None:
         if self.on_error is not None:
             self.on_error(status)
+
+    async def _pace(self) -> None:
+        delay = 0.0 if self.pacer is None else self.pacer.delay()
+        if delay > 0:
+            await asyncio.sleep(delay)
 
 
 class _BodyTimeout(HTTPException):

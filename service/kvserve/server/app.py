@@ -16,6 +16,7 @@ from kvserve.openai.chat_output import ChatParsing
 from kvserve.openai.errors import install_error_handlers
 from kvserve.openai.http_limits import HttpLimits
 from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT, RequestContextMiddleware
+from kvserve.openai.refusal_pacing import RefusalPacer
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import StopLimits
@@ -62,6 +63,7 @@ def create_app(
     grpc_address: tuple[str, int] | None = None,
     metrics_address: tuple[str, int] | None = None,
     http_limits: HttpLimits | None = None,
+    refusal_pacer: RefusalPacer | None = None,
     chat_parsing: ChatParsing | None = None,
     lora_modules: dict[str, str] | None = None,
     lora_dir: str | None = None,
@@ -164,5 +166,6 @@ def create_app(
         RequestContextMiddleware,
         max_body_bytes=body_limit(max_body_bytes, engine),
         body_timeout=body_timeout,
+        pacer=refusal_pacer,
     )
     return app

@@ -12,6 +12,7 @@ from kvserve import engine_options
 from kvserve.openai.chat_output import ChatParsing
 from kvserve.openai.http_limits import HttpLimits, protocol_with
 from kvserve.openai.reasoning import REASONING_PARSERS
+from kvserve.openai.refusal_pacing import REPLICA_REFUSALS_PER_SECOND, RefusalPacer
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.openai.tool_parsers import TOOL_CALL_PARSERS
 from kvserve.parallel.launch import DEFAULT_MASTER_PORT, Launch
@@ -103,6 +104,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=HttpLimits.body_timeout,
         help="seconds for each part of a request body to arrive; later is a 408 "
         f"(default: {HttpLimits.body_timeout:g})",
+    )
+    p.add_argument(
+        "--refusals-per-second",
+        type=_refusal_rate,
+        default=REPLICA_REFUSALS_PER_SECOND,
+        help="answer 4xx refusals no faster than this, after a burst of one second's worth, "
+        "so that clients looping on refused requests cannot take the CPU from the others; "
+        f"0: answer at once (default: {REPLICA_REFUSALS_PER_SECOND:g})",
     )
     p.add_argument(
         "--write-stall-timeout",
@@ -204,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     grpc_address = None if args.no_grpc else (args.host, args.grpc_port)
     metrics_address = None if args.metrics_port is None else (args.host, args.metrics_port)
     limits = HttpLimits(args.max_header_bytes, args.header_timeout, args.body_timeout)
+    pacer = RefusalPacer.at(args.refusals_per_second)
     try:
         app = create_app(
             engine,
@@ -216,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
             grpc_address=grpc_address,
             metrics_address=metrics_address,
             http_limits=limits,
+            refusal_pacer=pacer,
             chat_parsing=ChatParsing.for_model(
                 args.tool_call_parser,
                 args.reasoning_parser,
@@ -242,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=1,
-        http=protocol_with(limits),
+        http=protocol_with(limits, pacer),
     )
     freeze_startup_heap()
     server = DrainingServer(config, app.state.kvserve, args.drain_timeout)
@@ -264,6 +275,13 @@ def lora_problem(args: argparse.Namespace) -> str | None:
     if len(set(names)) != len(names):
         return "--lora-modules names an adapter twice"
     return None
+
+
+def _refusal_rate(text: str) -> float:
+    rate = float(text)
+    if not 0 <= rate < float("inf"):  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return rate
 
 
 def metrics_port_problem(args: argparse.Namespace) -> str | None:
