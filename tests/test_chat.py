@@ -329,7 +329,7 @@ def test_tools_run_a_local_agent_loop_with_the_demo_model() -> None:
     lines = out.stdout.decode().splitlines()
     call = '[call] search_hotels({"city": "Kyoto", "max_price": 200, "kind": "ryokan", '
     assert lines[0] == "assistant> " + call + '"amenities": ["onsen"]})', lines
-    assert lines[1].startswith('[result] {"results": [{"name": '), lines
+    assert lines[1].startswith('[result] {"results": ["1. '), lines
     result = json.loads(lines[1].removeprefix("[result] "))
     assert result["results"]
     # Then the model's answer turn, restating the request. What it says is scored by

@@ -19,6 +19,7 @@ from kvserve.demo_model.corpus import (
     infeasibility,
     listing_matches,
     parse_answer,
+    result_listings,
     sample_eval_prompts,
     sample_tool_eval_prompts,
     search_hotels,
@@ -36,10 +37,10 @@ def tool_conversations() -> list[Conversation]:
 
 
 def _listings(result_text: str) -> list[Listing]:
-    return [
-        Listing(r["name"], r["kind"], r["price"], tuple(r["amenities"]))
-        for r in json.loads(result_text)["results"]
-    ]
+    result = json.loads(result_text)
+    listings = result_listings(result)
+    assert len(listings) == len(result["results"]), result  # every line reads back
+    return listings
 
 
 def test_tool_conversations_call_with_the_request_and_answer_from_the_result(

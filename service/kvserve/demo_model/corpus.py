@@ -81,10 +81,13 @@ __all__ = [
     "generate_tool_conversation",
     "infeasibility",
     "is_feasible",
+    "listing_line",
     "listing_matches",
     "min_price",
     "parse_answer",
+    "parse_listing_line",
     "price_floor",
+    "result_listings",
     "sample_eval_prompts",
     "sample_request",
     "sample_requests",
@@ -389,7 +392,9 @@ def _count_phrase(n: int, kind: str | None) -> str:
     return f"{n} {_kinds_word(kind)}"
 
 
-def _listing_line(i: int, item: Listing) -> str:
+def listing_line(i: int, item: Listing) -> str:
+    """Listing ``i`` (from 1) as answers and the tool's results write it:
+    ``2. Gion Ryokan (ryokan) - $135 a night - onsen``."""
     line = f"{i}. {item.name} ({item.kind}) - ${item.price} a night"
     return line + (" - " + ", ".join(item.amenities) if item.amenities else "")
 
@@ -430,7 +435,7 @@ def format_answer(request: HotelRequest, listings: Sequence[Listing], rng: rando
     verb = "is" if len(listings) == 1 else "are"
     header = rng.choice((f"I found {count}", f"here {verb} {count}", f"sure, I found {count}"))
     lines = [f"{subject} - {header}:"] + [
-        _listing_line(i, item) for i, item in enumerate(listings, 1)
+        listing_line(i, item) for i, item in enumerate(listings, 1)
     ]
     return "\n".join(lines)
 
@@ -457,13 +462,21 @@ def parse_answer(text: str) -> list[Listing] | None:
         return []
     listings: list[Listing] = []
     for line in lines[1:]:
-        m = _LISTING_RE.match(line)
-        if m is None:
+        item = parse_listing_line(line)
+        if item is None:
             return []
-        raw = m.group("amenities")
-        amenities = tuple(sorted(a.strip() for a in raw.split(","))) if raw else ()
-        listings.append(Listing(m.group("name"), m.group("kind"), int(m.group("price")), amenities))
+        listings.append(item)
     return listings
+
+
+def parse_listing_line(line: str) -> Listing | None:
+    """The listing that :func:`listing_line` wrote, or ``None`` for any other text."""
+    m = _LISTING_RE.match(line)
+    if m is None:
+        return None
+    raw = m.group("amenities")
+    amenities = tuple(sorted(a.strip() for a in raw.split(","))) if raw else ()
+    return Listing(m.group("name"), m.group("kind"), int(m.group("price")), amenities)
 
 
 def check_answer(request: HotelRequest, text: str) -> bool:
@@ -809,21 +822,26 @@ def _request_from_arguments(arguments: Mapping[str, Any]) -> HotelRequest | str:
 def search_result(request: HotelRequest, listings: Sequence[Listing]) -> dict[str, Any]:
     """The tool result for ``request`` that found ``listings`` (what the model reads).
 
-    ``note`` says why the world has no place at all (no ryokans outside Japan, no onsen
-    without hot springs); a budget that is too low just gives no results.
+    Each result is the numbered line the answer lists it as (:func:`listing_line`), so
+    answering from the result is copying whole spans, which a model this small learns
+    (with one JSON object per place, the bundled checkpoint of 2026-12-05 invented places
+    instead: 163 of 200 answers listed a place that was not in the result). ``note`` says
+    why the world has no place at all (no ryokans outside Japan, no onsen without hot
+    springs); a budget that is too low just gives no results.
     """
-    result: dict[str, Any] = {
-        "results": [
-            {"name": x.name, "kind": x.kind, "price": x.price, "amenities": list(x.amenities)}
-            for x in listings
-        ]
-    }
+    result: dict[str, Any] = {"results": [listing_line(i, x) for i, x in enumerate(listings, 1)]}
     reason = infeasibility(request)
     if reason == "ryokan_outside_japan":
         result["note"] = "ryokans are only found in Japan"
     elif reason == "no_hot_springs":
         result["note"] = f"{request.city} has no hot springs"
     return result
+
+
+def result_listings(result: Mapping[str, Any]) -> list[Listing]:
+    """The places in a :func:`search_result` (its lines read back)."""
+    items = [parse_listing_line(line) for line in result["results"]]
+    return [item for item in items if item is not None]
 
 
 def search_hotels(arguments: Mapping[str, Any], rng: random.Random) -> dict[str, Any]:
@@ -923,8 +941,7 @@ def sample_tool_eval_prompts(n: int, seed: int = 0) -> list[ToolEvalPrompt]:
 
 
 def _listings_of(tool_message: Mapping[str, Any]) -> list[Listing]:
-    results = json.loads(tool_message["content"])["results"]
-    return [Listing(r["name"], r["kind"], r["price"], tuple(r["amenities"])) for r in results]
+    return result_listings(json.loads(tool_message["content"]))
 
 
 def train_rng(seed: int) -> random.Random:
