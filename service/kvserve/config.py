@@ -91,7 +91,8 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; EngineConfig's default, shared b
 
 
 DEFAULT_SPECULATIVE_MAX_BATCH = 8  # measured: docs/performance.md, "Speculative decoding"
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
+DEFAULT_SUFFIX_MIN_TOKEN_PROB = 0.1  # vLLM's default
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ class SpeculativeSettings:
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    # "suffix" only: the least share of a context's followers the drafted token must have.
+    suffix_decoding_min_token_prob: float = DEFAULT_SUFFIX_MIN_TOKEN_PROB
 
 
 def speculative_settings(config: dict[str, Any] | SpeculativeSettings) -> SpeculativeSettings:
@@ -110,7 +113,13 @@ def speculative_settings(config: dict[str, Any] | SpeculativeSettings) -> Specul
         return config
     if not isinstance(config, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
-    keys = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    keys = (
+        "method",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "suffix_decoding_min_token_prob",
+    )
     unknown = sorted(set(config) - set(keys))
     if unknown:
         raise ValueError(
@@ -138,7 +147,17 @@ def speculative_settings(config: dict[str, Any] | SpeculativeSettings) -> Specul
         raise ValueError(
             f"speculative_config.prompt_lookup_min ({lo}) must be ≤ prompt_lookup_max ({hi})"
         )
-    return SpeculativeSettings(method, k, lo, hi)
+    prob = config.get("suffix_decoding_min_token_prob", DEFAULT_SUFFIX_MIN_TOKEN_PROB)
+    if method != "suffix" and prob != DEFAULT_SUFFIX_MIN_TOKEN_PROB:
+        raise ValueError(
+            'speculative_config.suffix_decoding_min_token_prob is for method "suffix" only'
+        )
+    if isinstance(prob, bool) or not isinstance(prob, int | float) or not 0 < prob <= 1:
+        raise ValueError(
+            "speculative_config.suffix_decoding_min_token_prob must be a number in (0, 1], "
+            f"got {prob!r}"
+        )
+    return SpeculativeSettings(method, k, lo, hi, float(prob))
 
 
 @dataclass
@@ -333,8 +352,9 @@ class EngineConfig:
         default=None,
         metadata={
             "option": Option(
-                'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": '
-                'k, "prompt_lookup_min": a, "prompt_lookup_max": b} (default: off)',
+                'speculative decoding, as JSON: {"method": "ngram" or "suffix", '
+                '"num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} '
+                "(suffix also takes suffix_decoding_min_token_prob; default: off)",
                 flag="--speculative-config",
             )
         },
@@ -427,7 +447,10 @@ class EngineConfig:
         positive("speculative_max_batch", self.speculative_max_batch)
         if self.speculative_config is not None:
             # Stored complete (defaults filled in), so logs and /metrics show every key.
-            self.speculative_config = asdict(speculative_settings(self.speculative_config))
+            settings = speculative_settings(self.speculative_config)
+            self.speculative_config = asdict(settings)
+            if settings.method != "suffix":  # its key means nothing to the others
+                del self.speculative_config["suffix_decoding_min_token_prob"]
         if self.recompute_every_step:
             self.enable_prefix_caching = False
 

@@ -16,7 +16,7 @@ Sections (--only picks some; each is a module of kvserve.bench):
   lora                    throughput with 4 LoRA adapters vs the base model at
                           concurrency 16; 1/4/16 adapters in flight, load time, memory
   quantization            int8 weights vs fp32 (and bf16): decode tokens/s at batch 1/4/16
-  speculative             n-gram speculative decoding on vs off, demo model chat at
+  speculative             prompt lookup and suffix decoding vs none, demo model chat at
                           concurrency 1 and 16: output tokens/s and acceptance
   kv_dtype                fp8 KV cache vs the fp32 cache: decode tokens/s at batch 1/16
   tensor_parallel         2 ranks × 1 thread vs 1 rank × 2 threads on this CPU: decode

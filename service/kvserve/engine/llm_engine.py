@@ -59,7 +59,7 @@ from kvserve.parallel.launch import (
 from kvserve.parallel.shard import check_shardable
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.metrics import SpecDecodeStats
-from kvserve.spec_decode.proposer import NgramProposer
+from kvserve.spec_decode.suffix import make_proposer
 from kvserve.structured.engine_side import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             clock=clock,
             lora_slots=self.lora.slots if self.lora is not None else None,
-            proposer=NgramProposer(speculative_settings(spec)) if spec is not None else None,
+            proposer=make_proposer(speculative_settings(spec)) if spec is not None else None,
             speculative_max_batch=config.speculative_max_batch,
             max_model_len=self.max_model_len,
         )

@@ -14,10 +14,26 @@ a step costs O(context) per request (tens of microseconds for thousands of token
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from kvserve.config import SpeculativeSettings
+
+HistoryKey = tuple[str | None, str | None]  # (cache salt, adapter name): see suffix.py
+
+
+class Proposer(Protocol):
+    """What the scheduler asks of a draft proposer."""
+
+    def propose(
+        self, tokens: Sequence[int], limit: int | None = None, key: HistoryKey = (None, None)
+    ) -> list[int]:
+        """Up to ``limit`` drafts to follow a request's ``tokens`` (its prompt and output);
+        ``key`` is the request's history key."""
+
+    def learn(self, context: Sequence[int], output: Sequence[int], key: HistoryKey) -> None:
+        """A request under ``key`` generated ``output`` after ``context``."""
 
 
 class NgramProposer:
@@ -26,7 +42,12 @@ class NgramProposer:
         self.min_n = settings.prompt_lookup_min
         self.max_n = settings.prompt_lookup_max
 
-    def propose(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
+    def learn(self, context: Sequence[int], output: Sequence[int], key: HistoryKey) -> None:
+        """Nothing: prompt lookup drafts from the request alone."""
+
+    def propose(
+        self, tokens: Sequence[int], limit: int | None = None, key: HistoryKey = (None, None)
+    ) -> list[int]:
         """Up to ``min(k, limit)`` draft tokens to follow ``tokens`` (maybe none)."""
         k = self.k if limit is None else min(self.k, limit)
         length = len(tokens)
