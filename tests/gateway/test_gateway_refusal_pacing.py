@@ -5,15 +5,13 @@ protocol and the middleware to one pacer is what is tested."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from kvserve.gateway.keys import hash_key
-from tests.support.gateway import KEY_A
+from tests.support.gateway import gateway_command
 from tests.support.net import free_port
 from tests.support.processes import start_logged
 from tests.support.replicas import REPLICA_MODEL
@@ -23,20 +21,14 @@ INTERVAL = 2.0  # seconds between paced refusals (= the most a refusal is held)
 
 
 def test_refusals_are_paced_and_a_probe_is_not_held(tmp_path: Path) -> None:
-    (tmp_path / "keys.yaml").write_text(
-        f'keys:\n  - tenant: a\n    sha256: "{hash_key(KEY_A)}"\n    models: ["*"]\n'
-    )
     port = free_port()
-    config = tmp_path / "gateway.yaml"
-    config.write_text(
-        f"listen: {{port: {port}, refusals_per_second: {1 / INTERVAL}}}\n"
-        # No replica needs to answer: every request here is refused before routing.
-        f"models:\n  {REPLICA_MODEL}:\n    replicas: ['grpc://127.0.0.1:{free_port()}']\n"
-        "keys_file: keys.yaml\n"
+    # No replica needs to answer: every request here is refused before routing.
+    argv = gateway_command(
+        tmp_path,
+        f"{{port: {port}, refusals_per_second: {1 / INTERVAL}}}",
+        f"grpc://127.0.0.1:{free_port()}",
     )
-    proc = start_logged(
-        [sys.executable, "-m", "kvserve", "gateway", "--config", str(config)], "gateway"
-    )
+    proc = start_logged(argv, "gateway")
     url = f"http://127.0.0.1:{port}"
 
     def alive() -> bool:

@@ -4,15 +4,13 @@ listener of its own, the API port without it (docs/security.md)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.gateway.keys import hash_key
-from tests.support.gateway import KEY_A, Gateway, start_gateway
+from tests.support.gateway import Gateway, gateway_command, start_gateway
 from tests.support.net import free_port
 from tests.support.processes import start_logged
 from tests.support.prometheus import metric
@@ -72,17 +70,8 @@ def test_the_metrics_port_serves_metrics_and_the_api_port_does_not(
 def test_the_command_takes_a_metrics_port_and_refuses_the_api_port(
     tmp_path: Path, replicas: list[Replica]
 ) -> None:
-    (tmp_path / "keys.yaml").write_text(
-        f'keys:\n  - tenant: a\n    sha256: "{hash_key(KEY_A)}"\n    models: ["*"]\n'
-    )
     port = free_port()
-    config = tmp_path / "gateway.yaml"
-    config.write_text(
-        f"listen: {{port: {port}}}\n"
-        f"models:\n  {REPLICA_MODEL}:\n    replicas: ['{replicas[0].grpc_url}']\n"
-        "keys_file: keys.yaml\n"
-    )
-    kvserve = [sys.executable, "-m", "kvserve", "gateway", "--config", str(config)]
+    kvserve = gateway_command(tmp_path, f"{{port: {port}}}", replicas[0].grpc_url)
 
     same = subprocess.run(
         [*kvserve, "--metrics-port", str(port)], capture_output=True, text=True, timeout=120

@@ -4,8 +4,10 @@ inject its rate-limit clock and cache-salt secret and read its state."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -134,3 +136,19 @@ def stream_text(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[
             chunks.append(json.loads(data))
             text += parse_event(data).text
     return text, chunks
+
+
+def gateway_command(directory: Path, listen: str, replica_url: str) -> list[str]:
+    """The argv of ``kvserve gateway`` with a config written in ``directory``: ``listen``
+    (a flow mapping, e.g. ``{port: 8080}``), one model served by ``replica_url``, and a
+    keys file holding ``KEY_A``."""
+    (directory / "keys.yaml").write_text(
+        f'keys:\n  - tenant: a\n    sha256: "{hash_key(KEY_A)}"\n    models: ["*"]\n'
+    )
+    config = directory / "gateway.yaml"
+    config.write_text(
+        f"listen: {listen}\n"
+        f"models:\n  {REPLICA_MODEL}:\n    replicas: ['{replica_url}']\n"
+        "keys_file: keys.yaml\n"
+    )
+    return [sys.executable, "-m", "kvserve", "gateway", "--config", str(config)]
