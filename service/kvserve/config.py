@@ -148,7 +148,7 @@ def speculative_settings(config: dict[str, Any] | SpeculativeSettings) -> Specul
             f"speculative_config.prompt_lookup_min ({lo}) must be ≤ prompt_lookup_max ({hi})"
         )
     prob = config.get("suffix_decoding_min_token_prob", DEFAULT_SUFFIX_MIN_TOKEN_PROB)
-    if method != "suffix" and prob != DEFAULT_SUFFIX_MIN_TOKEN_PROB:
+    if method != "suffix" and "suffix_decoding_min_token_prob" in config:
         raise ValueError(
             'speculative_config.suffix_decoding_min_token_prob is for method "suffix" only'
         )

@@ -8,6 +8,7 @@ import transformers
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig, speculative_settings
+from kvserve.lora.request import LoRARequest
 from kvserve.spec_decode.suffix import SuffixProposer
 from tests.support.checkpoints import make_prompts
 
@@ -32,7 +33,7 @@ def test_another_tenant_or_adapter_gets_no_drafts_from_that_history() -> None:
     p = proposer()
     p.learn([50], [10, 11, 12, 13, 14], SALTED_A)
     assert p.propose([7, 10], key=SALTED_A) == [11, 12, 13, 14]
-    for other in (SALTED_B, (None, None), ("tenant-a", "adapter@/path")):
+    for other in (SALTED_B, (None, None), ("tenant-a", LoRARequest("adapter", "/path"))):
         assert p.propose([7, 10], key=other) == []  # nor prompt lookup: 10 is new
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 from kvserve.bench.results import Section, Target, model_setup, table
@@ -74,16 +75,13 @@ def run(ctx: SuiteContext) -> Section:
         for llm in llms.values():
             llm.chat(warm_up, params, use_tqdm=False)  # type: ignore[arg-type]
 
-        def once(
-            llm: LLM, taken: list[int], per_round: list[list[list[dict[str, str]]]] = per_round
-        ) -> tuple[float, int]:
-            convs = per_round[taken[0]]  # this side's next round: new chats
-            taken[0] += 1
+        def once(llm: LLM, rounds: Iterator[list[list[dict[str, str]]]]) -> tuple[float, int]:
+            convs = next(rounds)  # this side's next round: new chats every round
             start = time.perf_counter()
             outs = llm.chat(convs, params, use_tqdm=False)  # type: ignore[arg-type]
             return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
-        runs = {side: (lambda llm=llm, t=[0]: once(llm, t)) for side, llm in llms.items()}
+        runs = {side: partial(once, llm, iter(per_round)) for side, llm in llms.items()}
         best = ctx.best_of(runs, seconds=lambda r: r[0], label=f"c={concurrency} ")
         rate = {side: tokens / secs for side, (secs, tokens) in best.items()}
         for side, llm in llms.items():

@@ -823,11 +823,10 @@ def search_result(request: HotelRequest, listings: Sequence[Listing]) -> dict[st
     """The tool result for ``request`` that found ``listings`` (what the model reads).
 
     Each result is the numbered line the answer lists it as (:func:`listing_line`), so
-    answering from the result is copying whole spans, which a model this small learns
-    (with one JSON object per place, the bundled checkpoint of 2026-12-05 invented places
-    instead: 163 of 200 answers listed a place that was not in the result). ``note`` says
-    why the world has no place at all (no ryokans outside Japan, no onsen without hot
-    springs); a budget that is too low just gives no results.
+    answering from the result is copying whole lines, tokenized alike in both places (the
+    bundled model has not learned to, yet: its model card). ``note`` says why the world has
+    no place at all (no ryokans outside Japan, no onsen without hot springs); a budget that
+    is too low just gives no results.
     """
     result: dict[str, Any] = {"results": [listing_line(i, x) for i, x in enumerate(listings, 1)]}
     reason = infeasibility(request)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.lora.slots import SlotTable
-from kvserve.spec_decode.proposer import HistoryKey, Proposer
+from kvserve.spec_decode.proposer import Proposer
 
 
 @dataclass
@@ -178,7 +178,7 @@ class Scheduler:
             limit = min(limit, self.max_model_len - req.num_tokens - 1)
         if limit <= 0:
             return False
-        drafts = self.proposer.propose(req.all_token_ids, limit, _history_key(req))
+        drafts = self.proposer.draft(req, limit)
         if not drafts or not self.kv.allocate_slots(req, 1 + len(drafts)):
             return False
         req.spec_token_ids = drafts
@@ -202,19 +202,10 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
-        if self.proposer is not None and req.output_token_ids:
-            self.proposer.learn(req.prompt_token_ids, req.output_token_ids, _history_key(req))
+        if self.proposer is not None:
+            self.proposer.finished(req)
 
     def _leave_running(self, req: Request) -> None:
         self.running.remove(req)
         if req.lora is not None and self.lora_slots is not None:
             self.lora_slots.unpin(req.lora)
-
-
-def _history_key(req: Request) -> HistoryKey:
-    """Whose earlier outputs may draft for ``req``: its tenant's (the cache salt) under
-    its adapter (spec_decode/suffix.py)."""
-    return (
-        req.cache_salt,
-        None if req.lora is None else f"{req.lora.lora_name}@{req.lora.lora_path}",
-    )

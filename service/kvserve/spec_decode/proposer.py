@@ -14,26 +14,24 @@ a step costs O(context) per request (tens of microseconds for thousands of token
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvserve.config import SpeculativeSettings
 
-HistoryKey = tuple[str | None, str | None]  # (cache salt, adapter name): see suffix.py
+if TYPE_CHECKING:
+    from kvserve.engine.request import Request
 
 
 class Proposer(Protocol):
     """What the scheduler asks of a draft proposer."""
 
-    def propose(
-        self, tokens: Sequence[int], limit: int | None = None, key: HistoryKey = (None, None)
-    ) -> list[int]:
-        """Up to ``limit`` drafts to follow a request's ``tokens`` (its prompt and output);
-        ``key`` is the request's history key."""
+    def draft(self, req: Request, limit: int) -> list[int]:
+        """Up to ``limit`` draft tokens to follow ``req``'s tokens (maybe none)."""
 
-    def learn(self, context: Sequence[int], output: Sequence[int], key: HistoryKey) -> None:
-        """A request under ``key`` generated ``output`` after ``context``."""
+    def finished(self, req: Request) -> None:
+        """``req`` is done (what it generated may inform later drafts)."""
 
 
 class NgramProposer:
@@ -42,12 +40,13 @@ class NgramProposer:
         self.min_n = settings.prompt_lookup_min
         self.max_n = settings.prompt_lookup_max
 
-    def learn(self, context: Sequence[int], output: Sequence[int], key: HistoryKey) -> None:
+    def draft(self, req: Request, limit: int) -> list[int]:
+        return self.propose(req.all_token_ids, limit)
+
+    def finished(self, req: Request) -> None:
         """Nothing: prompt lookup drafts from the request alone."""
 
-    def propose(
-        self, tokens: Sequence[int], limit: int | None = None, key: HistoryKey = (None, None)
-    ) -> list[int]:
+    def propose(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
         """Up to ``min(k, limit)`` draft tokens to follow ``tokens`` (maybe none)."""
         k = self.k if limit is None else min(self.k, limit)
         length = len(tokens)

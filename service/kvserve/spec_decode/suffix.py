@@ -23,15 +23,27 @@ forgotten first, and each output teaches at most ``LEARNED_PER_OUTPUT`` tokens.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.config import SpeculativeSettings
-from kvserve.spec_decode.proposer import HistoryKey, NgramProposer, Proposer
+from kvserve.lora.request import LoRARequest
+from kvserve.spec_decode.proposer import NgramProposer, Proposer
+
+if TYPE_CHECKING:
+    from kvserve.engine.request import Request
 
 HISTORY_TOKENS = 65_536  # learned output tokens kept, over all keys
 LEARNED_PER_OUTPUT = 512  # of each output, the first tokens are learned
+HistoryKey = tuple[str | None, LoRARequest | None]  # (cache salt, adapter)
+
+
+def history_key(req: Request) -> HistoryKey:
+    """Whose earlier outputs may draft for ``req``: its tenant's (the cache salt) under
+    its adapter."""
+    return (req.cache_salt, req.lora)
 
 
 @dataclass
@@ -40,19 +52,29 @@ class _History:
 
     followers: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
 
-    def add(self, tokens: Sequence[int], min_n: int, max_n: int, sign: int) -> None:
-        for end in range(min_n, len(tokens)):
-            nxt = tokens[end]
-            for n in range(min_n, min(max_n, end) + 1):
-                gram = tuple(tokens[end - n : end])
-                counts = self.followers.setdefault(gram, {})
-                left = counts.get(nxt, 0) + sign
-                if left > 0:
-                    counts[nxt] = left
-                else:
-                    counts.pop(nxt, None)
-                    if not counts:
-                        del self.followers[gram]
+    def add(self, tokens: Sequence[int], min_n: int, max_n: int) -> None:
+        for gram, nxt in _grams(tokens, min_n, max_n):
+            counts = self.followers.setdefault(gram, {})
+            counts[nxt] = counts.get(nxt, 0) + 1
+
+    def remove(self, tokens: Sequence[int], min_n: int, max_n: int) -> None:
+        """Undo ``add(tokens, ...)``."""
+        for gram, nxt in _grams(tokens, min_n, max_n):
+            counts = self.followers[gram]
+            if counts[nxt] > 1:
+                counts[nxt] -= 1
+            elif len(counts) > 1:
+                del counts[nxt]
+            else:
+                del self.followers[gram]
+
+
+def _grams(tokens: Sequence[int], min_n: int, max_n: int) -> Iterator[tuple[tuple[int, ...], int]]:
+    """Every (n-gram, the token after it) of ``tokens``, min_n ≤ n ≤ max_n (the tuples are
+    built by zip, in C: learning runs on the engine thread)."""
+    for n in range(min_n, min(max_n, len(tokens) - 1) + 1):  # each with a token after it
+        grams = zip(*(tokens[i : len(tokens) - n + i] for i in range(n)), strict=True)
+        yield from zip(grams, tokens[n:], strict=True)
 
 
 class SuffixProposer:
@@ -65,9 +87,14 @@ class SuffixProposer:
         self.lookup = NgramProposer(settings)
         self._histories: dict[HistoryKey, _History] = {}
         # Learned outputs, oldest first: (key, tokens), and their total length.
-        self._learned: OrderedDict[int, tuple[HistoryKey, list[int]]] = OrderedDict()
-        self._next_id = 0
+        self._learned: deque[tuple[HistoryKey, list[int]]] = deque()
         self.num_learned_tokens = 0
+
+    def draft(self, req: Request, limit: int) -> list[int]:
+        return self.propose(req.all_token_ids, limit, history_key(req))
+
+    def finished(self, req: Request) -> None:
+        self.learn(req.prompt_token_ids, req.output_token_ids, history_key(req))
 
     def propose(
         self, tokens: Sequence[int], limit: int | None = None, key: HistoryKey = (None, None)
@@ -77,7 +104,8 @@ class SuffixProposer:
         if k <= 0:
             return []
         history = self._histories.get(key)
-        drafts = [] if history is None else self._follow(history, list(tokens), k)
+        # Only the last max_n tokens can match: never copy the whole context.
+        drafts = [] if history is None else self._follow(history, list(tokens[-self.max_n :]), k)
         return drafts or self.lookup.propose(tokens, k)
 
     def learn(self, context: Sequence[int], output: Sequence[int], key: HistoryKey) -> None:
@@ -86,14 +114,13 @@ class SuffixProposer:
         if not output:
             return
         tokens = [*context[-self.max_n :], *output[:LEARNED_PER_OUTPUT]]
-        self._histories.setdefault(key, _History()).add(tokens, self.min_n, self.max_n, +1)
-        self._learned[self._next_id] = (key, tokens)
-        self._next_id += 1
+        self._histories.setdefault(key, _History()).add(tokens, self.min_n, self.max_n)
+        self._learned.append((key, tokens))
         self.num_learned_tokens += len(tokens)
         while self.num_learned_tokens > self.history_tokens:
-            _, (old_key, old) = self._learned.popitem(last=False)
+            old_key, old = self._learned.popleft()
             history = self._histories[old_key]
-            history.add(old, self.min_n, self.max_n, -1)
+            history.remove(old, self.min_n, self.max_n)
             if not history.followers:
                 del self._histories[old_key]
             self.num_learned_tokens -= len(old)
