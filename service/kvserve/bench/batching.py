@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -64,24 +63,21 @@ def run(ctx: SuiteContext) -> Section:
         "All requests arrive at t=0: TTFT includes the wait for a slot. At concurrency 1 "
         "both modes run the same schedule (a noise control).",
     ]
-    plot = ctx.save_plot("batching.png", _draw(rows))
-    return Section(NAME, TITLE, setup, tables, [], notes, [plot] if plot else [])
+    plots = ctx.save_plot("batching.png", _draw, rows)
+    return Section(NAME, TITLE, setup, tables, [], notes, plots)
 
 
-def _draw(rows: list[list[Any]]) -> Callable[[Any], None]:
-    def draw(fig: Any) -> None:
-        tput, ttft = fig.subplots(1, 2)
-        for mode, marker in (("static", "s"), ("continuous", "o")):
-            mine = [r for r in rows if r[2] == mode]
-            tput.plot([r[0] for r in mine], [r[4] for r in mine], marker=marker, label=mode)
-            ttft.plot([r[0] for r in mine], [r[6] for r in mine], marker=marker, label=mode)
-        for ax, label in ((tput, "output tokens/s"), (ttft, "TTFT p99 (ms)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks([r[0] for r in rows[::2]], [str(r[0]) for r in rows[::2]])
-            ax.set_xlabel("concurrency")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.suptitle("kvserve: static vs continuous batching")
-
-    return draw
+def _draw(fig: Any, rows: list[list[Any]]) -> None:
+    tput, ttft = fig.subplots(1, 2)
+    for mode, marker in (("static", "s"), ("continuous", "o")):
+        mine = [r for r in rows if r[2] == mode]
+        tput.plot([r[0] for r in mine], [r[4] for r in mine], marker=marker, label=mode)
+        ttft.plot([r[0] for r in mine], [r[6] for r in mine], marker=marker, label=mode)
+    for ax, label in ((tput, "output tokens/s"), (ttft, "TTFT p99 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r[0] for r in rows[::2]], [str(r[0]) for r in rows[::2]])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("kvserve: static vs continuous batching")

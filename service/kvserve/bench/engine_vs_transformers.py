@@ -224,22 +224,19 @@ def run(ctx: SuiteContext) -> Section:
     headers = "engine | wall (s) | output (tok/s) | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms)"
     tput = table("Throughput and latency (same requests, same process)",
                  headers + " | TPOT p99 (ms)", rows)  # fmt: skip
-    plot = ctx.save_plot("engine_vs_transformers_ttft.png", _ttft_cdf(best))
-    return Section(NAME, TITLE, setup, [tput], targets, notes, [plot] if plot else [])
+    plots = ctx.save_plot("engine_vs_transformers_ttft.png", _ttft_cdf, best)
+    return Section(NAME, TITLE, setup, [tput], targets, notes, plots)
 
 
-def _ttft_cdf(best: dict[str, Run]) -> Callable[[Any], None]:
+def _ttft_cdf(fig: Any, best: dict[str, Run]) -> None:
     from kvserve.telemetry import definitions
 
-    def draw(fig: Any) -> None:
-        ax = fig.add_subplot()
-        for name, (_, tl) in best.items():
-            xs = sorted(definitions.ttft(t.s, t.f) for t in tl)
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-        ax.set_xlabel("TTFT (s), all requests arriving at t=0")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title("Time to first token: kvserve vs transformers")
-        ax.grid(alpha=0.3)
-        ax.legend()
-
-    return draw
+    ax = fig.add_subplot()
+    for name, (_, tl) in best.items():
+        xs = sorted(definitions.ttft(t.s, t.f) for t in tl)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    ax.set_xlabel("TTFT (s), all requests arriving at t=0")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("Time to first token: kvserve vs transformers")
+    ax.grid(alpha=0.3)
+    ax.legend()

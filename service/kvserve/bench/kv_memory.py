@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,20 +93,17 @@ def run(ctx: SuiteContext) -> Section:
         f"Reserving max_model_len ({max_model_len}) per request would leave "
         f"{default.reserved_waste:.1f}% of the reserved slots empty on this workload.",
     ]
-    plot = ctx.save_plot("kv_memory.png", _draw(default, BLOCK_SIZES[0]))
-    return Section(NAME, TITLE, setup, tables, targets, notes, [plot] if plot else [])
+    plots = ctx.save_plot("kv_memory.png", _draw, default, BLOCK_SIZES[0])
+    return Section(NAME, TITLE, setup, tables, targets, notes, plots)
 
 
-def _draw(occ: Occupancy, block_size: int) -> Callable[[Any], None]:
-    def draw(fig: Any) -> None:
-        ax = fig.add_subplot()
-        steps = range(1, len(occ.series) + 1)
-        ax.plot(steps, [s[2] for s in occ.series], label="slots allocated (paged)")
-        ax.plot(steps, [s[1] for s in occ.series], label="tokens held")
-        ax.set_xlabel("engine step")
-        ax.set_ylabel("token slots")
-        ax.set_title(f"KV slots over a mixed run (block size {block_size}); waste {occ.waste:.2f}%")
-        ax.grid(alpha=0.3)
-        ax.legend()
-
-    return draw
+def _draw(fig: Any, occ: Occupancy, block_size: int) -> None:
+    ax = fig.add_subplot()
+    steps = range(1, len(occ.series) + 1)
+    ax.plot(steps, [s[2] for s in occ.series], label="slots allocated (paged)")
+    ax.plot(steps, [s[1] for s in occ.series], label="tokens held")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("token slots")
+    ax.set_title(f"KV slots over a mixed run (block size {block_size}); waste {occ.waste:.2f}%")
+    ax.grid(alpha=0.3)
+    ax.legend()

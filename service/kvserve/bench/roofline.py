@@ -355,33 +355,30 @@ def run(ctx: SuiteContext) -> Section:
         "CPU share of other processes (%)": None if others is None else round(others, 1),
     }
     notes = _notes(points, ctx.device, others)
-    plot = ctx.save_plot("roofline.png", _draw(bandwidth, peaks, points))
-    return Section(NAME, TITLE, setup, tables, targets, notes, [plot] if plot else [])
+    plots = ctx.save_plot("roofline.png", _draw, bandwidth, peaks, points)
+    return Section(NAME, TITLE, setup, tables, targets, notes, plots)
 
 
-def _draw(bandwidth: float, peaks: dict[str, float], points: list[Point]) -> Callable[[Any], None]:
-    def draw(fig: Any) -> None:
-        import numpy as np
+def _draw(fig: Any, bandwidth: float, peaks: dict[str, float], points: list[Point]) -> None:
+    import numpy as np
 
-        ax = fig.add_subplot()
-        # Span every point and both ridges (where a roof turns flat).
-        xs = [p.flops / p.bytes for p in points] + [v / bandwidth for v in peaks.values()]
-        x = np.geomspace(min(xs) / 4, max(xs) * 4, 200)
-        for color, style, dtype in zip(("C0", "C1"), ("--", "-"), MODEL_DTYPES, strict=True):
-            roof = np.minimum(x * bandwidth, peaks[dtype]) / 1e9
-            label = f"{dtype} roof ({peaks[dtype] / 1e9:.0f} GFLOP/s)"
-            ax.plot(x, roof, style, color=color, label=label, zorder=3 if style == "--" else 2)
-            for p in (p for p in points if p.dtype == dtype):
-                at = (p.flops / p.bytes, p.flops / p.seconds / 1e9)
-                ax.scatter(*at, color=color, marker="o" if p.kind == "decode" else "s")
-                text = f"B={p.batch}" if p.kind == "decode" else f"prefill {p.tokens:.0f}"
-                ax.annotate(text, at, textcoords="offset points", xytext=(4, -10), fontsize=7)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-        ax.set_ylabel("achieved GFLOP/s")
-        ax.set_title(f"Roofline: {bandwidth / 1e9:.1f} GB/s streaming read; points = this run")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-
-    return draw
+    ax = fig.add_subplot()
+    # Span every point and both ridges (where a roof turns flat).
+    xs = [p.flops / p.bytes for p in points] + [v / bandwidth for v in peaks.values()]
+    x = np.geomspace(min(xs) / 4, max(xs) * 4, 200)
+    for color, style, dtype in zip(("C0", "C1"), ("--", "-"), MODEL_DTYPES, strict=True):
+        roof = np.minimum(x * bandwidth, peaks[dtype]) / 1e9
+        label = f"{dtype} roof ({peaks[dtype] / 1e9:.0f} GFLOP/s)"
+        ax.plot(x, roof, style, color=color, label=label, zorder=3 if style == "--" else 2)
+        for p in (p for p in points if p.dtype == dtype):
+            at = (p.flops / p.bytes, p.flops / p.seconds / 1e9)
+            ax.scatter(*at, color=color, marker="o" if p.kind == "decode" else "s")
+            text = f"B={p.batch}" if p.kind == "decode" else f"prefill {p.tokens:.0f}"
+            ax.annotate(text, at, textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_title(f"Roofline: {bandwidth / 1e9:.1f} GB/s streaming read; points = this run")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)

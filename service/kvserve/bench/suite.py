@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from kvserve.bench.results import Section, SuiteResult, hardware, say
 from kvserve.bench.timelines import Workload, random_workload
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
 
 R = TypeVar("R")
+P = ParamSpec("P")
 
 SECTIONS = (
     "engine_vs_transformers",
@@ -171,9 +172,12 @@ class SuiteContext:
                     best[name] = res
         return best
 
-    def save_plot(self, name: str, draw: Callable[[Figure], None]) -> str | None:
-        """Draw a figure with ``draw`` and save it as ``name`` (a .png) in the output
-        directory; returns the file name, or None when matplotlib is not installed."""
+    def save_plot(
+        self, name: str, draw: Callable[Concatenate[Figure, P], None], *args: P.args, **kw: P.kwargs
+    ) -> list[str]:
+        """Draw a figure with ``draw(figure, *args, **kw)`` and save it as ``name`` (a .png)
+        in the output directory; returns the section's plots: ``[name]``, or none without
+        matplotlib."""
         try:
             import matplotlib
 
@@ -181,13 +185,13 @@ class SuiteContext:
             from matplotlib.figure import Figure
         except ImportError:
             self.say(f"matplotlib is not installed: skipping {name} (pip install matplotlib)")
-            return None
+            return []
         fig = Figure(figsize=(7, 4.5), dpi=110)
-        draw(fig)
+        draw(fig, *args, **kw)
         fig.tight_layout()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         fig.savefig(self.out_dir / name)
-        return name
+        return [name]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
