@@ -9,7 +9,7 @@ from typing import Any
 
 from kvserve.bench.cpu import cpu_use, running_on, split_cpus
 from kvserve.bench.launcher import Launcher
-from kvserve.bench.results import say, text_row
+from kvserve.bench.results import fixed, say, text_row
 from kvserve.bench.sse_client import CHAT, MODEL_NAME, StreamPool, run_on_uvloop
 
 TARGET_CHUNKS_PER_SECOND = 10_000.0
@@ -119,7 +119,7 @@ def print_capacity(c: dict[str, Any]) -> None:
         cells = [*(x[k] for k in figures), x["chunks_per_cpu_second"]]
         failed = f"  ({x['requests_failed']} failed)" if x["requests_failed"] else ""
         print(text_row(cells, widths, "d .2f ,.0f .0% ,.0f") + failed)
-    per_cpu = _count(c["chunks_per_cpu_second"])
+    per_cpu = fixed(c["chunks_per_cpu_second"], 0, ",.0f")
     if c["gateway_alone"] and c["saturated"]:
         print(
             f"capacity on one core (median round): {c['chunks_per_second']:,.0f} chunks/s "
@@ -139,7 +139,3 @@ def print_capacity(c: dict[str, Any]) -> None:
         print(f"gateway peak memory (VmHWM): {c['gateway_peak_rss_mb']:,.0f} MB")
     if c["first_error"]:
         print(f"  first failure: {c['first_error']}")
-
-
-def _count(x: float | None) -> str:
-    return "-" if x is None else f"{x:,.0f}"

@@ -360,13 +360,11 @@ def print_overhead(o: dict[str, Any]) -> None:
             f"(gateway − direct) [quartiles]: TTFT {lone('ttft')}, "
             f"ITL (each request's median) {lone('itl')}"
         )
-    rate = o["gateway_chunks_per_cpu_second"]
+    rate = fixed(o["gateway_chunks_per_cpu_second"], 0, ",.0f")
     print(
         f"gateway CPU: {o['gateway_cpu_seconds']:.2f} s (utime+stime) for {o['gateway_chunks']} "
-        f"streamed chunks = "
-        + ("-" if rate is None else f"{rate:,.0f}")
-        + " chunks per CPU-second at this load (the capacity phase measures the gateway "
-        "saturated)"
+        f"streamed chunks = {rate} chunks per CPU-second at this load (the capacity phase "
+        "measures the gateway saturated)"
     )
     if o["gateway_cpu_busy"] is not None:
         print(

@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import random
-import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvserve.bench.results import Section, Target, model_setup, table
 from kvserve.bench.suite import SuiteContext
-from kvserve.bench.timelines import Timeline, Workload, closed_loop, from_output
-from kvserve.telemetry import definitions
+from kvserve.bench.timelines import Latency, Timeline, Workload, closed_loop, from_output, latency
 
 NAME = "prefix_caching"
 TITLE = "Prefix caching on vs off (shared-prefix agents)"
@@ -46,8 +44,10 @@ class ModeResult:
 
 
 def _closed_loop(llm: Any, work: Workload, concurrency: int) -> ModeResult:
-    """Run ``work`` with ``concurrency`` requests in flight, adding one as one finishes."""
+    """Run ``work`` with ``concurrency`` requests in flight, adding one as one finishes,
+    from a cold prefix cache (every round starts cold)."""
     engine = llm.engine
+    engine.kv.pool.reset_prefix_cache()
     cached = 0
     timelines: list[Timeline] = []
     t0 = engine.clock()
@@ -72,33 +72,25 @@ def run(ctx: SuiteContext) -> Section:
                       max_model_len=work.max_len, enable_prefix_caching=mode == "on")
         for mode in ("off", "on")
     }  # fmt: skip
-
-    def cold(llm: Any) -> Callable[[], ModeResult]:
-        def once() -> ModeResult:
-            llm.engine.kv.pool.reset_prefix_cache()  # every round starts cold
-            return _closed_loop(llm, work, CONCURRENCY)
-
-        return once
-
-    runs = {f"caching {mode}": cold(llm) for mode, llm in llms.items()}
+    runs = {
+        f"caching {mode}": partial(_closed_loop, llm, work, CONCURRENCY)
+        for mode, llm in llms.items()
+    }
     best = {name.split()[1]: res for name, res in ctx.best_of(runs, lambda r: r.seconds).items()}
     block_size = llms["on"].engine.config.block_size
     del llms
 
     rows = []
     computed: dict[str, int] = {}
-    mean_ttft: dict[str, float] = {}
+    lat: dict[str, Latency] = {}
     for mode, res in best.items():
         computed[mode] = work.prompt_tokens - res.cached_tokens
-        ttfts = [definitions.ttft(t.s, t.f) for t in res.timelines]
-        mean_ttft[mode] = statistics.fmean(ttfts) * 1000
-        p99 = definitions.percentile(ttfts, 99)
+        la = lat[mode] = latency(res.timelines)
         rows.append([mode, work.prompt_tokens, res.cached_tokens, computed[mode],
-                     round(mean_ttft[mode], 2), round((p99 or 0) * 1000, 2),
-                     round(res.seconds, 2)])  # fmt: skip
+                     la.ttft_mean_ms, la.ttft_p99_ms, round(res.seconds, 2)])  # fmt: skip
     shared_share = 100 * shared / work.prompt_tokens
     cut = 100 * (1 - computed["on"] / computed["off"])
-    ttft_cut = 100 * (1 - mean_ttft["on"] / mean_ttft["off"])
+    ttft_cut = 100 * (1 - lat["on"].ttft_mean_ms / lat["off"].ttft_mean_ms)
     setup = model_setup(config, dtype, ctx.device) | {
         "agents": len(work.prompts),
         "shared system prompt": f"{shared // len(work.prompts)} tokens",

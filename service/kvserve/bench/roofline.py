@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -20,7 +21,6 @@ from kvserve.bench.suite import SuiteContext
 from kvserve.bench.timelines import greedy
 from kvserve.config import blocks_for, cpu_has_native_bf16, torch_dtype
 from kvserve.model.config import ModelConfig
-from kvserve.telemetry.definitions import percentile
 
 NAME = "roofline"
 TITLE = "Roofline: decode and prefill vs this machine's bandwidth and matmul peak"
@@ -119,12 +119,6 @@ def measure_machine(s: Sizes, device: str) -> tuple[float, dict[str, float]]:
     return bandwidth, peaks
 
 
-def _median(values: list[float]) -> float:
-    m = percentile(values, 50)
-    assert m is not None, "no samples"
-    return m
-
-
 def measure_model(
     ctx: SuiteContext, path: Path, dtype: str, s: Sizes, bandwidth: float, peak: float
 ) -> list[Point]:
@@ -186,7 +180,7 @@ def measure_model(
         tokens = sum(kv_tokens) / len(kv_tokens)
         flops = 2 * (body + head) * batch + attn * tokens
         points.append(
-            point("decode", batch, tokens, tokens * kv_per_token, flops, _median(times), len(times))
+            point("decode", batch, tokens, tokens * kv_per_token, flops, median(times), len(times))
         )
         ctx.say(f"  {dtype} decode batch {batch}: {_ms(points[-1].seconds)}/step")
     engine.abort_request(list(engine.requests))
@@ -200,7 +194,7 @@ def measure_model(
             raise RuntimeError("the prefill was not computed in one step")
     t = s.prefill
     flops = 2 * body * t + 2 * head + attn * t * (t + 1) / 2  # logits of the last token only
-    points.append(point("prefill", 1, t, t * kv_per_token, flops, _median(times), len(times)))
+    points.append(point("prefill", 1, t, t * kv_per_token, flops, median(times), len(times)))
     ctx.say(f"  {dtype} prefill of {t} tokens: {_ms(points[-1].seconds)}")
     return points
 
