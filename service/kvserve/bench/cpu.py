@@ -43,11 +43,6 @@ class CpuUse:
     children: list[float] = field(default_factory=list)
     others: float | None = None
 
-    @property
-    def ours(self) -> float:
-        """This process and its watched children."""
-        return self.own + sum(self.children)
-
 
 @contextlib.contextmanager
 def cpu_use(children: Sequence[Proc] = ()) -> Iterator[CpuUse]:
@@ -69,7 +64,7 @@ def cpu_use(children: Sequence[Proc] = ()) -> Iterator[CpuUse]:
     use.wall, use.own = wall_end - wall, own_end - own
     use.children = [b - a for a, b in zip(procs, procs_end, strict=True)]
     if machine is not None and machine_end is not None:
-        use.others = max(0.0, machine_end - machine - use.ours)
+        use.others = max(0.0, machine_end - machine - use.own - sum(use.children))
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--seed", 0, None),
     ])  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
-    p.add_argument(
-        "--startup-timeout", type=float, default=300.0, help="seconds for a process to be ready"
-    )
+    _numbers(p, [("--startup-timeout", 300.0, "seconds for a process to be ready")])
     p.add_argument(
         "--placement",
         choices=("separate", "shared"),

@@ -202,12 +202,8 @@ def render_section(s: Section) -> str:
             for t in s.targets
         ]
         parts += ["**Targets**", "", markdown_table(["target", "measured", "goal", ""], rows), ""]
-    parts += [f"- {n}" for n in s.notes]
-    if s.notes:
-        parts.append("")
-    parts += [f"![{p}]({p})" for p in s.plots]
-    if s.plots:
-        parts.append("")
+    for items in ([f"- {n}" for n in s.notes], [f"![{p}]({p})" for p in s.plots]):
+        parts += [*items, ""] if items else []
     return "\n".join(parts)
 
 

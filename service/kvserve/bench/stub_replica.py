@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -33,11 +34,11 @@ def _prompt_tokens(start: pb.GenerateRequest) -> int:
     return len(start.prompt_text.split())
 
 
+@dataclass(slots=True)
 class _Open:
-    __slots__ = ("done", "left", "prompt_tokens")
-
-    def __init__(self, max_tokens: int, prompt_tokens: int) -> None:
-        self.left, self.done, self.prompt_tokens = max_tokens, 0, prompt_tokens
+    max_tokens: int
+    prompt_tokens: int
+    done: int = 0  # tokens sent
 
 
 class StubEngine(pb_grpc.EngineServiceServicer):
@@ -63,11 +64,9 @@ class StubEngine(pb_grpc.EngineServiceServicer):
             async for message in request_iterator:
                 for command in message.commands:
                     if command.WhichOneof("kind") == "start":
-                        start = command.start
-                        max_tokens = start.max_tokens if start.HasField("max_tokens") else 0
-                        open_[command.tag] = _Open(
-                            max_tokens or DEFAULT_MAX_TOKENS, _prompt_tokens(start)
-                        )
+                        start = command.start  # max_tokens unset reads 0
+                        max_tokens = start.max_tokens or DEFAULT_MAX_TOKENS
+                        open_[command.tag] = _Open(max_tokens, _prompt_tokens(start))
                     elif open_.pop(command.tag, None) is not None:
                         final = pb.Final(finish_reason="abort", usage=pb.Usage())
                         ended.append(pb.TaggedOutput(tag=command.tag, final=final))
@@ -87,9 +86,8 @@ class StubEngine(pb_grpc.EngineServiceServicer):
                 for tag, req in list(open_.items()):
                     delta = pb.Delta(token_ids=[TOKEN_ID], text=TOKEN_TEXT)
                     outputs.append(pb.TaggedOutput(tag=tag, delta=delta))
-                    req.left -= 1
                     req.done += 1
-                    if req.left <= 0:
+                    if req.done >= req.max_tokens:
                         del open_[tag]
                         usage = pb.Usage(
                             prompt_tokens=req.prompt_tokens, completion_tokens=req.done

@@ -105,16 +105,12 @@ class SuiteContext:
     def say(self, msg: str) -> None:
         say(msg)
 
-    def shape(self, name: str) -> str:
-        """The model shape a section asked for, or ``tiny`` in smoke mode."""
-        return "tiny" if self.smoke else name
-
     def checkpoint(self, shape: str, *, tokenizer_vocab: bool = False) -> Path:
         """A random Llama checkpoint of ``shape`` (``tiny`` in smoke mode).
         ``tokenizer_vocab``: use the test tokenizer's vocabulary (ids decode to text)."""
         from kvserve.testing.checkpoints import build_random_checkpoint
 
-        shape = self.shape(shape)
+        shape = "tiny" if self.smoke else shape
         key = (shape, tokenizer_vocab)
         if key not in self._checkpoints:
             dims = dict(MODEL_SHAPES[shape])
@@ -247,23 +243,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     names = [s for s in SECTIONS if args.only is None or s in args.only]
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
-        ctx = SuiteContext(
-            out_dir=args.out,
-            work_dir=Path(tmp),
-            device=args.device,
-            smoke=args.smoke,
-            seed=args.seed,
-            rounds=args.rounds,
-        )
+        ctx = SuiteContext(args.out, Path(tmp), args.device, args.smoke, args.seed, args.rounds)
         date = SuiteResult.now()
         sections = run_sections(ctx, names)
-    result = SuiteResult(
-        date=date,
-        command=_command(args),
-        hardware=hardware(args.device),
-        smoke=args.smoke,
-        sections=sections,
-    )
+    result = SuiteResult(date, _command(args), hardware(args.device), args.smoke, sections)
     js, md = result.write(args.out)
     print(md.read_text())
     print(f"wrote {js} and {md}", file=sys.stderr)
