@@ -75,7 +75,7 @@ def test_decomposition_splits_the_client_ttft_into_the_servers_instants(
     visible_at: int, token: float
 ) -> None:
     rec = ClientRecord(send=1.0, first=1.5, chunk_times=[1.5])
-    pair = serving.TtftPair(offline=0.3, server=0.5)
+    pair = serving.TtftPair(offline=0.3, offline_compute=0.2, server=0.5)
     log = {
         "r1": {
             "request_id": "r1",

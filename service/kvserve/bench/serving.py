@@ -34,6 +34,7 @@ from kvserve.telemetry import definitions
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.llm import LLM
+    from kvserve.model.config import ModelConfig
 
 TTFT_PROMPT_LEN = 32  # the TTFT pass repeats one prompt: every request is the same work
 TTFT_MAX_TOKENS = 8  # enough to reach the first visible token; keeps the pass short
@@ -66,8 +67,8 @@ class TtftPair:
     request log, same clock as the client) when it was found there."""
 
     offline: float  # engine-side TTFT (to the step that hands the token over)
+    offline_compute: float  # its first scheduled → that token sampled
     server: float  # client-side TTFT
-    offline_compute: float | None = None  # its first scheduled → that token sampled
     http_in: float | None = None  # the request body's write → arrival stamped
     to_engine: float | None = None  # arrival → first scheduled
     compute: float | None = None  # first scheduled → the visible token
@@ -87,12 +88,8 @@ def _engine_ttft(
         for out in outs:
             m = out.metrics
             if found is None and out.outputs[0].delta_text and m.first_scheduled_time is not None:
-                compute = m.token_times[-1] - m.first_scheduled_time
-                found = (
-                    definitions.ttft(m.arrival_time, handed_over),
-                    compute,
-                    len(m.token_times) - 1,
-                )
+                ttft = definitions.ttft(m.arrival_time, handed_over)
+                found = (ttft, m.token_times[-1] - m.first_scheduled_time, len(m.token_times) - 1)
     return found
 
 
@@ -121,7 +118,7 @@ async def _ttft_pairs(
                 raise RuntimeError(f"TTFT request failed: {rec.error}")
             if offline is None or rec.ttft is None:
                 continue
-            pairs.append(TtftPair(offline[0], rec.ttft, offline_compute=offline[1]))
+            pairs.append(TtftPair(offline[0], offline[1], rec.ttft))
             sent.append((rid, rec))
     finally:
         client.close()
@@ -151,8 +148,7 @@ def decompose(
 
 def _summarise(
     args: argparse.Namespace,
-    params: int,
-    vocab_size: int,
+    config: ModelConfig,
     work: Workload,
     offline_times: list[float],
     serving: list[WorkloadPass],
@@ -170,8 +166,8 @@ def _summarise(
     records = [r for p in serving for r in p.records]
     res: dict[str, Any] = {
         "model_size": args.model_size,
-        "model_params": params,
-        "vocab_size": vocab_size,
+        "model_params": config.num_params(),
+        "vocab_size": config.vocab_size,
         "dtype": args.dtype,
         "device": args.device,
         "num_prompts": len(work.prompts),
@@ -207,6 +203,8 @@ def _summarise(
     # the server's share per pair without the engine's own time outside compute.
     diffs = [p.server - p.offline for p in pairs]
     parts = [p for p in pairs if p.compute is not None]
+    added = [p.server - (p.compute or 0.0) for p in parts]
+    own = [p.offline - p.offline_compute for p in pairs]
     res |= {
         "ttft_pairs": len(pairs),
         "ttft_server_p50_ms": percentile_ms([p.server for p in pairs], 50),
@@ -218,16 +216,9 @@ def _summarise(
     }
     for part in ("http_in", "to_engine", "compute", "http_out"):
         res[f"ttft_{part}_p50_ms"] = percentile_ms([getattr(p, part) for p in parts], 50)
-    own = [p.offline - p.offline_compute for p in pairs if p.offline_compute is not None]
-    net = [
-        (p.server - p.compute) - (p.offline - p.offline_compute)
-        for p in parts
-        if p.compute is not None and p.offline_compute is not None
-    ]
-    res["ttft_server_added_p50_ms"] = percentile_ms(
-        [p.server - (p.compute or 0.0) for p in parts], 50
-    )
+    res["ttft_server_added_p50_ms"] = percentile_ms(added, 50)
     res["ttft_engine_own_p50_ms"] = percentile_ms(own, 50)
+    net = [a - (p.offline - p.offline_compute) for a, p in zip(added, parts, strict=True)]
     res["ttft_server_net_p50_ms"] = percentile_ms(net, 50)
     return res
 
@@ -265,7 +256,7 @@ def _print_table(res: dict[str, Any]) -> None:
     if res["ttft_overhead_ms"] is None:
         print("server TTFT overhead: not measured (--ttft-requests 0 or no visible output)")
         return
-    if res["ttft_server_added_p50_ms"] is not None:
+    if res["ttft_server_added_p50_ms"] is not None:  # and so the net figure too
         print(
             f"server TTFT overhead (median over {res['ttft_decomposed_requests']} lone requests of "
             f"TTFT − the engine's compute): {res['ttft_server_added_p50_ms']:+.2f} ms"
@@ -275,7 +266,6 @@ def _print_table(res: dict[str, Any]) -> None:
             f"{res['ttft_to_engine_p50_ms']:.2f} ms, compute {res['ttft_compute_p50_ms']:.2f} ms, "
             f"out to the client {res['ttft_http_out_p50_ms']:.2f} ms"
         )
-    if res["ttft_server_net_p50_ms"] is not None and res["ttft_engine_own_p50_ms"] is not None:
         print(
             f"  the engine's own time outside compute, offline (scheduling, detokenizing: "
             f"{res['ttft_engine_own_p50_ms']:.2f} ms) is in that too; net of it, per pair: "
@@ -309,20 +299,17 @@ def _measure(
     try:
         offline_times: list[float] = []
         serving: list[WorkloadPass] = []
-        for r in range(args.rounds):
+        for r in range(1, args.rounds + 1):
             seconds, timelines = torch_thread.submit(timed_generate, offline, work).result()
-            offline_times.append(seconds)
             produced = sum(t.n for t in timelines)
             assert produced == work.output_tokens, (produced, work.output_tokens)
-            say(f"  round {r + 1}/{args.rounds}: offline  {offline_times[-1]:7.2f} s")
-            serving.append(
-                run_on_uvloop(stream_workload(server.http_url, None, work, args.concurrency))
-            )
-            failed = sum(not rec.ok for rec in serving[-1].records)
-            say(
-                f"  round {r + 1}/{args.rounds}: serving  {serving[-1].seconds:7.2f} s"
-                + (f"  ({failed} failed)" if failed else "")
-            )
+            offline_times.append(seconds)
+            say(f"  round {r}/{args.rounds}: offline  {seconds:7.2f} s")
+            x = run_on_uvloop(stream_workload(server.http_url, None, work, args.concurrency))
+            serving.append(x)
+            failed = sum(not rec.ok for rec in x.records)
+            failures = f"  ({failed} failed)" if failed else ""
+            say(f"  round {r}/{args.rounds}: serving  {x.seconds:7.2f} s{failures}")
         pairs: list[TtftPair] = []
         if args.ttft_requests > 0:
             say(f"  TTFT: {args.ttft_requests} lone requests on each side, interleaved ...")
@@ -360,21 +347,20 @@ def run(args: argparse.Namespace) -> int:
                 **dims,  # type: ignore[arg-type]
             )
         )  # fmt: skip
-        model_config = ModelConfig.from_file(model_dir)
-        work = make_workload(args, model_config.vocab_size)
+        config = ModelConfig.from_file(model_dir)
+        work = make_workload(args, config.vocab_size)
         say(
             f"workload: {args.num_prompts} prompts, {work.prompt_tokens} prompt "
             f"tokens, {work.output_tokens} output tokens, concurrency {args.concurrency}"
         )
         say("loading the offline engine and starting `kvserve serve` ...")
-        settings = LaunchSettings(
-            str(model_dir), dtype=args.dtype, device=args.device, seed=args.seed,
-            max_num_seqs=args.concurrency, max_model_len=work.max_len,
-        )  # fmt: skip
+        # The same engine settings on both sides.
+        engine: dict[str, Any] = dict(
+            dtype=args.dtype, max_num_seqs=args.concurrency, max_model_len=work.max_len
+        )
+        settings = LaunchSettings(str(model_dir), device=args.device, seed=args.seed, **engine)
         ctx = SuiteContext(Path(tmp), Path(tmp), args.device, seed=args.seed)
-        offline = on_torch(lambda: ctx.llm(model_dir, dtype=args.dtype,
-                                           max_num_seqs=args.concurrency,
-                                           max_model_len=work.max_len))  # fmt: skip
+        offline = on_torch(lambda: ctx.llm(model_dir, **engine))
         on_torch(timed_generate, offline, Workload(work.prompts[:2], work.output_lens[:2]))
         try:
             with Launcher(settings, Path(tmp)) as launcher:
@@ -386,10 +372,7 @@ def run(args: argparse.Namespace) -> int:
             say(f"kvserve bench serve: error: {exc}")
             return 1
 
-    res = _summarise(
-        args, model_config.num_params(), model_config.vocab_size, work, offline_times, serving,
-        pairs,
-    )  # fmt: skip
+    res = _summarise(args, config, work, offline_times, serving, pairs)
     if args.json:
         print(json.dumps(res))
     else:
