@@ -86,27 +86,32 @@ def _split_at_engine(
     return split
 
 
-def _latencies(records: Sequence[ClientRecord], *qs: int) -> dict[str, float | None]:
-    """TTFT and ITL percentiles (ms) of the requests that succeeded."""
+def _figures(records: Sequence[ClientRecord], *qs: int) -> dict[str, Any]:
+    """How many requests succeeded and failed, and of those that succeeded: the text
+    chunks, and the TTFT and ITL percentiles (ms)."""
     series = {"ttft": ttfts(records), "itl": itls(records)}
-    return {f"{name}_p{q}_ms": percentile_ms(v, q) for name, v in series.items() for q in qs}
-
-
-def _path_stats(passes: Passes, split: Sequence[EngineSplit]) -> dict[str, Any]:
-    """One path over all rounds: the pooled requests' figures, and the medians of the
-    split at the engine (None: no request log, or not one clock on this OS)."""
-    records = [rec for _, recs in passes for rec in recs]
-    seconds = sum(x["seconds"] for x, _ in passes)
-    chunks = text_chunks(records)
-    gaps = [x.gap_added for x in split if x.gap_added is not None]
     return {
         "requests_ok": sum(r.ok for r in records),
         "requests_failed": sum(not r.ok for r in records),
-        "chunks": chunks,
+        "chunks": text_chunks(records),  # SSE chunks with text, as received
+        **{f"{name}_p{q}_ms": percentile_ms(v, q) for name, v in series.items() for q in qs},
+    }
+
+
+def _path_stats(passes: Passes, path: str, log: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``path`` over all rounds: the pooled requests' figures, and the medians of their
+    split at the engine (None: no request log, or not one clock on this OS)."""
+    mine = [(x, recs) for x, recs in passes if x["path"] == path]
+    records = [rec for _, recs in mine for rec in recs]
+    tags = [(recs, _pass_tag(path, x["round"])) for x, recs in mine]
+    split = [s for recs, tag in tags for s in _split_at_engine(recs, tag, log)]
+    seconds = sum(x["seconds"] for x, _ in mine)
+    figures = _figures(records, 50, 90)
+    gaps = [x.gap_added for x in split if x.gap_added is not None]
+    return figures | {
         "seconds": round(seconds, 3),  # the sum of its passes' wall times
-        "chunks_per_second": round(chunks / seconds, 1) if seconds > 0 else 0.0,
-        **_latencies(records, 50, 90),
-        "replica_cpu_seconds": round(sum(x["replica_cpu_seconds"] for x, _ in passes), 2),
+        "chunks_per_second": round(figures["chunks"] / seconds, 1) if seconds > 0 else 0.0,
+        "replica_cpu_seconds": round(sum(x["replica_cpu_seconds"] for x, _ in mine), 2),
         "engine_ttft_p50_ms": percentile_ms([x.engine_ttft for x in split], 50),
         "ttft_outside_engine_p50_ms": percentile_ms([x.outside_ttft for x in split], 50),
         "gap_added_p50_ms": percentile_ms(gaps, 50),
@@ -189,14 +194,8 @@ def run_overhead(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -
     with running_on(placement.others):  # the client: never on the gateway's CPU
         passes, (floor_messages, floor_cpu), lone = _measure(args, work, rep, gateway)
     launcher.stop_all()  # the request log is complete once the replica has stopped
-    engine_log = rep.request_log()
-    stats = {}
-    for path in PATHS:
-        mine = [(x, recs) for x, recs in passes if x["path"] == path]
-        tags = [(recs, _pass_tag(path, x["round"])) for x, recs in mine]
-        split = [s for recs, tag in tags for s in _split_at_engine(recs, tag, engine_log)]
-        stats[path] = _path_stats(mine, split)
-    direct, via = stats["direct"], stats["gateway"]
+    log = rep.request_log()
+    direct, via = (_path_stats(passes, path, log) for path in PATHS)
     gw_cpu = sum(x["gateway_cpu_seconds"] or 0.0 for x, _ in passes)
     o: dict[str, Any] = {
         "streams": args.streams,
@@ -214,12 +213,10 @@ def run_overhead(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -
     }
     # Gateway − direct: of the medians and p90s, of each request's TTFT outside the
     # replica's engine, and of the delay added per gap beyond the engine's pace.
-    for figure in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90"):
-        o[f"{figure}_added_ms"] = diff(via[f"{figure}_ms"], direct[f"{figure}_ms"])
-    o["ttft_outside_engine_added_ms"] = diff(
-        via["ttft_outside_engine_p50_ms"], direct["ttft_outside_engine_p50_ms"]
-    )
-    o["gap_added_by_gateway_ms"] = diff(via["gap_added_p50_ms"], direct["gap_added_p50_ms"])
+    added = {f"{x}_added_ms": f"{x}_ms" for x in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")}
+    added["ttft_outside_engine_added_ms"] = "ttft_outside_engine_p50_ms"
+    added["gap_added_by_gateway_ms"] = "gap_added_p50_ms"
+    o |= {name: diff(via[key], direct[key]) for name, key in added.items()}
     o |= {
         "gateway_cpu_seconds": round(gw_cpu, 2),  # Δ(utime + stime) over the gateway passes
         "gateway_chunks": via["chunks"],
@@ -239,11 +236,10 @@ def run_overhead(args: argparse.Namespace, launcher: Launcher, tokenizer: Any) -
     # of a single pair); ITL per request is the median of its own gaps.
     for i, figure in enumerate(("ttft", "itl")):
         values = [pair[i] for pair in lone]
+        several = len(values) > 1
         o[f"lone_{figure}_added_ms"] = percentile_ms(values, 50)
-        for q, name in ((25, "q1"), (75, "q3")):
-            o[f"lone_{figure}_added_{name}_ms"] = (
-                percentile_ms(values, q) if len(values) >= 2 else None
-            )
+        o[f"lone_{figure}_added_q1_ms"] = percentile_ms(values, 25) if several else None
+        o[f"lone_{figure}_added_q3_ms"] = percentile_ms(values, 75) if several else None
     o |= {
         "target_ttft_added_ms": TARGET_TTFT_ADDED_MS,
         "target_itl_added_ms": TARGET_ITL_ADDED_MS,
@@ -279,10 +275,7 @@ def _measure(
                 "path": path,
                 "round": r,
                 "seconds": round(x.seconds, 3),
-                "requests_ok": sum(rec.ok for rec in recs),
-                "requests_failed": sum(not rec.ok for rec in recs),
-                "chunks": text_chunks(recs),  # SSE chunks with text, as received
-                **_latencies(recs, 50),
+                **_figures(recs, 50),
                 "gateway_cpu_seconds": round(cpu[1], 2) if via_gw else None,
                 "replica_cpu_seconds": round(cpu[0], 2),
             }
