@@ -63,11 +63,8 @@ async def serve(answer: Handler, client: Callable[[str], Awaitable[Any]]) -> Any
 
 def stream_once(answer: Handler, *, keep_text: bool) -> ClientRecord:
     async def client(url: str) -> ClientRecord:
-        conn = Connection(url, "sk-key", keep_text=keep_text)
-        try:
+        async with Connection(url, "sk-key", keep_text=keep_text) as conn:
             return await conn.stream(COMPLETIONS, {"stream": True}, request_id="r-1")
-        finally:
-            conn.close()
 
     rec: ClientRecord = asyncio.run(serve(answer, client))
     return rec
@@ -106,12 +103,9 @@ def test_an_http_error_is_recorded_and_the_connection_reused() -> None:
     answers = iter([refusal, chunked(STREAM)])
 
     async def client(url: str) -> tuple[ClientRecord, ClientRecord]:
-        conn = Connection(url)
-        try:
+        async with Connection(url) as conn:
             first = await conn.stream(COMPLETIONS, {})
             return first, await conn.stream(COMPLETIONS, {})
-        finally:
-            conn.close()
 
     refused, served = asyncio.run(serve(lambda _: next(answers), client))
     assert refused.error == 'HTTP/1.1 401 Unauthorized: {"error": {"message": "invalid key"}}'

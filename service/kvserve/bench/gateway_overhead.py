@@ -158,8 +158,7 @@ async def _lone_pairs(
     """``n`` lone requests on each path, the order swapped every pair: what the gateway
     added (seconds) to each pair's TTFT and to the median of its own gaps."""
     added: list[tuple[float, float]] = []
-    direct, via = Connection(direct_url), Connection(gateway.url, gateway.key)
-    try:
+    async with Connection(direct_url) as direct, Connection(gateway.url, gateway.key) as via:
         for i in range(n):
             body = completion_body(work.prompts[i % len(work.prompts)], work.output_lens[0])
             first, second = (direct, via) if i % 2 == 0 else (via, direct)
@@ -172,9 +171,6 @@ async def _lone_pairs(
             if gaps_d and gaps_g:
                 itl = statistics.median(gaps_g) - statistics.median(gaps_d)
                 added.append((g.ttft - d.ttft, itl))
-    finally:
-        direct.close()
-        via.close()
     return added
 
 

@@ -58,9 +58,8 @@ async def _warm_replicas(replicas: Sequence[Replica]) -> None:
     """One tiny request to each replica directly, sharing no KV block with the agents'
     prompts: the caches stay cold for what is measured."""
     for rep in replicas:
-        conn = Connection(rep.http_url)
-        rec = await conn.stream(CHAT, chat_body([{"role": "user", "content": "warm up"}], 2))
-        conn.close()
+        async with Connection(rep.http_url) as conn:
+            rec = await conn.stream(CHAT, chat_body([{"role": "user", "content": "warm up"}], 2))
         if rec.error:
             raise RuntimeError(f"warm-up request to {rep.http_url} failed: {rec.error}")
 
@@ -71,26 +70,18 @@ async def _agents_pass(
     """Every agent at once, each asking its questions one after another on its own
     connection, the reply's text kept for its history."""
     records: list[ClientRecord] = []
+    instructions = {"role": "system", "content": system}
 
     async def agent(asks: list[str]) -> None:
-        conn = Connection(url, key, keep_text=True)
         history: list[dict[str, str]] = []
-        try:
+        async with Connection(url, key, keep_text=True) as conn:
             for question in asks:
-                messages = [
-                    {"role": "system", "content": system},
-                    *history,
-                    {"role": "user", "content": question},
-                ]
-                rec = await conn.stream(CHAT, chat_body(messages, args.routing_max_tokens))
+                ask = {"role": "user", "content": question}
+                body = chat_body([instructions, *history, ask], args.routing_max_tokens)
+                rec = await conn.stream(CHAT, body)
                 records.append(rec)
                 if args.history:
-                    history += [
-                        {"role": "user", "content": question},
-                        {"role": "assistant", "content": rec.text},
-                    ]
-        finally:
-            conn.close()
+                    history += [ask, {"role": "assistant", "content": rec.text}]
 
     start = time.perf_counter()
     await asyncio.gather(*(agent(asks) for asks in questions))

@@ -107,8 +107,7 @@ async def _ttft_pairs(
     max_tokens = max(probe[2] + 1, 2)
     pairs: list[TtftPair] = []
     sent: list[tuple[str, ClientRecord]] = []
-    client = Connection(url)
-    try:
+    async with Connection(url) as client:
         await client.stream(COMPLETIONS, completion_body(prompt, 2))  # warm-up, keep-alive
         for i in range(n):
             offline = await run_offline(_engine_ttft, engine, f"ttft-off-{i}", prompt, max_tokens)
@@ -120,8 +119,6 @@ async def _ttft_pairs(
                 continue
             pairs.append(TtftPair(offline[0], offline[1], rec.ttft))
             sent.append((rid, rec))
-    finally:
-        client.close()
     return pairs, sent, probe[2]
 
 

@@ -84,7 +84,7 @@ def _greedy_stream(max_tokens: int) -> dict[str, Any]:
 
 class Connection:
     """One keep-alive connection to ``url`` (``http://host:port``); requests go one at a
-    time. Reconnects after a failure."""
+    time. Reconnects after a failure; closed when an ``async with`` ends."""
 
     def __init__(self, url: str, key: str | None = None, *, keep_text: bool = False) -> None:
         parts = urlsplit(url)
@@ -94,6 +94,12 @@ class Connection:
         self.keep_text = keep_text
         self._auth = b"" if key is None else b"authorization: Bearer " + key.encode() + b"\r\n"
         self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
     async def stream(
         self, path: str, body: dict[str, Any], request_id: str | None = None
