@@ -83,6 +83,11 @@ class TensorGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Our references were the groups' last: dropped here, gloo's threads and the
+        # rendezvous store are torn down now, not by the interpreter's finalization,
+        # where a C++ destructor that needs the GIL can abort the process (SIGABRT,
+        # "terminate called without an active exception", seen once at a shutdown).
+        self._control = self._model = None
 
     # ---- the forward pass's collectives (model group) ------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
