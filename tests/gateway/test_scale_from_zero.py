@@ -24,6 +24,7 @@ import pytest
 from kvserve.gateway.config import GatewayConfig
 from tests.cluster.controlplane import Cluster
 from tests.support.gateway import Gateway, keys_file, serve_gateway
+from tests.support.product import metrics
 from tests.support.replicas import REPLICA_MODEL, Replica, start_replicas
 from tests.support.waiting import poll
 
@@ -39,23 +40,28 @@ WAIT = "kvserve_gateway_queue_wait_seconds"
 def scaled_to_zero(k8s_cluster: Cluster) -> Iterator[Cluster]:
     """The model's Service as the operator makes it, selecting no pod."""
     k8s_cluster.kubectl("create", "namespace", NS)
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": "tiny",
-            "namespace": NS,
-            "labels": {"app.kubernetes.io/managed-by": "kvserve-operator"},
-            "annotations": {"kvserve.dev/served-name": REPLICA_MODEL},
-        },
-        "spec": {
-            "selector": {"app": "tiny-scaled-to-zero"},
-            "ports": [{"name": "grpc", "port": 50051}],
-        },
-    }
+    service = model_service("tiny", REPLICA_MODEL)
     k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(service))
     yield k8s_cluster
     k8s_cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+
+
+def model_service(name: str, served_name: str) -> dict[str, Any]:
+    """A model's Service as the operator makes it, selecting no pod."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {"app.kubernetes.io/managed-by": "kvserve-operator"},
+            "annotations": {"kvserve.dev/served-name": served_name},
+        },
+        "spec": {
+            "selector": {"app": f"{name}-scaled-to-zero"},
+            "ports": [{"name": "grpc", "port": 50051}],
+        },
+    }
 
 
 def discovering_gateway(cluster: Cluster, queue_size: int, queue_timeout: float) -> Gateway:
@@ -84,12 +90,14 @@ def add_replica(gw: Gateway, replica: Replica) -> None:
     loop.call_soon_threadsafe(gw.state.fleet.set_replicas, REPLICA_MODEL, [address], 8)
 
 
-def post_on_thread(gw: Gateway) -> tuple[threading.Thread, list[httpx.Response]]:
+def post_on_thread(
+    gw: Gateway, body: dict[str, Any] = BODY
+) -> tuple[threading.Thread, list[httpx.Response]]:
     out: list[httpx.Response] = []
 
     def run() -> None:
         with gw.client() as c:
-            out.append(c.post("/v1/completions", json=BODY))
+            out.append(c.post("/v1/completions", json=body))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -148,3 +156,77 @@ def test_a_hold_ends_at_the_queue_timeout_with_a_503(scaled_to_zero: Cluster) ->
         assert gw.metric(HELD, model=REPLICA_MODEL) == 0
     finally:
         gw.stop()
+
+
+def test_a_deleted_model_fails_its_held_requests_with_a_404_at_once(
+    scaled_to_zero: Cluster,
+) -> None:
+    # Its InferenceModel deleted, the model's Service goes: the held request must not wait
+    # for the queue timeout (120 s here) to get a 503 for a model that will never come.
+    doomed = "doomed-model"
+    scaled_to_zero.kubectl("apply", "-f", "-", input=json.dumps(model_service("doomed", doomed)))
+    gw = discovering_gateway(scaled_to_zero, queue_size=4, queue_timeout=120)
+    try:
+        poll("the second model discovered", lambda: doomed in gw.state.model_names())
+        thread, out = post_on_thread(gw, {**BODY, "model": doomed})
+        poll("the request held", lambda: gw.metric(HELD, model=doomed) == 1)
+        assert (
+            metrics(f"{gw.url}/metrics").get(
+                ("kvserve_gateway_replicas", (("model", doomed), ("state", "healthy")))
+            )
+            == 0
+        )
+        scaled_to_zero.kubectl("delete", "service", "doomed", "-n", NS)
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the held request still waits after its model was deleted"
+        (resp,) = out
+        assert resp.status_code == 404, resp.text
+        error: dict[str, Any] = resp.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model", error
+        assert "removed" in error["message"], error
+        assert doomed not in gw.state.model_names()
+        assert REPLICA_MODEL in gw.state.model_names()  # the other model is untouched
+        with gw.client() as c:
+            listed = [m["id"] for m in c.get("/v1/models").json()["data"]]
+            again = c.post("/v1/completions", json={**BODY, "model": doomed})
+        assert doomed not in listed and REPLICA_MODEL in listed
+        assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
+        assert gw.metric(HELD, model=doomed) == 0
+        page = metrics(f"{gw.url}/metrics")
+        assert not [
+            k for k in page if k[0] == "kvserve_gateway_replicas" and ("model", doomed) in k[1]
+        ]
+    finally:
+        gw.stop()
+        scaled_to_zero.kubectl("delete", "service", "doomed", "-n", NS, check=False)
+
+
+def test_a_deleted_model_fails_its_queued_requests_too(
+    scaled_to_zero: Cluster, replica: Replica
+) -> None:
+    # A queued request whose model goes must not stay at the queue's head, where it would
+    # hold up every model's requests until its own timeout.
+    doomed = "doomed-queued"
+    scaled_to_zero.kubectl(
+        "apply", "-f", "-", input=json.dumps(model_service("doomed-queued", doomed))
+    )
+    gw = discovering_gateway(scaled_to_zero, queue_size=4, queue_timeout=120)
+    try:
+        poll("the second model discovered", lambda: doomed in gw.state.model_names())
+        # A replica with no free slot (capacity 0 stands in for one busy with others).
+        loop = gw.state.tasks[0].get_loop()
+        address = replica.grpc_url.removeprefix("grpc://")
+        loop.call_soon_threadsafe(gw.state.fleet.set_replicas, doomed, [address], 0)
+        poll("its replica added", lambda: gw.state.fleet.has_replicas(doomed))
+        thread, out = post_on_thread(gw, {**BODY, "model": doomed})
+        poll("the request queued", lambda: gw.metric("kvserve_gateway_queue_length") == 1)
+        scaled_to_zero.kubectl("delete", "service", "doomed-queued", "-n", NS)
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the queued request still waits after its model went"
+        (resp,) = out
+        assert resp.status_code == 404, resp.text
+        assert resp.json()["error"]["code"] == "model_not_found"
+        assert gw.metric("kvserve_gateway_queue_length") == 0
+    finally:
+        gw.stop()
+        scaled_to_zero.kubectl("delete", "service", "doomed-queued", "-n", NS, check=False)

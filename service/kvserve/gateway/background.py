@@ -21,13 +21,21 @@ def replica_address(url: str) -> str:
 
 
 def start_discovery(state: GatewayState) -> KubernetesDiscovery:
-    """Watch the cluster; each snapshot becomes the models' replica sets (static ones kept)."""
+    """Watch the cluster; each snapshot becomes the models' replica sets (static ones kept).
+    A discovered model whose Service is gone, and which the config does not name, is
+    removed (``Fleet.remove_model``)."""
     cfg = state.config.discovery.kubernetes
     assert cfg is not None
     loop = asyncio.get_running_loop()
     discovered: set[str] = set()
 
     def apply(snapshot: Snapshot) -> None:
+        gone = {m for m in discovered if m not in snapshot and m not in state.config.models}
+        for model in sorted(gone):
+            addresses = [view.address for view in state.fleet.views(model)]
+            state.fleet.remove_model(model)
+            state.metrics.remove_model(model, addresses)
+        discovered.difference_update(gone)
         for model in sorted(discovered | set(snapshot)):
             settings = state.config.model_settings(model)
             static = [replica_address(url) for url in settings.replicas]

@@ -165,7 +165,18 @@ class UpstreamCall:
                 reason="timeout",
                 retry_after=retry_after,
             )
+        self._check_served()
         return time.monotonic() - started
+
+    def _check_served(self) -> None:
+        """404 ``model_not_found`` if the model was removed while the request waited."""
+        if not self.state.serves(self.model):
+            raise OpenAIError(
+                404,
+                f"model {self.model!r} was removed while the request waited for a replica",
+                param="model",
+                code="model_not_found",
+            )
 
     def _rejected(self, exc: AdmissionRejected) -> OpenAIError:
         """The 503 a client gets when admission refuses it (counted by reason)."""
@@ -176,7 +187,10 @@ class UpstreamCall:
         )
 
     def _pick(self, key: str, exclude: set[str], decisions: list[Any]) -> str | None:
-        """The admission queue's ``pick``: route now, remember the decision."""
+        """The admission queue's ``pick``: route now, remember the decision. A model
+        removed meanwhile fails the request here (the queue passes the error on) rather
+        than stopping the queue's head until it times out."""
+        self._check_served()
         views = self.state.fleet.views(self.model)
         if self.adapter is None:
             decision = self.state.router.route(key, views, exclude)

@@ -40,6 +40,7 @@ Metric                                              Definition
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -138,6 +139,14 @@ class GatewayMetrics:
         for counter in (self.overrides, self.retries, self.disconnects):
             counter.labels(model)
         self.requests.labels(model, "200")
+
+    def remove_model(self, model: str, replicas: Iterable[str]) -> None:
+        """Drop a removed model's gauges (replicas by state, in-flight by replica), so no
+        dashboard shows replicas of a model that is gone; its counters stay."""
+        for state in ("healthy", "unhealthy", "draining"):
+            self.replicas.remove(model, state)  # a series never set: nothing happens
+        for replica in replicas:
+            self.in_flight.remove(model, replica)
 
     def add_replica(self, model: str, policy: str, replica: str) -> None:
         self.routing.labels(model, policy, replica)

@@ -4,7 +4,8 @@ Health is active and passive: a poller calls every replica's ``GetLoad`` each
 ``load_poll_seconds`` (a failure marks it unhealthy, a success healthy again), and a
 request that fails to reach it marks it unhealthy at once. A replica removed from
 discovery is *draining*: it gets no new requests, its in-flight ones finish, then its
-channel closes.
+channel closes. A model removed from discovery (its Service deleted) is no longer served:
+its replicas drain the same way, and requests held for its first replica stop waiting.
 
 The same poll reports the LoRA adapters each replica serves (``GetLoadResponse``'s
 ``lora_adapters`` and ``max_loras``); the gateway adds an adapter it has just loaded
@@ -58,6 +59,8 @@ class Fleet:
     # Requests held for a model without replicas (scale from zero), waiting for its first.
     held: dict[str, int] = field(default_factory=dict)  # model → requests held now
     _appeared: dict[str, asyncio.Event] = field(default_factory=dict, repr=False)
+    # Replicas of removed models: reap() closes each once its requests have finished.
+    _retired: list[Replica] = field(default_factory=list, repr=False)
 
     # ---- membership -----------------------------------------------------------------
     def set_replicas(self, model: str, addresses: Iterable[str], capacity: int) -> None:
@@ -79,13 +82,28 @@ class Fleet:
             appeared.set()
         self._changed()
 
+    def remove_model(self, model: str) -> None:
+        """Stop serving ``model``: its replicas drain (closed by ``reap`` when idle), and
+        requests held for its first replica stop waiting (``wait_for_replicas``)."""
+        current = self.replicas.pop(model, None)
+        if current is None:
+            return
+        for rep in current.values():
+            rep.draining = True
+        self._retired += current.values()
+        if appeared := self._appeared.pop(model, None):
+            appeared.set()
+        log.info("model %s removed; %d replica(s) draining", model, len(current))
+        self._changed()  # queued requests for it fail at their next pick
+
     def has_replicas(self, model: str) -> bool:
         """Whether the model has a replica that takes new requests (healthy or not yet
         known to be unhealthy): if not, it is scaled to zero or not started yet."""
         return any(not rep.draining for rep in self.replicas.get(model, {}).values())
 
     async def wait_for_replicas(self, model: str, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the model's first replica; whether it came.
+        """Wait up to ``timeout`` seconds for the model's first replica, or for the model's
+        removal; False if neither happened in time.
 
         A request for a model scaled to zero waits here rather than in the admission
         queue: the queue admits in order and stops at a head that finds no slot, so a
@@ -110,6 +128,10 @@ class Fleet:
                     del current[address]
                     await rep.client.close()
                     log.info("replica %s of model %s removed", address, rep.model)
+        for rep in [r for r in self._retired if self.slots.in_flight(r.address) == 0]:
+            self._retired.remove(rep)
+            await rep.client.close()
+            log.info("replica %s of removed model %s closed", rep.address, rep.model)
 
     # ---- what routers and metrics see ---------------------------------------------------
     def models(self) -> list[str]:
@@ -186,10 +208,12 @@ class Fleet:
         self._changed()
 
     async def close(self) -> None:
-        for current in self.replicas.values():
-            for rep in current.values():
-                await rep.client.close()
+        for rep in [r for current in self.replicas.values() for r in current.values()]:
+            await rep.client.close()
+        for rep in self._retired:
+            await rep.client.close()
         self.replicas.clear()
+        self._retired.clear()
 
     def _changed(self) -> None:
         if self.on_change is not None:
