@@ -46,7 +46,14 @@ from typing import Any
 
 import httpx
 
-from kvserve.model.pull import ModelPullError, ModelSource, check_safetensors, parse_source
+from kvserve.model.pull import (
+    ModelPullError,
+    ModelSource,
+    check_safetensors,
+    download_hf,
+    parse_source,
+    read_marker,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -111,16 +118,8 @@ def read_config(path: Path) -> dict[str, str]:
 # ---- pulling ------------------------------------------------------------------------------
 
 
-def _read_marker(folder: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _up_to_date(folder: Path, source: str) -> bool:
-    marker = _read_marker(folder)
+    marker = read_marker(folder, MARKER)
     if marker is None or marker.get("source") != source:
         return False
     files = marker.get("files")
@@ -158,21 +157,9 @@ def _fetch(src: ModelSource, stage: Path, pvc_root: Path | None) -> None:
                 raise AdapterFailed(f"{src}: {exc}") from None
         return
     try:
-        from huggingface_hub import snapshot_download
-    except ImportError as exc:  # a declared dependency; only a broken install lands here
-        raise AdapterFailed(f"hf:// sources need huggingface_hub: {exc}") from None
-    assert src.repo_id is not None
-    try:
-        snapshot_download(
-            repo_id=src.repo_id,
-            revision=src.revision,
-            local_dir=stage,
-            allow_patterns=list(ADAPTER_FILES),
-            token=os.environ.get("HF_TOKEN") or None,
-        )
-    except Exception as exc:  # a foreign library's network errors: report, no traceback
-        detail = " ".join(str(exc).split()) or type(exc).__name__
-        raise AdapterFailed(f"{src}: download failed: {type(exc).__name__}: {detail}") from None
+        download_hf(src, stage, ADAPTER_FILES)
+    except ModelPullError as exc:
+        raise AdapterFailed(str(exc)) from None
     # The Hub's download bookkeeping: not part of the adapter.
     shutil.rmtree(stage / ".cache", ignore_errors=True)
 

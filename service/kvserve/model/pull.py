@@ -445,7 +445,7 @@ def pull(
     start = time.monotonic()
     try:
         dest.mkdir(parents=True, exist_ok=True)
-        previous = _read_marker(dest)
+        previous = read_marker(dest)
         (dest / MARKER).unlink(missing_ok=True)
         _remove_stale_stages(dest)
         if local is not None:
@@ -490,6 +490,17 @@ def _copy_local(src: ModelSource, local: Path, dest: Path) -> dict[str, int]:
 
 
 def _download_hf(src: ModelSource, dest: Path) -> dict[str, int]:
+    # Top level only: the loader never reads subfolders.
+    download_hf(src, dest, MODEL_FILE_PATTERNS, ignore=("*/*",))
+    return _sizes(dest, _model_files(dest))
+
+
+def download_hf(
+    src: ModelSource, dest: Path, patterns: Iterable[str], ignore: Iterable[str] = ()
+) -> None:
+    """Download the files of the hf:// source ``src`` that match ``patterns`` (and none of
+    ``ignore``) into ``dest``, with ``$HF_TOKEN`` if set; a failure is a ModelPullError
+    naming the source, without the foreign library's traceback."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:  # a declared dependency; only a broken install lands here
@@ -500,14 +511,13 @@ def _download_hf(src: ModelSource, dest: Path) -> dict[str, int]:
             repo_id=src.repo_id,
             revision=src.revision,
             local_dir=dest,
-            allow_patterns=list(MODEL_FILE_PATTERNS),
-            ignore_patterns=["*/*"],  # top level only: the loader never reads subfolders
+            allow_patterns=list(patterns),
+            ignore_patterns=list(ignore) or None,
             token=os.environ.get("HF_TOKEN") or None,
         )
     except Exception as e:  # a foreign library's network errors: report, no traceback
         detail = " ".join(str(e).split()) or type(e).__name__
         raise ModelPullError(f"{src}: download failed: {type(e).__name__}: {detail}") from None
-    return _sizes(dest, _model_files(dest))
 
 
 def _verify_labelled(model_dir: Path, label: str) -> VerifyReport:
@@ -538,9 +548,10 @@ def _sizes(directory: Path, names: Iterable[str]) -> dict[str, int]:
     return {name: (directory / name).stat().st_size for name in names}
 
 
-def _read_marker(dest: Path) -> dict[str, Any] | None:
+def read_marker(folder: Path, name: str = MARKER) -> dict[str, Any] | None:
+    """The JSON object in ``folder``'s marker file ``name``, or None (missing or not one)."""
     try:
-        data = json.loads((dest / MARKER).read_text(encoding="utf-8"))
+        data = json.loads((folder / name).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
@@ -548,7 +559,7 @@ def _read_marker(dest: Path) -> dict[str, Any] | None:
 
 def _up_to_date(dest: Path, src: ModelSource) -> dict[str, int] | None:
     """The marker's files if ``dest`` holds a complete earlier pull of ``src``, else None."""
-    marker = _read_marker(dest)
+    marker = read_marker(dest)
     if (
         marker is None
         or marker.get("version") != MARKER_VERSION
