@@ -302,11 +302,11 @@ def _measure(
             assert produced == work.output_tokens, (produced, work.output_tokens)
             offline_times.append(seconds)
             say(f"  round {r}/{args.rounds}: offline  {seconds:7.2f} s")
-            x = run_on_uvloop(stream_workload(server.http_url, None, work, args.concurrency))
-            serving.append(x)
-            failed = sum(not rec.ok for rec in x.records)
+            streamed = run_on_uvloop(stream_workload(server.http_url, None, work, args.concurrency))
+            serving.append(streamed)
+            failed = sum(not rec.ok for rec in streamed.records)
             failures = f"  ({failed} failed)" if failed else ""
-            say(f"  round {r}/{args.rounds}: serving  {x.seconds:7.2f} s{failures}")
+            say(f"  round {r}/{args.rounds}: serving  {streamed.seconds:7.2f} s{failures}")
         pairs: list[TtftPair] = []
         if args.ttft_requests > 0:
             say(f"  TTFT: {args.ttft_requests} lone requests on each side, interleaved ...")

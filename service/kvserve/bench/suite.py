@@ -243,10 +243,23 @@ def run(args: argparse.Namespace) -> int:
         return 2
     names = [s for s in SECTIONS if args.only is None or s in args.only]
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
-        ctx = SuiteContext(args.out, Path(tmp), args.device, args.smoke, args.seed, args.rounds)
+        ctx = SuiteContext(
+            out_dir=args.out,
+            work_dir=Path(tmp),
+            device=args.device,
+            smoke=args.smoke,
+            seed=args.seed,
+            rounds=args.rounds,
+        )
         date = SuiteResult.now()
         sections = run_sections(ctx, names)
-    result = SuiteResult(date, _command(args), hardware(args.device), args.smoke, sections)
+    result = SuiteResult(
+        date=date,
+        command=_command(args),
+        hardware=hardware(args.device),
+        smoke=args.smoke,
+        sections=sections,
+    )
     js, md = result.write(args.out)
     print(md.read_text())
     print(f"wrote {js} and {md}", file=sys.stderr)
