@@ -83,11 +83,23 @@ def discovering_gateway(cluster: Cluster, queue_size: int, queue_timeout: float)
     return gw
 
 
-def add_replica(gw: Gateway, replica: Replica) -> None:
+def add_replica(
+    gw: Gateway, replica: Replica, model: str = REPLICA_MODEL, capacity: int = 8
+) -> None:
     """What discovery does when the model's first pod becomes ready."""
     loop = gw.state.tasks[0].get_loop()
     address = replica.grpc_url.removeprefix("grpc://")
-    loop.call_soon_threadsafe(gw.state.fleet.set_replicas, REPLICA_MODEL, [address], 8)
+    loop.call_soon_threadsafe(gw.state.fleet.set_replicas, model, [address], capacity)
+
+
+def replica_series(gw: Gateway, model: str) -> list[tuple[str, float]]:
+    """The model's ``kvserve_gateway_replicas`` series: (state, value)."""
+    page = metrics(f"{gw.url}/metrics")
+    return [
+        (dict(labels)["state"], value)
+        for (name, labels), value in page.items()
+        if name == "kvserve_gateway_replicas" and dict(labels)["model"] == model
+    ]
 
 
 def post_on_thread(
@@ -170,12 +182,7 @@ def test_a_deleted_model_fails_its_held_requests_with_a_404_at_once(
         poll("the second model discovered", lambda: doomed in gw.state.model_names())
         thread, out = post_on_thread(gw, {**BODY, "model": doomed})
         poll("the request held", lambda: gw.metric(HELD, model=doomed) == 1)
-        assert (
-            metrics(f"{gw.url}/metrics").get(
-                ("kvserve_gateway_replicas", (("model", doomed), ("state", "healthy")))
-            )
-            == 0
-        )
+        assert ("healthy", 0.0) in replica_series(gw, doomed)
         scaled_to_zero.kubectl("delete", "service", "doomed", "-n", NS)
         thread.join(timeout=60)
         assert not thread.is_alive(), "the held request still waits after its model was deleted"
@@ -192,10 +199,7 @@ def test_a_deleted_model_fails_its_held_requests_with_a_404_at_once(
         assert doomed not in listed and REPLICA_MODEL in listed
         assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
         assert gw.metric(HELD, model=doomed) == 0
-        page = metrics(f"{gw.url}/metrics")
-        assert not [
-            k for k in page if k[0] == "kvserve_gateway_replicas" and ("model", doomed) in k[1]
-        ]
+        assert replica_series(gw, doomed) == []
     finally:
         gw.stop()
         scaled_to_zero.kubectl("delete", "service", "doomed", "-n", NS, check=False)
@@ -214,9 +218,7 @@ def test_a_deleted_model_fails_its_queued_requests_too(
     try:
         poll("the second model discovered", lambda: doomed in gw.state.model_names())
         # A replica with no free slot (capacity 0 stands in for one busy with others).
-        loop = gw.state.tasks[0].get_loop()
-        address = replica.grpc_url.removeprefix("grpc://")
-        loop.call_soon_threadsafe(gw.state.fleet.set_replicas, doomed, [address], 0)
+        add_replica(gw, replica, doomed, capacity=0)
         poll("its replica added", lambda: gw.state.fleet.has_replicas(doomed))
         thread, out = post_on_thread(gw, {**BODY, "model": doomed})
         poll("the request queued", lambda: gw.metric("kvserve_gateway_queue_length") == 1)

@@ -202,8 +202,10 @@ def render_section(s: Section) -> str:
             for t in s.targets
         ]
         parts += ["**Targets**", "", markdown_table(["target", "measured", "goal", ""], rows), ""]
-    for items in ([f"- {n}" for n in s.notes], [f"![{p}]({p})" for p in s.plots]):
-        parts += [*items, ""] if items else []
+    if s.notes:
+        parts += [*(f"- {n}" for n in s.notes), ""]
+    if s.plots:
+        parts += [*(f"![{p}]({p})" for p in s.plots), ""]
     return "\n".join(parts)
 
 

@@ -32,9 +32,8 @@ def start_discovery(state: GatewayState) -> KubernetesDiscovery:
     def apply(snapshot: Snapshot) -> None:
         gone = {m for m in discovered if m not in snapshot and m not in state.config.models}
         for model in sorted(gone):
-            addresses = [view.address for view in state.fleet.views(model)]
+            state.metrics.remove_model(model, list(state.fleet.replicas.get(model, {})))
             state.fleet.remove_model(model)
-            state.metrics.remove_model(model, addresses)
         discovered.difference_update(gone)
         for model in sorted(discovered | set(snapshot)):
             settings = state.config.model_settings(model)

@@ -18,6 +18,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.gateway.admission import ReplicaSlots
 from kvserve.gateway.routing import ReplicaLoad
@@ -59,8 +60,9 @@ class Fleet:
     # Requests held for a model without replicas (scale from zero), waiting for its first.
     held: dict[str, int] = field(default_factory=dict)  # model → requests held now
     _appeared: dict[str, asyncio.Event] = field(default_factory=dict, repr=False)
-    # Replicas of removed models: reap() closes each once its requests have finished.
-    _retired: list[Replica] = field(default_factory=list, repr=False)
+    # Replicas of removed models, (model, address) → replica; draining, like any other
+    # replica that left discovery, so reap() closes each once its requests have finished.
+    _retired: dict[tuple[str, str], Replica] = field(default_factory=dict, repr=False)
 
     # ---- membership -----------------------------------------------------------------
     def set_replicas(self, model: str, addresses: Iterable[str], capacity: int) -> None:
@@ -88,9 +90,9 @@ class Fleet:
         current = self.replicas.pop(model, None)
         if current is None:
             return
-        for rep in current.values():
+        for address, rep in current.items():
             rep.draining = True
-        self._retired += current.values()
+            self._retired[model, address] = rep
         if appeared := self._appeared.pop(model, None):
             appeared.set()
         log.info("model %s removed; %d replica(s) draining", model, len(current))
@@ -122,16 +124,12 @@ class Fleet:
 
     async def reap(self) -> None:
         """Close and forget draining replicas that have nothing in flight."""
-        for current in self.replicas.values():
-            for address, rep in list(current.items()):
-                if rep.draining and self.slots.in_flight(address) == 0:
-                    del current[address]
+        for table in self._tables():
+            for key, rep in list(table.items()):
+                if rep.draining and self.slots.in_flight(rep.address) == 0:
+                    del table[key]
                     await rep.client.close()
-                    log.info("replica %s of model %s removed", address, rep.model)
-        for rep in [r for r in self._retired if self.slots.in_flight(r.address) == 0]:
-            self._retired.remove(rep)
-            await rep.client.close()
-            log.info("replica %s of removed model %s closed", rep.address, rep.model)
+                    log.info("replica %s of model %s removed", rep.address, rep.model)
 
     # ---- what routers and metrics see ---------------------------------------------------
     def models(self) -> list[str]:
@@ -208,12 +206,15 @@ class Fleet:
         self._changed()
 
     async def close(self) -> None:
-        for rep in [r for current in self.replicas.values() for r in current.values()]:
-            await rep.client.close()
-        for rep in self._retired:
-            await rep.client.close()
+        for table in self._tables():
+            for rep in table.values():
+                await rep.client.close()
         self.replicas.clear()
         self._retired.clear()
+
+    def _tables(self) -> list[dict[Any, Replica]]:
+        """Every replica, in its table: each model's by address, the retired ones."""
+        return [*self.replicas.values(), self._retired]
 
     def _changed(self) -> None:
         if self.on_change is not None:
