@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 from kvserve.bench import kv_memory
-from kvserve.bench.results import Section, SuiteResult, Table, Target, hardware, table
+from kvserve.bench.results import (
+    Section,
+    SuiteResult,
+    Table,
+    Target,
+    hardware,
+    render_markdown,
+    table,
+)
 from kvserve.bench.suite import SuiteContext, run_sections
 from kvserve.bench.timelines import random_workload
 
@@ -184,10 +194,45 @@ def test_cli_writes_results(tmp_path: Path) -> None:
 
     out = tmp_path / "out"
     argv = ["bench", "suite", "--only", "kv_memory", "--smoke", "--rounds", "1", "--out", str(out)]
-    assert main(argv) == 0
+    assert main([*argv, "--model-shape", "1b", "--dtype", "bfloat16"]) == 0
     data = json.loads((out / "results.json").read_text())
-    assert data["command"] == f"kvserve bench suite --only kv_memory --smoke --rounds 1 --out {out}"
+    assert data["command"] == (
+        "kvserve bench suite --only kv_memory --smoke --model-shape 1b --dtype bfloat16 "
+        f"--rounds 1 --out {out}"
+    )
+    [section] = data["sections"]
+    assert section["setup"]["dtype"] == "bfloat16"
+    assert section["setup"]["hidden_size"] == 64  # smoke mode: tiny, whatever the shape
+    assert section["error"] is None
     assert "kv_memory.png" in (out / "results.md").read_text()
+
+
+def test_a_failing_section_is_reported_and_the_rest_still_run(ctx: SuiteContext) -> None:
+    broken = ModuleType("broken")
+    broken.TITLE = "A section that fails"  # type: ignore[attr-defined]
+
+    def fail(_: SuiteContext) -> Section:
+        raise RuntimeError("out of device memory")
+
+    broken.run = fail  # type: ignore[attr-defined]
+    modules = {"broken": broken, "kv_memory": kv_memory}
+    failed, ran = run_sections(ctx, ["broken", "kv_memory"], load=modules.__getitem__)
+    assert failed.error == "RuntimeError: out of device memory"
+    assert (failed.name, failed.tables, failed.targets) == ("broken", [], [])
+    assert ran.error is None and ran.tables
+    result = SuiteResult("now", "kvserve bench suite", {}, True, [failed, ran])
+    assert "**Failed:** RuntimeError: out of device memory" in render_markdown(result)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cli_refuses_a_gpu_this_machine_lacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvserve.cli import main
+
+    assert main(["bench", "suite", "--smoke", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "--device cuda, but CUDA is not available here" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 def test_padded_positions_of_static_batches() -> None:

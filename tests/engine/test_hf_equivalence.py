@@ -7,6 +7,7 @@ import transformers
 
 from kvserve import LLM, SamplingParams
 from tests.support.checkpoints import CHECKPOINTS, make_prompts
+from tests.support.device import TEST_DEVICE
 from tests.support.peft_adapters import hf_greedy
 
 MAX_TOKENS = 12
@@ -40,7 +41,7 @@ def hf_reference(checkpoint_dir):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_matches_transformers_default_setup(name, checkpoint_dir, hf_reference):  # type: ignore[no-untyped-def]
     prompts, expected = hf_reference(name)
-    llm = LLM(str(checkpoint_dir(name)), dtype="float32", device="cpu")
+    llm = LLM(str(checkpoint_dir(name)), dtype="float32", device=TEST_DEVICE)
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     )
@@ -56,7 +57,9 @@ def test_matches_transformers_default_setup(name, checkpoint_dir, hf_reference):
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_matches_transformers_under_pressure(name, setup, checkpoint_dir, hf_reference):  # type: ignore[no-untyped-def]
     prompts, expected = hf_reference(name)
-    llm = LLM(str(checkpoint_dir(name)), dtype="float32", device="cpu", **PRESSURE_SETUPS[setup])
+    llm = LLM(
+        str(checkpoint_dir(name)), dtype="float32", device=TEST_DEVICE, **PRESSURE_SETUPS[setup]
+    )
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     )

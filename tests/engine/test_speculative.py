@@ -20,6 +20,7 @@ from kvserve.outputs import RequestMetrics
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.proposer import NgramProposer
 from tests.support.checkpoints import CHECKPOINTS, make_prompts
+from tests.support.device import TEST_DEVICE
 from tests.support.peft_adapters import ALL_LINEAR, build_adapter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -35,7 +36,7 @@ SETUPS = {
 
 
 def _llm(path: object, **kwargs: object) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", **kwargs)  # type: ignore[arg-type]
+    return LLM(str(path), dtype="float32", device=TEST_DEVICE, **kwargs)  # type: ignore[arg-type]
 
 
 def _prompts(path: object) -> list[list[int]]:

@@ -25,6 +25,7 @@ from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
 from kvserve.errors import InvalidRequestError
 from kvserve.structured import MAX_GRAMMAR_CHARS, grammar_of, validate
 from kvserve.structured.tokenizer import ll_tokenizer
+from tests.support.device import TEST_DEVICE
 
 Schema = dict[str, Any]
 WAIT = 60  # seconds: a bound for waits that an event ends, never a synchronisation
@@ -41,7 +42,11 @@ def constrained(max_tokens: int = 64, seed: int = 0, **kind: Any) -> SamplingPar
 
 def make_llm(checkpoint_dir: Any, **options: Any) -> LLM:
     return LLM(
-        str(checkpoint_dir("llama")), dtype="float32", device="cpu", max_model_len=512, **options
+        str(checkpoint_dir("llama")),
+        dtype="float32",
+        device=TEST_DEVICE,
+        max_model_len=512,
+        **options,
     )
 
 

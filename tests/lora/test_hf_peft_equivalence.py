@@ -11,6 +11,7 @@ import transformers
 from kvserve import LLM, SamplingParams
 from kvserve.lora import LoRARequest
 from tests.support.checkpoints import make_prompts
+from tests.support.device import TEST_DEVICE
 from tests.support.peft_adapters import ALL_LINEAR, ATTENTION, build_adapter, hf_greedy
 
 MAX_TOKENS = 8
@@ -67,7 +68,7 @@ def test_mixed_batch_matches_peft(name: str, setup: str, reference) -> None:  # 
     llm = LLM(
         str(ckpt),
         dtype="float32",
-        device="cpu",
+        device=TEST_DEVICE,
         enable_lora=True,
         max_loras=2,
         max_lora_rank=64,
@@ -94,7 +95,7 @@ def test_single_adapter_batch_matches_peft(reference) -> None:  # type: ignore[n
     """Every token under one adapter (the batch's no-gather path)."""
     ckpt, adapters, prompts, which, expected = reference("llama")
     picked = [i for i, a in enumerate(which) if a == "all-r64"]
-    llm = LLM(str(ckpt), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=64)
+    llm = LLM(str(ckpt), dtype="float32", device=TEST_DEVICE, enable_lora=True, max_lora_rank=64)
     outs = llm.generate(
         [prompts[i] for i in picked],
         SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import transformers
 
+from tests.support.device import TEST_DEVICE
+
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
 
@@ -58,20 +60,20 @@ def hf_greedy(
     max_tokens: int,
     adapter_dir: Path | None = None,
 ) -> list[list[int]]:
-    """Greedy fp32 tokens of transformers: of the base model, or under the adapter through
-    ``PeftModel`` (unmerged). The reference of every equivalence test."""
+    """Greedy fp32 tokens of transformers on the test device: of the base model, or under
+    the adapter through ``PeftModel`` (unmerged). The reference of every equivalence test."""
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
+    model.to(TEST_DEVICE).eval()
     outs = []
     with torch.no_grad():
         for ids in prompts:
             gen = model.generate(
-                input_ids=torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                input_ids=torch.tensor([ids], device=TEST_DEVICE),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=TEST_DEVICE),
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 eos_token_id=None,

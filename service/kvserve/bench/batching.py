@@ -17,7 +17,7 @@ REQUESTS_PER_SLOT = 8
 
 
 def run(ctx: SuiteContext) -> Section:
-    dtype = "float32"
+    dtype = ctx.dtype
     model_dir, config = ctx.model("30m")
     per_slot = 2 if ctx.smoke else REQUESTS_PER_SLOT
     n = per_slot * max(CONCURRENCIES)

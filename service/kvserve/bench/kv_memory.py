@@ -55,7 +55,7 @@ def measure(llm: Any, work: Workload) -> Occupancy:
 
 
 def run(ctx: SuiteContext) -> Section:
-    dtype, concurrency = "float32", 16
+    dtype, concurrency = ctx.dtype, 16
     model_dir, config = ctx.model("30m")
     max_model_len = config.max_position_embeddings
     work = ctx.mixed_workload(64, config.vocab_size, smoke=(8, (4, 40), (2, 12)))

@@ -51,7 +51,7 @@ def run(ctx: SuiteContext) -> Section:
     from kvserve.model.config import ModelConfig
     from kvserve.sampling_params import SamplingParams
 
-    dtype = "float32"
+    dtype = ctx.dtype
     model_dir = ctx.checkpoint("30m")
     config = ModelConfig.from_file(model_dir)
     adapters = [

@@ -59,7 +59,7 @@ def _closed_loop(llm: Any, work: Workload, concurrency: int) -> ModeResult:
 
 
 def run(ctx: SuiteContext) -> Section:
-    dtype = "float32"
+    dtype = ctx.dtype
     model_dir, config = ctx.model("30m")
     if ctx.smoke:
         agents, system_tokens, question, answer = 6, 40, (4, 12), 2

@@ -82,6 +82,7 @@ class Section:
     notes: list[str] = field(default_factory=list)
     plots: list[str] = field(default_factory=list)  # file names in the output directory
     seconds: float = 0.0  # how long the section took
+    error: str | None = None  # why the section failed (it then has no figures)
 
 
 def model_setup(config: Any, dtype: str, device: str) -> dict[str, Any]:
@@ -189,6 +190,8 @@ def render_section(s: Section) -> str:
     parts = [f"### {s.title}", ""]
     setup = ", ".join(f"{k}: {_cell(v)}" for k, v in s.setup.items())
     parts += [f"Setup: {setup}. Took {s.seconds:.0f} s.", ""]
+    if s.error is not None:
+        parts += [f"**Failed:** {s.error}", ""]
     for t in s.tables:
         parts += [f"**{t.title}**", "", markdown_table([c.header for c in t.columns], t.rows), ""]
     if s.targets:

@@ -49,7 +49,7 @@ SCHEMA: dict[str, Any] = {
 def run(ctx: SuiteContext) -> Section:
     from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-    dtype = "float32"
+    dtype = ctx.dtype
     # The test tokenizer's vocabulary, so that the grammar's tokens are real text.
     model_dir, config = ctx.model("30m", tokenizer_vocab=True)
     n = 8 if ctx.smoke else 2 * CONCURRENCY

@@ -32,14 +32,17 @@ and its figures mean nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import shlex
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from kvserve.bench.results import Section, SuiteResult, hardware, say
@@ -82,17 +85,28 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=8,
         intermediate_size=2816, vocab_size=8192,
     ),
+    # ~1.24B parameters, Llama 3.2 1B's shape (tied embeddings): for GPUs (--model-shape).
+    "1b": dict(
+        hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+    ),
     "tiny": dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         intermediate_size=128, vocab_size=512,
     ),
 }  # fmt: skip
+DTYPES = ("float32", "bfloat16", "float16")
+# On a GPU the engine's KV pool takes this share of its memory (EngineConfig's default
+# takes 0.9): the sections load transformers' models beside it in the same process.
+CUDA_MEMORY_SHARE = 0.4
 
 
 @dataclass
 class SuiteContext:
     """What every section gets: where to write, which device, smoke or not, and a cache
-    of the checkpoints built so far (each shape is built once per run)."""
+    of the checkpoints built so far (each shape is built once per run). ``shape``, if
+    set, replaces every section's own model shape; ``dtype`` is the workload sections'
+    engine dtype (the sections that compare against fp32 keep fp32)."""
 
     out_dir: Path
     work_dir: Path
@@ -100,6 +114,8 @@ class SuiteContext:
     smoke: bool = False
     seed: int = 0
     rounds: int = 2
+    shape: str | None = None
+    dtype: str = "float32"
     _checkpoints: dict[tuple[str, bool], Path] = field(default_factory=dict)
 
     def say(self, msg: str) -> None:
@@ -110,7 +126,7 @@ class SuiteContext:
         ``tokenizer_vocab``: use the test tokenizer's vocabulary (ids decode to text)."""
         from kvserve.testing.checkpoints import build_random_checkpoint
 
-        shape = "tiny" if self.smoke else shape
+        shape = "tiny" if self.smoke else self.shape or shape
         key = (shape, tokenizer_vocab)
         if key not in self._checkpoints:
             dims = dict(MODEL_SHAPES[shape])
@@ -138,10 +154,12 @@ class SuiteContext:
     def llm(self, model_dir: Path, **settings: Any) -> LLM:
         """An engine on this run's device and seed, in float32 and with prefix caching off
         unless ``settings`` say otherwise (random prompts share nothing, and every round
-        must cost the engine the same)."""
+        must cost the engine the same); on a GPU, with CUDA_MEMORY_SHARE of its memory."""
         from kvserve import LLM
 
         defaults: dict[str, Any] = {"dtype": "float32", "device": self.device, "seed": self.seed}
+        if self.device.startswith("cuda"):
+            defaults["gpu_memory_utilization"] = CUDA_MEMORY_SHARE
         return LLM(str(model_dir), **(defaults | {"enable_prefix_caching": False} | settings))
 
     def mixed_workload(
@@ -200,6 +218,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument(
+        "--model-shape",
+        choices=[s for s in MODEL_SHAPES if s != "tiny"],
+        help="the random model of every section (default: each section's own, 30m for the "
+        "workloads and 150m for the roofline and quantization; 1b is Llama 3.2 1B's shape)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="the engines' dtype in the workload sections (default: float32); the roofline "
+        "measures bf16 and fp32, and the sections that compare with fp32 keep it",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the checkpoints and workloads")
     p.add_argument(
         "--rounds",
@@ -212,15 +243,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_sections(ctx: SuiteContext, names: Sequence[str]) -> list[Section]:
+def _import_section(name: str) -> ModuleType:
+    return importlib.import_module(f"kvserve.bench.{name}")
+
+
+def run_sections(
+    ctx: SuiteContext,
+    names: Sequence[str],
+    load: Callable[[str], ModuleType] = _import_section,
+) -> list[Section]:
+    """Each section in turn. A section that raises is reported as failed, with its error,
+    and the rest still run: one run on a lent GPU must bring back every figure it can."""
     sections = []
     for name in names:
-        module = importlib.import_module(f"kvserve.bench.{name}")
+        module = load(name)
         ctx.say(f"== {name} ==")
         start = time.perf_counter()
-        section: Section = module.run(ctx)
+        try:
+            section: Section = module.run(ctx)
+        except Exception as e:  # reported in the results, and by the exit code
+            ctx.say(traceback.format_exc().rstrip())
+            section = Section(name, module.TITLE, {}, [], error=f"{type(e).__name__}: {e}")
+            gc.collect()  # the failed section's engines and models
         section.seconds = round(time.perf_counter() - start, 1)
         sections.append(section)
+        if section.error is not None:
+            ctx.say(f"  FAILED: {section.error}")
         for t in section.targets:
             verdict = {True: "met", False: "NOT MET", None: "n/a"}[t.met]
             ctx.say(f"  target {t.name}: {t.measured} {t.unit} ({t.op} {t.target}) {verdict}")
@@ -231,7 +279,9 @@ def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (for the report)."""
     parts = ["kvserve", "bench", "suite", *(["--only", *args.only] if args.only else [])]
     parts += ["--smoke"] if args.smoke else []
-    for flag, value, default in (("--device", args.device, "cpu"), ("--rounds", args.rounds, 2),
+    for flag, value, default in (("--device", args.device, "cpu"),
+                                 ("--model-shape", args.model_shape, None),
+                                 ("--dtype", args.dtype, "float32"), ("--rounds", args.rounds, 2),
                                  ("--seed", args.seed, 0)):  # fmt: skip
         parts += [flag, str(value)] if value != default else []
     return shlex.join([*parts, "--out", str(args.out)])
@@ -241,6 +291,12 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         print("error: --rounds must be at least 1", file=sys.stderr)
         return 2
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"error: --device {args.device}, but CUDA is not available here", file=sys.stderr)
+            return 2
     names = [s for s in SECTIONS if args.only is None or s in args.only]
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
         ctx = SuiteContext(
@@ -250,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
             smoke=args.smoke,
             seed=args.seed,
             rounds=args.rounds,
+            shape=args.model_shape,
+            dtype=args.dtype,
         )
         date = SuiteResult.now()
         sections = run_sections(ctx, names)
@@ -263,4 +321,8 @@ def run(args: argparse.Namespace) -> int:
     js, md = result.write(args.out)
     print(md.read_text())
     print(f"wrote {js} and {md}", file=sys.stderr)
+    failed = [s.name for s in sections if s.error is not None]
+    if failed:
+        print(f"error: sections failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
