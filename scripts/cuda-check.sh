@@ -34,7 +34,7 @@ pytest=(python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=60
 smoke=()
 [ "${SMOKE:-0}" = 1 ] && smoke=(--smoke)
 
-stage environment 60 bash -c 'nvidia-smi || true; python3 -c "
+stage environment 30 bash -c 'nvidia-smi || true; python3 -c "
 import sys, torch, transformers
 print(sys.version.split()[0], torch.__version__, transformers.__version__)
 if torch.cuda.is_available():
@@ -43,7 +43,7 @@ if torch.cuda.is_available():
 # Greedy fp32 tokens equal transformers' on the same device (base models and LoRA).
 stage equivalence 150 "${pytest[@]}" tests/engine/test_hf_equivalence.py \
     tests/lora/test_hf_peft_equivalence.py
-stage bench 330 python3 -m kvserve bench suite "${smoke[@]}" --device "$device" \
+stage bench 300 python3 -m kvserve bench suite "${smoke[@]}" --device "$device" \
     --model-shape "$shape" --dtype "$dtype" --rounds "$rounds" \
     --only engine_vs_transformers roofline --out "$work/bench"
 # Speculative decoding's exactness and structured outputs' masks on the device.
