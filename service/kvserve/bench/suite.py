@@ -264,11 +264,11 @@ def run_sections(
         except Exception as e:  # reported in the results, and by the exit code
             ctx.say(traceback.format_exc().rstrip())
             section = Section(name, module.TITLE, {}, [], error=f"{type(e).__name__}: {e}")
-            gc.collect()  # the failed section's engines and models
         section.seconds = round(time.perf_counter() - start, 1)
         sections.append(section)
         if section.error is not None:
             ctx.say(f"  FAILED: {section.error}")
+            gc.collect()  # the failed section's engines and models (its traceback is gone)
         for t in section.targets:
             verdict = {True: "met", False: "NOT MET", None: "n/a"}[t.met]
             ctx.say(f"  target {t.name}: {t.measured} {t.unit} ({t.op} {t.target}) {verdict}")
