@@ -228,7 +228,7 @@ def test_verification_samples_each_token_from_the_model_distribution() -> None:
     n = 20000
     params = SamplingParams(max_tokens=8, temperature=1.0)
     reqs = [_request(i, drafts, params) for i in range(n)]
-    out = Sampler(torch.device("cpu"), seed=0).verify(rows.repeat(n, 1), reqs)
+    out = Sampler(torch.device(TEST_DEVICE), seed=0).verify(rows.repeat(n, 1).to(TEST_DEVICE), reqs)
 
     probs = torch.softmax(rows, dim=-1)
     first = Counter(tokens[0] for tokens in out.token_ids)
@@ -247,7 +247,9 @@ def test_verification_never_accepts_a_draft_outside_top_k() -> None:
     rows = torch.tensor([[4.0, 3.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
     params = SamplingParams(max_tokens=8, temperature=1.0, top_k=2)
     reqs = [_request(i, [3], params) for i in range(500)]
-    out = Sampler(torch.device("cpu"), seed=0).verify(rows.repeat(500, 1), reqs)
+    out = Sampler(torch.device(TEST_DEVICE), seed=0).verify(
+        rows.repeat(500, 1).to(TEST_DEVICE), reqs
+    )
     assert all(len(t) == 1 and t[0] in (0, 1) for t in out.token_ids)
 
 
