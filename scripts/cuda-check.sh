@@ -52,9 +52,11 @@ stage equivalence 150 "${pytest[@]}" tests/engine/test_hf_equivalence.py \
 stage bench 300 python3 -m kvserve bench suite "${smoke[@]}" --device "$device" \
     --model-shape "$shape" --dtype "$dtype" --rounds "$rounds" \
     --only engine_vs_transformers roofline --out "$work/bench"
-# Speculative decoding's exactness and structured outputs' masks on the device.
+# Speculative decoding's exactness, structured outputs' masks and the fp8 KV cache's
+# accuracy, on the device (not the test of `kvserve serve`: GPU images may lack fastapi).
 stage engine-tests 90 "${pytest[@]}" tests/engine/test_speculative.py \
-    tests/engine/test_structured_outputs.py
+    tests/engine/test_structured_outputs.py tests/engine/test_kv_cache_dtype.py \
+    -k "not test_serve_flag_sizes_the_pool"
 
 cp "$work"/bench/results.md "$work"/bench/results.json "$out"/ 2>/dev/null
 tar -czf "$out/cuda-check.tar.gz" -C "$work" .

@@ -28,6 +28,7 @@ from kvserve.model.attention import (
 from kvserve.model.config import ModelConfig
 from tests.support.checkpoints import make_prompts
 from tests.support.cli_server import start_cli_server
+from tests.support.device import TEST_DEVICE
 from tests.support.prometheus import metric
 from tests.support.prompts import greedy_reference
 
@@ -120,19 +121,19 @@ TOLERANCE = {"fp8_e4m3": 0.05, "fp8_e5m2": 0.1}
 
 def test_fp8_teacher_forced_logprobs_stay_close_to_the_fp32_cache(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     path = str(checkpoint_dir("qwen3-trained"))
-    ref_llm = LLM(path, dtype="float32", device="cpu")
+    ref_llm = LLM(path, dtype="float32", device=TEST_DEVICE)
     reference = greedy_reference(ref_llm)
     outs, sequences, ref = reference.outputs, reference.sequences, reference.logprobs
     del ref_llm
     for kv, bound in TOLERANCE.items():
-        llm = LLM(path, dtype="float32", device="cpu", kv_cache_dtype=kv)
+        llm = LLM(path, dtype="float32", device=TEST_DEVICE, kv_cache_dtype=kv)
         agree = total = 0
         chosen_diff = 0.0
         for r, s, o in zip(ref, sequences, outs, strict=True):
             g = llm.engine.prompt_logprobs(s)
             start = len(o.prompt_token_ids) - 1  # positions that predicted the outputs
             r_out, g_out = r[start:-1], g[start:-1]
-            target = torch.tensor(o.outputs[0].token_ids)[:, None]
+            target = torch.tensor(o.outputs[0].token_ids, device=r_out.device)[:, None]
             chosen_diff += float((r_out.gather(1, target) - g_out.gather(1, target)).abs().sum())
             agree += int((r_out.argmax(-1) == g_out.argmax(-1)).sum())
             total += r_out.shape[0]
@@ -186,7 +187,7 @@ def test_scales_are_powers_of_two_with_room_above_the_calibration(checkpoint_dir
 
 
 def _greedy(path: str, prompts: list[list[int]], **kw: object) -> tuple[list[list[int]], LLM]:
-    llm = LLM(path, dtype="float32", device="cpu", kv_cache_dtype="fp8_e4m3", **kw)  # type: ignore[arg-type]
+    llm = LLM(path, dtype="float32", device=TEST_DEVICE, kv_cache_dtype="fp8_e4m3", **kw)  # type: ignore[arg-type]
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)], llm
 
 
