@@ -8,7 +8,8 @@
 # Writes OUT_DIR/summary.txt (each stage's exit status and time), the bench's results.md
 # and results.json, and OUT_DIR/cuda-check.tar.gz with every log and plot. Run from the
 # repository root with a python3 that has torch (CUDA), transformers, safetensors,
-# tokenizers, pytest, msgspec and llguidance; kvserve runs from the tree (PYTHONPATH).
+# tokenizers, pytest, peft, hypothesis, httpx, msgspec, llguidance and jsonschema; kvserve
+# runs from the tree (PYTHONPATH).
 # Settings (environment): DEVICE (cuda), SHAPE (1b), DTYPE (bfloat16), ROUNDS (2),
 # STAGES (all four: "environment equivalence bench engine-tests"; a device call whose
 # machine is lost brings nothing back, so two shorter calls can split them), and SMOKE=1

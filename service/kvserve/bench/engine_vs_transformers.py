@@ -4,6 +4,7 @@ one mixed workload, in one process (docs/bench-methods.md, "engine_vs_transforme
 from __future__ import annotations
 
 import gc
+import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -109,12 +110,16 @@ def hf_continuous_runner(
     )
     # Sized like kvserve's engine; left to itself it zeroes most of a CPU machine's RAM.
     page = 256
-    cb = transformers.ContinuousBatchingConfig(
-        max_requests_per_batch=concurrency,
-        page_size=page,
-        num_blocks=concurrency * blocks_for(work.max_len, page) + 1,
-        max_batch_tokens=2048,
-    )
+    # The page size's name: block_size in transformers 5.17, page_size in 5.25.
+    params = inspect.signature(transformers.ContinuousBatchingConfig).parameters
+    page_name = "page_size" if "page_size" in params else "block_size"
+    sizes: dict[str, Any] = {
+        "max_requests_per_batch": concurrency,
+        "num_blocks": concurrency * blocks_for(work.max_len, page) + 1,
+        "max_batch_tokens": 2048,
+        page_name: page,
+    }
+    cb = transformers.ContinuousBatchingConfig(**sizes)
 
     def submit(manager: Any, prompts: list[list[int]], lens: list[int]) -> Run:
         t0 = time.perf_counter()  # the manager's timestamps are perf_counter seconds
@@ -187,8 +192,10 @@ def run(ctx: SuiteContext) -> Section:
     notes = []
     try:
         runners[CONTINUOUS] = hf_continuous_runner(model_dir, work, concurrency, dtype, ctx.device)
-    except ImportError as e:  # an older transformers: no continuous batching
-        notes.append(f"transformers' continuous batching is not available here ({e}).")
+    except Exception as e:  # an older transformers: none, or another API
+        notes.append(
+            f"transformers' continuous batching is not available here ({type(e).__name__}: {e})."
+        )
     try:
         best = ctx.best_of(runners, lambda run: run[0])
     except ContinuousBatchingFailed as e:
