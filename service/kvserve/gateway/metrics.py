@@ -40,7 +40,7 @@ Metric                                              Definition
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -90,6 +90,7 @@ class GatewayMetrics:
             "Requests held for a model that has no replica (scaled to zero), by model.",
             ("model",), registry=reg,
         )  # fmt: skip
+        self._held_models: set[str] = set()  # the models set_held gave a series
         self.in_flight = Gauge(
             p + "in_flight_requests", "Requests sent to a replica and not yet finished.",
             ("model", "replica"), registry=reg,
@@ -139,6 +140,15 @@ class GatewayMetrics:
         for counter in (self.overrides, self.retries, self.disconnects):
             counter.labels(model)
         self.requests.labels(model, "200")
+
+    def set_held(self, counts: Mapping[str, int]) -> None:
+        """``held_requests`` of exactly these models: one that is no longer among them (it
+        was removed, and its last held request has ended) loses its series."""
+        for model in self._held_models - counts.keys():
+            self.held.remove(model)
+        for model, n in counts.items():
+            self.held.labels(model).set(n)
+        self._held_models = set(counts)
 
     def remove_model(self, model: str, replicas: Iterable[str]) -> None:
         """Drop a removed model's gauges (replicas by state, in-flight by replica), so no

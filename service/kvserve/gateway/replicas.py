@@ -95,6 +95,8 @@ class Fleet:
             self._retired[model, address] = rep
         if appeared := self._appeared.pop(model, None):
             appeared.set()
+        if not self.held.get(model):
+            self.held.pop(model, None)  # else its last held request drops it
         log.info("model %s removed; %d replica(s) draining", model, len(current))
         self._changed()  # queued requests for it fail at their next pick
 
@@ -120,6 +122,8 @@ class Fleet:
             return False
         finally:
             self.held[model] -= 1
+            if not self.held[model] and model not in self.replicas:  # removed meanwhile
+                del self.held[model]
         return True
 
     async def reap(self) -> None:

@@ -45,8 +45,8 @@ class GatewayState:
         m = self.metrics
         m.queue_length.set(self.queue.queue_length)
         # A configured model without replicas yet is in ``held`` only.
-        for model in sorted(set(self.fleet.models()) | set(self.fleet.held)):
-            m.held.labels(model).set(self.fleet.held.get(model, 0))
+        held = self.fleet.held
+        m.set_held({model: held.get(model, 0) for model in sorted({*self.fleet.models(), *held})})
         for model in self.fleet.models():
             m.add_model(model)
             counts = {"healthy": 0, "unhealthy": 0, "draining": 0}
