@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from kvserve.bench.results import Section, SuiteResult, hardware, say
 from kvserve.bench.timelines import Workload, random_workload
+from kvserve.config import DTYPES
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -95,7 +96,6 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=128, vocab_size=512,
     ),
 }  # fmt: skip
-DTYPES = ("float32", "bfloat16", "float16")
 # On a GPU the engine's KV pool takes this share of its memory (EngineConfig's default
 # takes 0.9): the sections load transformers' models beside it in the same process.
 CUDA_MEMORY_SHARE = 0.4

@@ -57,8 +57,9 @@ class Fleet:
     slots: ReplicaSlots = field(default_factory=ReplicaSlots)
     replicas: dict[str, dict[str, Replica]] = field(default_factory=dict)  # model → address →
     on_change: Callable[[], None] | None = None  # capacity may have changed (admission.notify)
-    # Requests held for a model without replicas (scale from zero), waiting for its first.
-    held: dict[str, int] = field(default_factory=dict)  # model → requests held now
+    # Requests held for a model without replicas (scale from zero), waiting for its first:
+    # model → requests held now, never 0 (a removed model's count goes with its last one).
+    held: dict[str, int] = field(default_factory=dict)
     _appeared: dict[str, asyncio.Event] = field(default_factory=dict, repr=False)
     # Replicas of removed models, (model, address) → replica; draining, like any other
     # replica that left discovery, so reap() closes each once its requests have finished.
@@ -95,8 +96,6 @@ class Fleet:
             self._retired[model, address] = rep
         if appeared := self._appeared.pop(model, None):
             appeared.set()
-        if not self.held.get(model):
-            self.held.pop(model, None)  # else its last held request drops it
         log.info("model %s removed; %d replica(s) draining", model, len(current))
         self._changed()  # queued requests for it fail at their next pick
 
@@ -122,7 +121,7 @@ class Fleet:
             return False
         finally:
             self.held[model] -= 1
-            if not self.held[model] and model not in self.replicas:  # removed meanwhile
+            if not self.held[model]:
                 del self.held[model]
         return True
 
