@@ -81,6 +81,22 @@ def test_serve_without_a_model_runs_a_tool_loop_with_the_openai_sdk() -> None:
         # The answer keeps the world's rules; it need not copy the result's places (the
         # bundled model mostly invents its own: see its model card).
         assert corpus.check_answer(request, text), text
+        # A forced call: the grammar writes the template's "<tool_call>", one token of
+        # this tokenizer (an added token that is not special). It failed every such
+        # request with a grammar error before the grammar's tokenizer read it as text.
+        named: Any = {"type": "function", "function": {"name": "search_hotels"}}
+        for choice in ("required", named):
+            forced = client.chat.completions.create(
+                model=DEMO_MODEL_NAME,
+                messages=messages[:1],
+                tools=tools,
+                tool_choice=choice,
+                temperature=0,
+            ).choices[0]
+            assert forced.finish_reason == "tool_calls", (choice, forced.message)
+            (call,) = forced.message.tool_calls or []
+            arguments = json.loads(call.function.arguments)
+            assert call_satisfies(request, ToolCall("search_hotels", arguments)), arguments
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -8,6 +8,7 @@ outputs").
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import random
 import re
@@ -16,6 +17,7 @@ from typing import Any
 
 import jsonschema
 import llguidance
+import llguidance.torch
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -476,3 +478,40 @@ def test_a_think_block_comes_before_the_constraint(llm: LLM, kind: dict[str, Any
     opened = StructuredOutputsParams(**kind, think_block="open")
     assert _accepts(llm, opened, f"first, the budget</think>{answer}")
     assert not _accepts(llm, opened, answer)  # the open block must close first
+
+
+def test_added_tokens_that_are_not_special_are_text_to_the_grammar(llm: LLM) -> None:
+    """Qwen's <think>, </think> and <tool_call> are added tokens that are not special: the
+    tokenizer makes each one token from its text, and decoding keeps it. A grammar's
+    literal for that text matches the token: inside a think block, where the mask must
+    offer it, and where the literal is forced, where the matcher must take the token the
+    mask offered (it refused it, failing the request)."""
+    tokenizer = copy.deepcopy(llm.get_tokenizer())
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>"], special_tokens=False)
+    think, end_think, call = tokenizer.convert_tokens_to_ids(["<think>", "</think>", "<tool_call>"])
+    vocab = ll_tokenizer(tokenizer)
+
+    def matcher(params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        m = llguidance.LLMatcher(vocab, grammar_of(params), log_level=0)
+        assert not m.is_error(), m.get_error()
+        return m
+
+    def allowed(m: llguidance.LLMatcher) -> set[int]:
+        mask = llguidance.torch.allocate_token_bitmask(1, vocab.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(m, mask, 0)
+        words = mask[0].tolist()
+        return {i for i in range(vocab.vocab_size) if (words[i // 32] >> (i % 32)) & 1}
+
+    thinking = matcher(StructuredOutputsParams(json=THINK_SCHEMA, think_block="optional"))
+    assert think in allowed(thinking)
+    assert thinking.consume_tokens([think, *tokenizer.encode("x", add_special_tokens=False)])
+    assert end_think in allowed(thinking)
+    assert thinking.consume_tokens(
+        [end_think, *tokenizer.encode('{"a": 1}', add_special_tokens=False)]
+    )
+    assert thinking.is_accepting()
+
+    forced = matcher(StructuredOutputsParams(grammar='start: "<tool_call>" "\\n" /[a-z]+/'))
+    assert allowed(forced) == {call}
+    assert forced.consume_tokens(tokenizer.encode("<tool_call>\nabc", add_special_tokens=False))
+    assert forced.is_accepting(), forced.get_error()

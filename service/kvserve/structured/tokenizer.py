@@ -4,6 +4,14 @@ Building it reads the whole vocabulary (about a second for a 150k-token vocabula
 milliseconds for the tests' tiny ones), so it is cached on the tokenizer object. The
 engine builds it with its own EOS ids and vocabulary size (the logits' width); ``validate``
 reuses whichever one exists, since checking a grammar depends on neither.
+
+Added tokens that are not special (Qwen's ``<tool_call>`` and ``<think>``, the demo
+model's ``<tool_call>``) are text: the tokenizer makes them from their text, and decoding
+keeps them. llguidance's own loader makes every added token special, so a grammar's
+literal ``"<tool_call>"`` never matched the model's token for it (a model was made to
+spell it out), and where the literal was forced, the mask offered the token and the
+matcher then refused it, failing the request. Such tokenizers get a view with those
+tokens as text (``_TextAddedTokens``).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+from llguidance import TokenizerWrapper
 
 _lock = threading.Lock()  # one build at a time: a second caller waits and reuses it
 _built: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], llguidance.LLTokenizer]] = (
@@ -45,9 +54,39 @@ def ll_tokenizer(
                 n_vocab = max(vocab_size, len(hf_tokenizer))
             eos = sorted(eos_token_ids) if eos_token_ids else None
             try:
-                versions[key] = llguidance.hf.from_tokenizer(
-                    hf_tokenizer, n_vocab=n_vocab, eos_token=eos
-                )
+                built = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
             except ValueError as exc:  # a slow (Python) tokenizer
                 raise TypeError(f"structured outputs need a fast tokenizer: {exc}") from None
+            text_ids = _text_added_tokens(hf_tokenizer)
+            if text_ids:
+                wrapper = TokenizerWrapper(_TextAddedTokens(hf_tokenizer, built, text_ids))
+                built = llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
+            versions[key] = built
         return versions[key]
+
+
+def _text_added_tokens(hf_tokenizer: Any) -> frozenset[int]:
+    """The ids of the added tokens that are not special."""
+    added = getattr(hf_tokenizer, "added_tokens_decoder", {})
+    return frozenset(i for i, token in added.items() if not token.special)
+
+
+class _TextAddedTokens:
+    """What ``llguidance.TokenizerWrapper`` reads: each token's bytes as llguidance's loader
+    decoded them, the special ids without ``text_ids``, and the Hugging Face tokenizer
+    itself for tokenizing (so forced text becomes the tokens the model knows)."""
+
+    def __init__(
+        self, hf_tokenizer: Any, loaded: llguidance.LLTokenizer, text_ids: frozenset[int]
+    ) -> None:
+        n = len(hf_tokenizer)
+        self.tokens = [loaded.decode_bytes([i]) for i in range(n)]
+        self.special_token_ids = [
+            i for i in range(n) if loaded.is_special_token(i) and i not in text_ids
+        ]
+        self.eos_token_id = hf_tokenizer.eos_token_id
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self._hf = hf_tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._hf.encode(text, add_special_tokens=False))
