@@ -515,3 +515,15 @@ def test_added_tokens_that_are_not_special_are_text_to_the_grammar(llm: LLM) -> 
     assert allowed(forced) == {call}
     assert forced.consume_tokens(tokenizer.encode("<tool_call>\nabc", add_special_tokens=False))
     assert forced.is_accepting(), forced.get_error()
+
+
+def test_forced_text_that_spells_a_special_token_is_written_as_text(llm: LLM) -> None:
+    """A literal that spells a special token ("</s>") is text: the mask offers its plain
+    spelling, never the special token (the matcher refused the token it had offered,
+    failing the request)."""
+    tokenizer = llm.get_tokenizer()
+    special = tokenizer.eos_token
+    (out,) = llm.generate(["hello"], constrained(grammar=f'start: {json.dumps(special)} "ab"'))
+    assert out.outputs[0].text == special + "ab"
+    assert out.outputs[0].finish_reason == "stop"
+    assert tokenizer.eos_token_id not in out.outputs[0].token_ids

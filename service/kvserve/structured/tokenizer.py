@@ -10,12 +10,15 @@ model's ``<tool_call>``) are text: the tokenizer makes them from their text, and
 keeps them. llguidance's own loader makes every added token special, so a grammar's
 literal ``"<tool_call>"`` never matched the model's token for it (a model was made to
 spell it out), and where the literal was forced, the mask offered the token and the
-matcher then refused it, failing the request. Such tokenizers get a view with those
-tokens as text (``_TextAddedTokens``).
+matcher then refused it, failing the request. The same happened to forced text that
+spells a special token (``"<|end|>"``), which the loader tokenized as that token. So the
+view is rebuilt with such tokens as text, and forced text tokenized as plain text
+(``_TextView``).
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from typing import Any
@@ -57,36 +60,32 @@ def ll_tokenizer(
                 built = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
             except ValueError as exc:  # a slow (Python) tokenizer
                 raise TypeError(f"structured outputs need a fast tokenizer: {exc}") from None
-            text_ids = _text_added_tokens(hf_tokenizer)
-            if text_ids:
-                wrapper = TokenizerWrapper(_TextAddedTokens(hf_tokenizer, built, text_ids))
-                built = llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
-            versions[key] = built
+            view = _TextView(hf_tokenizer, built)
+            versions[key] = llguidance.LLTokenizer(
+                TokenizerWrapper(view), n_vocab=n_vocab, eos_token=eos
+            )
         return versions[key]
 
 
-def _text_added_tokens(hf_tokenizer: Any) -> frozenset[int]:
-    """The ids of the added tokens that are not special."""
-    added = getattr(hf_tokenizer, "added_tokens_decoder", {})
-    return frozenset(i for i, token in added.items() if not token.special)
-
-
-class _TextAddedTokens:
+class _TextView:
     """What ``llguidance.TokenizerWrapper`` reads: each token's bytes as llguidance's loader
-    decoded them, the special ids without ``text_ids``, and the Hugging Face tokenizer
-    itself for tokenizing (so forced text becomes the tokens the model knows)."""
+    decoded them; as special, only the ids the tokenizer calls special; and a tokenizer
+    for forced text that spells out what looks like a special token (as the model must:
+    the matcher takes a special token only where the grammar names it) and makes an added
+    text token from its text."""
 
-    def __init__(
-        self, hf_tokenizer: Any, loaded: llguidance.LLTokenizer, text_ids: frozenset[int]
-    ) -> None:
+    def __init__(self, hf_tokenizer: Any, loaded: llguidance.LLTokenizer) -> None:
         n = len(hf_tokenizer)
+        added = getattr(hf_tokenizer, "added_tokens_decoder", {})
+        text_ids = {i for i, token in added.items() if not token.special}
         self.tokens = [loaded.decode_bytes([i]) for i in range(n)]
         self.special_token_ids = [
             i for i in range(n) if loaded.is_special_token(i) and i not in text_ids
         ]
         self.eos_token_id = hf_tokenizer.eos_token_id
         self.bos_token_id = hf_tokenizer.bos_token_id
-        self._hf = hf_tokenizer
+        self._backend = copy.copy(hf_tokenizer.backend_tokenizer)
+        self._backend.encode_special_tokens = True
 
     def __call__(self, text: str) -> list[int]:
-        return list(self._hf.encode(text, add_special_tokens=False))
+        return list(self._backend.encode(text, add_special_tokens=False).ids)
