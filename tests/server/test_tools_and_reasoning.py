@@ -501,6 +501,48 @@ def test_bad_constraints_name_their_field(tools_server: RunningServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
 
 
+# Compiles, then grows past llguidance's limits on its first "a": the client's grammar.
+EXPLODING_REGEX = "a{1000000}"
+
+
+def test_a_grammar_that_fails_while_it_runs_is_the_clients_error(
+    tools_server: RunningServer,
+) -> None:
+    """400 naming the field the constraint came in, on a whole answer, in a stream's error
+    event and over gRPC (INVALID_ARGUMENT, which a gateway does not retry); it was 500."""
+    exploding = {"structured_outputs": {"regex": EXPLODING_REGEX}}
+    error = refusal(tools_server, {"messages": QUESTION, **exploding})
+    assert error["param"] == "structured_outputs", error
+    assert "too many expressions" in error["message"]
+    schema = {"type": "string", "pattern": f"^{EXPLODING_REGEX}$"}
+    in_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    error = refusal(tools_server, {"messages": QUESTION, "response_format": in_schema})
+    assert error["param"] == "response_format.json_schema.schema", error
+    body = {"model": MODEL, "messages": QUESTION, "stream": True, **exploding}
+    with tools_server.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert r.status_code == 200 and "error" in events[-1], r.text
+    assert events[-1]["error"]["type"] == "invalid_request_error"
+    assert events[-1]["error"]["param"] == "structured_outputs"
+    request = pb.GenerateRequest(
+        prompt_text="hi",
+        max_tokens=8,
+        structured_outputs=pb.StructuredOutputs(regex=EXPLODING_REGEX),
+    )
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{tools_server.grpc_port}") as channel,
+        pytest.raises(grpc.RpcError) as failed,
+    ):
+        list(pb_grpc.EngineServiceStub(channel).Generate(request, timeout=120))
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failed.value
+    # The same grammar again fails the same way (its compiled copy, whose state the
+    # failure spoiled, is not reused: it allowed only EOS, a silent empty answer).
+    assert refusal(tools_server, {"messages": QUESTION, **exploding})["param"] == (
+        "structured_outputs"
+    )
+
+
 def test_structured_outputs_on_completions(tools_server: RunningServer) -> None:
     answer = sdk(tools_server).completions.create(
         model=MODEL,

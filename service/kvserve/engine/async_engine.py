@@ -61,6 +61,16 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine; other requests carry on."""
 
 
+class GrammarFailedError(RequestFailedError):
+    """The request's own grammar ended it while it ran: the grammar engine refused a
+    token, or the grammar grew past its limits (``a{1000000}`` passes its compile and
+    fails on the first ``a``). The client's constraint, not the server: front ends answer
+    it as bad input, naming the constraint (``param``, re-set by a front end that knows
+    which field the client sent it in)."""
+
+    param = "structured_outputs"
+
+
 @dataclass
 class _Add:
     request: Request
@@ -392,7 +402,7 @@ class AsyncEngine:
             for req, why in failures:
                 if self.hooks.on_failed is not None:
                     self.hooks.on_failed(req)
-                self._deliver(req.request_id, RequestFailedError(why))
+                self._deliver(req.request_id, GrammarFailedError(why))
         self._publish(outputs)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:

@@ -666,6 +666,7 @@ class LLMEngine:
             if req.logprobs is not None and logprob is not None:
                 req.logprobs.append(logprob)
             if req.grammar is not None and not req.grammar.accept(token):
+                self.structured.compiler.discard(req.grammar.compiled)
                 return self._fail(req, f"structured outputs: {req.grammar.error}")
             if token in req.eos_token_ids:
                 reason = "stop"

@@ -27,6 +27,7 @@ class PreparedChat:
     prompt_ids: list[int]
     constraint: StructuredOutputsParams | None
     parser: ChatOutputParser | None  # None: the answer is plain content
+    constraint_param: str | None = None  # the field the constraint came in
 
 
 async def prepare_chat(
@@ -76,7 +77,12 @@ async def prepare_chat(
         # Checking compiles (cached by content): off the event loop, like a long prompt.
         await asyncio.to_thread(_check_all, engine, checks)
     prompt_ids = await engine.chat_prompt(messages, tools.template_tools())
-    return PreparedChat(prompt_ids, chosen.params if chosen else None, parsing.parser(tools))
+    return PreparedChat(
+        prompt_ids,
+        chosen.params if chosen else None,
+        parsing.parser(tools),
+        chosen.param if chosen else None,
+    )
 
 
 def _check_all(engine: AsyncEngine, checks: list[tuple[StructuredOutputsParams, str]]) -> None:

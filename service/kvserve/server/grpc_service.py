@@ -29,7 +29,12 @@ from typing import NoReturn
 
 import grpc
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kvserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    GrammarFailedError,
+    RequestFailedError,
+)
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatOutputParser, ChatParsing, JoinedPieces
@@ -66,8 +71,9 @@ class _Refused(Exception):
         return codec.encode_error(self.code, self.message, self.param)
 
 
-def _refusal(exc: BaseException) -> _Refused:
-    """The status a failure while building or running a request ends its call with."""
+def _refusal(exc: BaseException, grammar_param: str | None = None) -> _Refused:
+    """The status a failure while building or running a request ends its call with;
+    ``grammar_param``: the field the request's constraint came in."""
     if isinstance(exc, _Refused):
         return exc
     if isinstance(exc, EngineDeadError):
@@ -76,6 +82,8 @@ def _refusal(exc: BaseException) -> _Refused:
         return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param)
     if isinstance(exc, ValueError):
         return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, GrammarFailedError):  # the request's own constraint
+        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), grammar_param or exc.param)
     if isinstance(exc, RequestFailedError):
         return _Refused(grpc.StatusCode.INTERNAL, str(exc))
     return _Refused(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -105,9 +113,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
 
     async def build_request(
         self, request: pb.GenerateRequest, metadata: Callable[[], Mapping[str, str]]
-    ) -> tuple[Request, ChatOutputParser | None]:
-        """The engine request for ``request`` and the reader of its answer (a chat's, when
-        the server reads tool calls or reasoning); raises ``_Refused`` for bad input.
+    ) -> tuple[Request, _Started]:
+        """The engine request for ``request`` and what its outputs need to become messages
+        (the reader of a chat's answer, when the server reads tool calls or reasoning; the
+        field its constraint came in); raises ``_Refused`` for bad input.
 
         ``request.request_id`` is the client's id (the engine mints its own key; empty
         means none). ``metadata`` gives the call's (or the command's) trace context, read
@@ -126,6 +135,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             prompt = codec.decode_prompt(request)
             constraint = codec.decode_constraint(request)
             structured = constraint.params if constraint is not None else None
+            grammar_param = constraint.param if constraint is not None else None
             parser = None
             default_max_tokens = None
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -137,6 +147,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                     constraint,
                 )
                 prompt, structured, parser = chat.prompt_ids, chat.constraint, chat.parser
+                grammar_param = chat.constraint_param
                 # A chat without max_tokens gets as much as the context allows, or the
                 # gateway's cap if that is less.
                 default_max_tokens = engine.context_left(len(prompt))
@@ -166,7 +177,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             self.telemetry.begin(
                 req.request_id, operation, params, metadata(), arrival, req.external_id, adapter
             )
-        return req, parser
+        started = _Started(
+            req.request_id,
+            parser=parser,
+            whole_calls=_whole_calls(request),
+            grammar_param=grammar_param,
+        )
+        return req, started
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -175,11 +192,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         # cancellation (client gone, deadline) then always lands inside this coroutine,
         # where ``_closing`` closes the engine stream at once, which aborts the request.
         try:
-            req, parser = await self.build_request(request, lambda: _call_metadata(context))
+            req, started = await self.build_request(request, lambda: _call_metadata(context))
         except _Refused as exc:
             await _abort(context, exc)
 
-        started = _Started(req.request_id, parser=parser, whole_calls=_whole_calls(request))
         token_text = tokenizer_text(self.engine.engine.tokenizer)
         last: RequestOutput | None = None
         final: pb.Final | None = None
@@ -191,7 +207,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                     if delta is not None:
                         await context.write(pb.GenerateResponse(delta=delta))
         except (EngineDeadError, RequestFailedError, ValueError) as exc:
-            await _abort(context, _refusal(exc))
+            await _abort(context, _refusal(exc, started.grammar_param))
         if last is None or not last.finished or final is None:
             await _abort(
                 context, _Refused(grpc.StatusCode.INTERNAL, "the engine stream ended early")
@@ -299,6 +315,7 @@ class _Started:
     parser: ChatOutputParser | None = None  # reads a chat's reasoning and tool calls
     # Without the request's tool_call_pieces: each call leaves whole (older gateways).
     whole_calls: JoinedPieces | None = None
+    grammar_param: str | None = None  # the field the request's constraint came in
 
     def encode(
         self, out: RequestOutput, token_text: Callable[[int], str]
@@ -379,11 +396,8 @@ class _ManyCall:
                 raise _Refused(
                     grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is in use by a running request"
                 )
-            req, parser = await self.servicer.build_request(
+            req, started = await self.servicer.build_request(
                 command.start, lambda: dict(command.metadata)
-            )
-            started = _Started(
-                req.request_id, parser=parser, whole_calls=_whole_calls(command.start)
             )
             self.engine.add_request(req, functools.partial(self._on_output, tag, started))
         except Exception as exc:  # fails this request only; the call serves the others
@@ -406,7 +420,7 @@ class _ManyCall:
         except Exception as exc:  # the engine failed it, or turning it into messages did
             if out is not exc:
                 log.exception("request %s failed in GenerateMany", started.request_id)
-            self._push(_error_output(tag, _refusal(exc)))
+            self._push(_error_output(tag, _refusal(exc, started.grammar_param)))
             self._end(tag, started, abort=True)
 
     def _push(self, output: pb.TaggedOutput) -> None:

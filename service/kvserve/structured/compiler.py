@@ -83,6 +83,16 @@ class GrammarCompiler:
             )
         return CompiledGrammar(matcher, tokenizer.vocab_size, seconds)
 
+    def discard(self, compiled: Future[CompiledGrammar]) -> None:
+        """Drop ``compiled`` from the cache: a request's matcher failed while it ran, and
+        llguidance's copies share their lexer's state with it (a regex that grew past its
+        limits left the prototype allowing only EOS), so the next request with the same
+        text gets a fresh compile."""
+        with self._lock:
+            for text, future in list(self._cache.items()):
+                if future is compiled:
+                    del self._cache[text]
+
     def shutdown(self) -> None:
         """Stop the pool's threads (compiles not yet started are dropped)."""
         if self._pool is not None:

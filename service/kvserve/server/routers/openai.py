@@ -9,7 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kvserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    GrammarFailedError,
+    RequestFailedError,
+)
 from kvserve.engine.request import Request as EngineRequest
 from kvserve.errors import InvalidRequestError
 from kvserve.lora.request import LoRARequest
@@ -48,6 +53,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     limit = checks.token_limit(body).value
     assert limit is not None  # a completion's limit defaults to 16
     constraint = requested_constraint(body)
+    param = constraint.param if constraint is not None else None
     if constraint is not None:
         try:
             await validate_constraint(state.engine, constraint)
@@ -83,9 +89,9 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
                 )
             )
 
-        return _sse(state, req, chunk, ids, False, body.include_usage)
+        return _sse(state, req, chunk, ids, False, body.include_usage, grammar_param=param)
 
-    out = await _run_to_end(request, state.engine, req)
+    out = await _run_to_end(request, state.engine, req, grammar_param=param)
     c = out.outputs[0]
     logprobs = fmt.completion_logprobs(c.logprobs, text_of) if c.logprobs else None
     return JSONResponse(
@@ -141,10 +147,12 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             return encode_event(event)
 
         markers = parser is not None and bool(parser.markers)
-        return _sse(state, req, chunk, ids, True, body.include_usage, markers)
+        return _sse(
+            state, req, chunk, ids, True, body.include_usage, markers, chat.constraint_param
+        )
 
     if parser is None:
-        out = await _run_to_end(request, state.engine, req)
+        out = await _run_to_end(request, state.engine, req, grammar_param=chat.constraint_param)
         c = out.outputs[0]
         logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
         return JSONResponse(fmt.chat_response(ids, c.text, logprobs, c.finish_reason, _usage(out)))
@@ -157,7 +165,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
         delta, finish = parser.step(c.delta_text, c.finish_reason, c.delta_token_ids)
         answer = answer.extend(delta)
 
-    out = await _run_to_end(request, state.engine, req, read)
+    out = await _run_to_end(request, state.engine, req, read, chat.constraint_param)
     c = out.outputs[0]
     logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
     return JSONResponse(
@@ -244,9 +252,11 @@ def _sse(
     chat: bool,
     include_usage: bool,
     every_token: bool = False,
+    grammar_param: str | None = None,
 ) -> EventStreamResponse:
     """``every_token``: ``chunk`` also sees outputs that added no text (a marker token
-    that the text leaves out, which the parser puts back)."""
+    that the text leaves out, which the parser puts back). ``grammar_param``: the field
+    the request's constraint came in (see ``_failure``)."""
     # The request enters the engine now, before the response starts; the response's
     # close (end, client gone, or never started) aborts it unless it finished.
     try:
@@ -276,7 +286,9 @@ def _sse(
                     yield b"".join(parts)
                     parts = []
         except (RequestFailedError, EngineDeadError) as exc:
-            parts.append(encode_event(error_body(500, str(exc), request_id=req.external_id)))
+            error = _failure(exc, req, grammar_param)
+            body = error_body(error.status, error.message, error.param, request_id=req.external_id)
+            parts.append(encode_event(body))
         if include_usage and last is not None:
             parts.append(encode_event(fmt.usage_chunk(ids, chat, _usage(last))))
         yield b"".join([*parts, SSE_DONE])
@@ -291,9 +303,10 @@ async def _run_to_end(
     engine: AsyncEngine,
     req: EngineRequest,
     each: Callable[[RequestOutput], None] | None = None,
+    grammar_param: str | None = None,
 ) -> RequestOutput:
     """Run a non-streaming request, aborting it if the client disconnects meanwhile;
-    ``each`` sees every output."""
+    ``each`` sees every output. ``grammar_param``: see ``_failure``."""
 
     async def last_output() -> RequestOutput:
         last = None
@@ -309,7 +322,21 @@ async def _run_to_end(
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
     except RequestFailedError as exc:
-        raise OpenAIError(500, f"request {req.external_id} failed: {exc}") from exc
+        raise _failure(exc, req, grammar_param) from exc
     if last is None:
         raise OpenAIError(499, "client disconnected")
     return last
+
+
+def _failure(
+    exc: RequestFailedError | EngineDeadError, req: EngineRequest, grammar_param: str | None
+) -> OpenAIError:
+    """The error a request that failed in the engine ends with: 400 naming the constraint
+    (``grammar_param``, the field the client sent it in) when its own grammar failed it,
+    503 when the engine is gone, else 500."""
+    why = f"request {req.external_id} failed: {exc}"
+    if isinstance(exc, GrammarFailedError):
+        return OpenAIError(400, why, param=grammar_param or exc.param)
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc))
+    return OpenAIError(500, why)
