@@ -168,6 +168,8 @@ def test_non_text_parts_are_refused_by_path(
 def test_null_content_only_for_an_assistant_with_tool_calls(tools_server: RunningServer) -> None:
     error = refusal(tools_server, {"messages": [{"role": "user", "content": None}]})
     assert error["param"] == "messages[0].content"
+    error = refusal(tools_server, {"messages": [{"role": "user", "content": []}]})
+    assert error["param"] == "messages[0].content" and "empty array" in error["message"]
     bad_args = [
         *QUESTION,
         {

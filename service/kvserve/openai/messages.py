@@ -70,6 +70,10 @@ def _message(i: int, m: ChatMessage) -> Message:
 
 
 def _text_of_parts(parts: list[ContentPart], where: str) -> str:
+    if not parts:  # as OpenAI's API refuses it
+        raise OpenAIError(
+            400, f"{where} is an empty array: send a string or at least one part", param=where
+        )
     texts = []
     for k, part in enumerate(parts):
         param = f"{where}[{k}]"
