@@ -16,10 +16,10 @@ from kvserve.gateway.admission import (
     Priority,
     QueueFull,
     QueueTimeout,
-    ReplicaSlots,
     Slot,
 )
 from kvserve.gateway.routing import LeastLoadRouter, ReplicaLoad
+from kvserve.gateway.slots import ReplicaSlots
 
 DEADLINE = 5.0  # seconds; only reached when something is broken
 

@@ -2,7 +2,7 @@
 
 Why: an engine that accepts more than it can batch only grows its own queue; every
 admitted request then gets slower. The gateway instead keeps a slot count per replica
-(:class:`ReplicaSlots`) and, when no eligible replica has a free slot, parks the request
+(``slots.ReplicaSlots``) and, when no eligible replica has a free slot, parks the request
 in a small bounded queue (:class:`AdmissionQueue`). Offered load above capacity turns
 into fast, cheap rejections (HTTP 503 + ``Retry-After``) while admitted requests keep
 their latency.
@@ -43,43 +43,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvserve.gateway.slots import ReplicaSlots
+
 Priority = Literal["critical", "standard", "sheddable"]
 PRIORITIES: tuple[Priority, ...] = ("critical", "standard", "sheddable")  # highest first
 _RANK: dict[Priority, int] = {priority: rank for rank, priority in enumerate(PRIORITIES)}
-
-
-class ReplicaSlots:
-    """In-flight request count per replica address: what ``ReplicaLoad.in_flight`` reads.
-
-    Counts only what this gateway sent, so it is exact and current (unlike a replica's
-    ``GetLoad``, which is one poll old).
-    """
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-
-    def take(self, address: str) -> None:
-        self._counts[address] = self._counts.get(address, 0) + 1
-
-    def give(self, address: str) -> None:
-        count = self._counts.get(address, 0)
-        if count <= 0:
-            raise ValueError(f"no slot in use on {address!r} to give back (double release?)")
-        if count == 1:
-            del self._counts[address]  # replicas come and go: keep no empty entries
-        else:
-            self._counts[address] = count - 1
-
-    def in_flight(self, address: str) -> int:
-        return self._counts.get(address, 0)
-
-    @property
-    def total(self) -> int:
-        return sum(self._counts.values())
-
-    def snapshot(self) -> dict[str, int]:
-        """Addresses with at least one request in flight → count."""
-        return dict(self._counts)
 
 
 @dataclass(eq=False)

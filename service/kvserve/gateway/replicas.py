@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.gateway.admission import ReplicaSlots
 from kvserve.gateway.routing import ReplicaLoad
+from kvserve.gateway.slots import ReplicaSlots
 from kvserve.gateway.upstream import ReplicaClient
 
 log = logging.getLogger("kvserve.gateway")

@@ -22,7 +22,7 @@ to load the adapter first.
 
 Routers only choose; they never count. The load they read is a snapshot
 (:class:`ReplicaLoad`) built by the caller from the gateway's own in-flight counts
-(exact, see ``admission.ReplicaSlots``) and each replica's last ``GetLoad``.
+(exact, see ``slots.ReplicaSlots``) and each replica's last ``GetLoad``.
 """
 
 from __future__ import annotations
