@@ -342,6 +342,29 @@ def test_a_grammar_that_fails_in_the_engine_fails_only_its_request(checkpoint_di
     assert failed.request_id == "bad" and "simulated compiler failure" in why
 
 
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        # Validates, then fails on its first mask, which then allows only EOS: an
+        # accepted EOS ended the request "stop" with an empty answer.
+        ({"json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}, "NoExtension"),
+        # Validates and compiles, then grows past llguidance's limits on the first "a".
+        ({"regex": "a{1000000}"}, "too many expressions"),
+    ],
+)
+def test_a_grammar_that_cannot_go_on_fails_its_request_instead_of_ending_it(
+    checkpoint_dir: Any, kind: dict[str, Any], why: str
+) -> None:
+    engine = make_llm(checkpoint_dir).engine
+    engine.add_request("bad", "x", constrained(**kind))
+    engine.add_request("plain", "x", SamplingParams(max_tokens=5, ignore_eos=True))
+    outs = run_to_end(engine)
+    assert outs["bad"].outputs[0].finish_reason == "abort"
+    assert outs["plain"].outputs[0].finish_reason == "length"
+    [(failed, message)] = engine.take_failures()
+    assert failed.request_id == "bad" and why in message
+
+
 def run_to_end(engine: Any) -> dict[str, Any]:
     finished = {}
     while engine.has_unfinished_requests():

@@ -42,8 +42,10 @@ class GrammarMatcher:
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
-        """Consume a sampled token; False (see ``error``) if the grammar refuses it."""
-        return self.matcher.consume_token(token_id)
+        """Consume a sampled token; False (see ``error``) if the grammar refuses it, or is
+        in error (past a limit while computing the mask, which then allows only EOS: an
+        accepted EOS would end the request as if the grammar were complete)."""
+        return self.matcher.consume_token(token_id) and not self.matcher.is_error()
 
     @property
     def finished(self) -> bool:
