@@ -183,6 +183,37 @@ def test_chat_without_template_is_refused(tmp_path: Path, checkpoint_dir) -> Non
         stop_server(srv)
 
 
+def test_a_conversation_the_chat_template_refuses_is_a_400(tmp_path: Path, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """Mistral's and Gemma's templates raise on roles that do not alternate: the client's
+    conversation, not the server (it was a 500)."""
+    model = tmp_path / "strict-template"
+    shutil.copytree(checkpoint_dir("llama"), model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if (m['role'] == 'user') != loop.index0 is even %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/...') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    srv = start_server(model)
+    try:
+        with srv.client() as c:
+            twice = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+            r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": twice})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "messages" and "must alternate" in error["message"]
+            fine = c.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "max_tokens": 2, "messages": twice[:1]},
+            )
+            assert fine.status_code == 200, fine.text
+    finally:
+        stop_server(srv)
+
+
 def test_concurrent_streams_and_consistent_metrics(server: RunningServer) -> None:
     ttft_before = metric(server.url, "kvserve_time_to_first_token_seconds_count")
     gen_before = metric(server.url, "kvserve_generation_tokens_total")

@@ -386,9 +386,20 @@ class LLMEngine:
                 "messages",
             )
         self._check_prompt_chars(text_chars(messages, tools), "messages")
-        text = tok.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
-        )
+        import jinja2  # what transformers renders templates with
+
+        try:
+            text = tok.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        except jinja2.TemplateSyntaxError:
+            raise  # the model's template is broken: the server's problem, not the request's
+        except jinja2.TemplateError as exc:
+            # The template refused this conversation: its own raise_exception (Mistral's,
+            # Gemma's "Conversation roles must alternate ..."), or a field it needs.
+            raise InvalidRequestError(
+                f"the model's chat template refused these messages: {exc}", "messages"
+            ) from None
         return list(tok.encode(text, add_special_tokens=False))
 
     def tokenize(self, prompt: str) -> list[int]:
