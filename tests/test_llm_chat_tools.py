@@ -66,3 +66,15 @@ def test_tool_schemas_count_toward_the_prompt_length(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="characters") as refused:
         llm.engine.chat_prompt(CONVERSATION[:1], huge)
     assert refused.value.param == "messages"
+
+
+def test_chat_template_kwargs_are_template_variables(llm: LLM) -> None:
+    """vLLM's ``LLM.chat(..., chat_template_kwargs=...)``: the template sees them (this
+    one reads none, so the prompt is unchanged); the renderer's own arguments are refused."""
+    params = SamplingParams(max_tokens=1, temperature=0)
+    plain = llm.chat(CONVERSATION, params)[0].prompt_token_ids
+    extra = llm.chat(CONVERSATION, params, chat_template_kwargs={"enable_thinking": False})
+    assert extra[0].prompt_token_ids == plain
+    with pytest.raises(InvalidRequestError, match="'chat_template'") as refused:
+        llm.chat(CONVERSATION, params, chat_template_kwargs={"chat_template": "{{ 1 }}"})
+    assert refused.value.param == "chat_template_kwargs"

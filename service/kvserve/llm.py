@@ -114,6 +114,7 @@ class LLM:
         use_tqdm: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them.
 
@@ -122,13 +123,17 @@ class LLM:
         a dict, as Hugging Face templates take them) and ``tool`` results. The outputs
         are the raw text: reading calls out of it is the server's (``--tool-call-parser``).
         ``lora_request``: as for ``generate``, one for all conversations or one each.
+        ``chat_template_kwargs``: more variables for the template (vLLM's name), e.g.
+        Qwen3's ``{"enable_thinking": False}``.
         """
         conversations: list[list[Message]] = (
             [messages]  # type: ignore[list-item]
             if messages and isinstance(messages[0], dict)
             else messages  # type: ignore[assignment]
         )
-        prompts: list[Prompt] = [self.engine.chat_prompt(conv, tools) for conv in conversations]
+        prompts: list[Prompt] = [
+            self.engine.chat_prompt(conv, tools, chat_template_kwargs) for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:

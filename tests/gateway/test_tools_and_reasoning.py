@@ -192,6 +192,17 @@ def test_bad_input_is_refused_by_field(tools_gateway: Gateway) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=image)  # type: ignore[arg-type]
     assert refused.value.body["param"] == "messages[0].content[0]"  # type: ignore[index]
+    # chat_template_kwargs travel to the replica, which renders the template and refuses
+    # a client's own template (without the field the gateway dropped them: a 200).
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=2,
+            extra_body={"chat_template_kwargs": {"chat_template": "{{ 'mine' }}"}},
+        )
+    assert refused.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    assert "may not set 'chat_template'" in refused.value.body["message"]  # type: ignore[index]
 
 
 def test_tool_schemas_count_in_the_token_estimate(tools_gateway: Gateway) -> None:

@@ -7,9 +7,11 @@ import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from tests.support.engine_server import SERVED_MODEL as MODEL
 from tests.support.engine_server import RunningServer, start_server, stop_server
@@ -163,14 +165,22 @@ def test_invalid_json_and_oversized_body(server: RunningServer) -> None:
         assert chunked.json()["error"]["request_id"] == chunked.headers["x-request-id"]
 
 
-def test_chat_without_template_is_refused(tmp_path: Path, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
-    model = tmp_path / "no-template"
+def model_with_template(tmp_path: Path, checkpoint_dir, template: str | None) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of the test checkpoint whose chat template is ``template`` (None: none)."""
+    model = tmp_path / "model"
     shutil.copytree(checkpoint_dir("llama"), model)
     (model / "chat_template.jinja").unlink(missing_ok=True)
+    if template is not None:
+        (model / "chat_template.jinja").write_text(template)
     cfg_path = model / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("chat_template", None)
     cfg_path.write_text(json.dumps(cfg))
+    return model
+
+
+def test_chat_without_template_is_refused(tmp_path: Path, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    model = model_with_template(tmp_path, checkpoint_dir, None)
     srv = start_server(model)
     try:
         with srv.client() as c:
@@ -186,17 +196,13 @@ def test_chat_without_template_is_refused(tmp_path: Path, checkpoint_dir) -> Non
 def test_a_conversation_the_chat_template_refuses_is_a_400(tmp_path: Path, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     """Mistral's and Gemma's templates raise on roles that do not alternate: the client's
     conversation, not the server (it was a 500)."""
-    model = tmp_path / "strict-template"
-    shutil.copytree(checkpoint_dir("llama"), model)
-    (model / "chat_template.jinja").write_text(
+    model = model_with_template(
+        tmp_path,
+        checkpoint_dir,
         "{% for m in messages %}{% if (m['role'] == 'user') != loop.index0 is even %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant/...') }}"
-        "{% endif %}{{ m['content'] }}{% endfor %}"
+        "{% endif %}{{ m['content'] }}{% endfor %}",
     )
-    cfg_path = model / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("chat_template", None)
-    cfg_path.write_text(json.dumps(cfg))
     srv = start_server(model)
     try:
         with srv.client() as c:
@@ -210,6 +216,61 @@ def test_a_conversation_the_chat_template_refuses_is_a_400(tmp_path: Path, check
                 json={"model": MODEL, "max_tokens": 2, "messages": twice[:1]},
             )
             assert fine.status_code == 200, fine.text
+    finally:
+        stop_server(srv)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path: Path, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking) and reasoning_effort are
+    variables of the template; apply_chat_template's own parameters are not the client's
+    to set; OpenAI's fields that ask nothing of the model are accepted (store: false)."""
+    model = model_with_template(
+        tmp_path,
+        checkpoint_dir,
+        "{% if enable_thinking is defined and not enable_thinking %}[no thinking]{% endif %}"
+        "{% if reasoning_effort is defined %}[effort: {{ reasoning_effort }}]{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    srv = start_server(model)
+    base = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with srv.client() as c:
+
+            def prompt_tokens(**extra: Any) -> int:
+                r = c.post("/v1/chat/completions", json={**base, **extra})
+                assert r.status_code == 200, r.text
+                return int(r.json()["usage"]["prompt_tokens"])
+
+            plain = prompt_tokens()
+            no_thinking = prompt_tokens(chat_template_kwargs={"enable_thinking": False})
+            effort = prompt_tokens(reasoning_effort="low")
+            tok = AutoTokenizer.from_pretrained(str(model))
+
+            def tokens(text: str) -> int:
+                return len(tok.encode(text, add_special_tokens=False))
+
+            assert (plain, no_thinking, effort) == (
+                tokens("hi"),
+                tokens("[no thinking]hi"),
+                tokens("[effort: low]hi"),
+            )
+            informational = {
+                "store": False,
+                "metadata": {"team": "search"},
+                "service_tier": "auto",
+                "safety_identifier": "user-1",
+                "prompt_cache_key": "k",
+            }
+            assert prompt_tokens(**informational) == plain
+            for key in ("chat_template", "tokenize", "messages"):
+                r = c.post(
+                    "/v1/chat/completions", json={**base, "chat_template_kwargs": {key: "x"}}
+                )
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "chat_template_kwargs"
+            stored = c.post("/v1/chat/completions", json={**base, "store": True})
+            assert stored.status_code == 400 and stored.json()["error"]["param"] == "store"
+            assert "does not store" in stored.json()["error"]["message"]
     finally:
         stop_server(srv)
 

@@ -193,12 +193,17 @@ class AsyncEngine:
         return prompt
 
     async def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """``LLMEngine.chat_prompt``, off the event loop for a long conversation."""
         if text_chars(messages, tools) <= OFFLOAD_CHARS:
-            return self.engine.chat_prompt(messages, tools)
-        return await self._off_loop(lambda m: self.engine.chat_prompt(m, tools), messages)
+            return self.engine.chat_prompt(messages, tools, template_kwargs)
+        return await self._off_loop(
+            lambda m: self.engine.chat_prompt(m, tools, template_kwargs), messages
+        )
 
     async def _off_loop(self, fn: Callable[[_T], list[int]], arg: _T) -> list[int]:
         if self._tokenizers is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import inspect
 import json
 import logging
 import time
@@ -371,13 +372,21 @@ class LLMEngine:
         return req
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template, ending with
         the assistant's generation prompt (one definition for every API).
 
         ``messages`` and ``tools`` are in the shapes Hugging Face templates take (OpenAI's,
         with a tool call's ``arguments`` as a mapping: ``kvserve/openai/messages.py``).
+        ``template_kwargs`` are more variables for the template (vLLM's
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); a name that is one
+        of ``apply_chat_template``'s own parameters (``chat_template``: a client's own
+        template) or a variable the renderer sets is refused (param
+        ``chat_template_kwargs``).
         """
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
@@ -386,11 +395,19 @@ class LLMEngine:
                 "messages",
             )
         self._check_prompt_chars(text_chars(messages, tools), "messages")
+        kwargs = template_kwargs or {}
+        reserved = sorted(set(kwargs) & _reserved_template_names(tok))
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the "
+                "server sets it",
+                "chat_template_kwargs",
+            )
         import jinja2  # what transformers renders templates with
 
         try:
             text = tok.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True
+                messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
             )
         except jinja2.TemplateSyntaxError:
             raise  # the model's template is broken: the server's problem, not the request's
@@ -792,3 +809,16 @@ def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> set[
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return {int(tokenizer.eos_token_id)}
     return set()
+
+
+# Variables the chat-template renderer sets itself (besides apply_chat_template's own
+# parameters, which it takes by name).
+_RENDERER_VARIABLES = frozenset({"messages", "raise_exception", "strftime_now"})
+
+
+def _reserved_template_names(tokenizer: Any) -> frozenset[str]:
+    """What ``chat_template_kwargs`` may not set: ``apply_chat_template``'s parameters
+    (``chat_template``, ``tokenize``, ``tools`` ...) and the renderer's own variables."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset(named) | _RENDERER_VARIABLES

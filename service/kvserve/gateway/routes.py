@@ -227,6 +227,9 @@ async def _serve(
         cache_salt=cache_salt,
         tools=tools,
         constraint=constraint,
+        template_kwargs=(
+            body.template_kwargs() if isinstance(body, ChatCompletionRequest) else None
+        ),
     )
     if adapter is not None:
         upstream.lora_adapter = adapter

@@ -57,6 +57,21 @@ class CommonRequest(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's constraint on the output (one of json, json_object, regex, choice, grammar).
     structured_outputs: StructuredOutputsRequest | None = None
+    # OpenAI fields that ask nothing of the model, which SDKs and agent frameworks send:
+    # accepted and ignored (README, "Parameters").
+    # Only ``store: true`` is refused: nothing here stores completions.
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    service_tier: str | None = Field(None, max_length=64)
+    safety_identifier: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=256)
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_is_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("this server does not store completions: send false or leave it out")
+        return store
 
     @property
     def stop_list(self) -> list[str]:
@@ -213,6 +228,17 @@ class ChatCompletionRequest(CommonRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Variables for the model's chat template (vLLM's name), e.g. Qwen3's
+    # {"enable_thinking": false}; reasoning_effort is one more (as vLLM passes it).
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: ``reasoning_effort``, then
+        ``chat_template_kwargs`` (which wins); None when there are none."""
+        effort = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort else {}
+        merged = {**effort, **(self.chat_template_kwargs or {})}
+        return merged or None
 
 
 # ---- LoRA adapters at run time (vLLM's endpoints and bodies) ---------------------------

@@ -65,6 +65,7 @@ def encode_request(
     cache_salt: str | None = None,
     tools: ChatTools | None = None,
     constraint: Constraint | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """``GenerateRequest`` for ``prompt`` (text, token ids, or chat messages).
 
@@ -121,6 +122,8 @@ def encode_request(
         req.tool_call_pieces = True  # this gateway joins pieces (older replicas send none)
     if constraint is not None:
         req.structured_outputs.CopyFrom(_constraint_to_proto(constraint))
+    if template_kwargs:
+        req.chat_template_kwargs_json = json.dumps(template_kwargs)
     return req
 
 
@@ -243,6 +246,21 @@ def decode_chat_tools(request: pb.GenerateRequest) -> ChatTools:
         raise InvalidRequestError('tool_choice "required" needs tools', "tool_choice")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     return ChatTools(tuple(tools), choice, parallel)
+
+
+def decode_template_kwargs(request: pb.GenerateRequest) -> dict[str, Any] | None:
+    """The chat's extra chat-template variables, or None."""
+    if not request.chat_template_kwargs_json:
+        return None
+    try:
+        kwargs = json.loads(request.chat_template_kwargs_json)
+    except ValueError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError(
+            "chat_template_kwargs_json must be a JSON object", "chat_template_kwargs"
+        )
+    return kwargs
 
 
 def decode_prompt(request: pb.GenerateRequest) -> Prompt:

@@ -90,7 +90,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "chat", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "max_tokens_cap", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora_adapter", "tool_call_pieces")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "chat", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "max_tokens_cap", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora_adapter", "tool_call_pieces", "chat_template_kwargs_json")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class GenerateRequest(_message.Message):
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_PIECES_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_text: str
     prompt_token_ids: TokenIds
@@ -143,7 +144,8 @@ class GenerateRequest(_message.Message):
     parallel_tool_calls: bool
     lora_adapter: str
     tool_call_pieces: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., max_tokens_cap: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., lora_adapter: _Optional[str] = ..., tool_call_pieces: _Optional[bool] = ...) -> None: ...
+    chat_template_kwargs_json: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., max_tokens_cap: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., lora_adapter: _Optional[str] = ..., tool_call_pieces: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top", "token", "top_tokens")

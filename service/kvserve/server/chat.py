@@ -36,6 +36,7 @@ async def prepare_chat(
     messages: list[dict[str, Any]],
     tools: ChatTools,
     constraint: Constraint | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> PreparedChat:
     """Check the tools and the constraint, build the tool-call grammar if one is needed,
     and render the prompt (a long one off the event loop)."""
@@ -76,7 +77,7 @@ async def prepare_chat(
     if checks:
         # Checking compiles (cached by content): off the event loop, like a long prompt.
         await asyncio.to_thread(_check_all, engine, checks)
-    prompt_ids = await engine.chat_prompt(messages, tools.template_tools())
+    prompt_ids = await engine.chat_prompt(messages, tools.template_tools(), template_kwargs)
     return PreparedChat(
         prompt_ids,
         chosen.params if chosen else None,

@@ -145,6 +145,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                     prompt,  # type: ignore[arg-type]
                     codec.decode_chat_tools(request),
                     constraint,
+                    codec.decode_template_kwargs(request),
                 )
                 prompt, structured, parser = chat.prompt_ids, chat.constraint, chat.parser
                 grammar_param = chat.constraint_param

@@ -112,7 +112,14 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     tools = chat_tools(body)
     constraint = requested_constraint(body)
     try:
-        chat = await prepare_chat(state.engine, state.chat_parsing, messages, tools, constraint)
+        chat = await prepare_chat(
+            state.engine,
+            state.chat_parsing,
+            messages,
+            tools,
+            constraint,
+            body.template_kwargs(),
+        )
     except InvalidRequestError as exc:
         raise OpenAIError(
             400, f"model {state.served_model_name!r}: {exc}", param=exc.param
