@@ -65,10 +65,7 @@ class GrammarFailedError(RequestFailedError):
     """The request's own grammar ended it while it ran: the grammar engine refused a
     token, or the grammar grew past its limits (``a{1000000}`` passes its compile and
     fails on the first ``a``). The client's constraint, not the server: front ends answer
-    it as bad input, naming the constraint (``param``, re-set by a front end that knows
-    which field the client sent it in)."""
-
-    param = "structured_outputs"
+    it as bad input, naming the field the constraint came in."""
 
 
 @dataclass

@@ -396,7 +396,7 @@ class LLMEngine:
             )
         self._check_prompt_chars(text_chars(messages, tools), "messages")
         kwargs = template_kwargs or {}
-        reserved = sorted(set(kwargs) & _reserved_template_names(tok))
+        reserved = sorted(set(kwargs) & _reserved_template_names(tok)) if kwargs else []
         if reserved:
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the "

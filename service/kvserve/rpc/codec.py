@@ -216,15 +216,7 @@ def decode_chat_tools(request: pb.GenerateRequest) -> ChatTools:
     again here, for any other client)."""
     tools = []
     for i, t in enumerate(request.tools):
-        try:
-            parameters = json.loads(t.parameters_json)
-        except ValueError:
-            parameters = None
-        if not isinstance(parameters, dict):
-            raise InvalidRequestError(
-                f"tools[{i}].function.parameters must be a JSON object",
-                f"tools[{i}].function.parameters",
-            )
+        parameters = _json_object(t.parameters_json, f"tools[{i}].function.parameters")
         description = t.description if t.HasField("description") else None
         tools.append(ToolSpec(t.name, description, parameters, t.strict))
     names = [t.name for t in tools]
@@ -252,15 +244,18 @@ def decode_template_kwargs(request: pb.GenerateRequest) -> dict[str, Any] | None
     """The chat's extra chat-template variables, or None."""
     if not request.chat_template_kwargs_json:
         return None
+    return _json_object(request.chat_template_kwargs_json, "chat_template_kwargs")
+
+
+def _json_object(text: str, param: str) -> dict[str, Any]:
+    """``text`` read as a JSON object; InvalidRequestError naming ``param`` otherwise."""
     try:
-        kwargs = json.loads(request.chat_template_kwargs_json)
+        value = json.loads(text)
     except ValueError:
-        kwargs = None
-    if not isinstance(kwargs, dict):
-        raise InvalidRequestError(
-            "chat_template_kwargs_json must be a JSON object", "chat_template_kwargs"
-        )
-    return kwargs
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{param} must be a JSON object", param)
+    return value
 
 
 def decode_prompt(request: pb.GenerateRequest) -> Prompt:

@@ -83,7 +83,7 @@ def _refusal(exc: BaseException, grammar_param: str | None = None) -> _Refused:
     if isinstance(exc, ValueError):
         return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, GrammarFailedError):  # the request's own constraint
-        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), grammar_param or exc.param)
+        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), grammar_param)
     if isinstance(exc, RequestFailedError):
         return _Refused(grpc.StatusCode.INTERNAL, str(exc))
     return _Refused(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")

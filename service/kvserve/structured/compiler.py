@@ -9,7 +9,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import torch
 
 from kvserve.errors import InvalidRequestError
 from kvserve.structured.grammar import LIMITS, PARAM
@@ -77,10 +76,6 @@ class GrammarCompiler:
         tokenizer = self._tokenizer()
         start = time.perf_counter()
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
-        # The first mask, thrown away: some grammars fail only there (a schema whose $ref
-        # loops with no way out: "NoExtensionBias"), and would otherwise allow only EOS.
-        first = torch.empty((tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
-        matcher.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * 4)
         seconds = time.perf_counter() - start
         if matcher.is_error():
             raise InvalidRequestError(

@@ -326,9 +326,7 @@ async def _run_to_end(
 
     try:
         last = await until_disconnected(request, last_output())
-    except EngineDeadError as exc:
-        raise OpenAIError(503, str(exc)) from exc
-    except RequestFailedError as exc:
+    except (EngineDeadError, RequestFailedError) as exc:
         raise _failure(exc, req, grammar_param) from exc
     if last is None:
         raise OpenAIError(499, "client disconnected")
@@ -343,7 +341,7 @@ def _failure(
     503 when the engine is gone, else 500."""
     why = f"request {req.external_id} failed: {exc}"
     if isinstance(exc, GrammarFailedError):
-        return OpenAIError(400, why, param=grammar_param or exc.param)
+        return OpenAIError(400, why, param=grammar_param)
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc))
     return OpenAIError(500, why)
