@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.support.net import free_port
 
 try:
     from .build import Binaries, cache_root, ensure_built
@@ -114,12 +115,6 @@ class Cluster:
 
 def _log(message: str) -> None:
     print(f"[cluster] {message}", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_until(
@@ -278,8 +273,8 @@ def _start(
     bins: Binaries, state_dir: Path, pids: dict[str, int], timeout: float, started: float
 ) -> Cluster:
     token = os.urandom(16).hex()
-    etcd_port, etcd_peer, api_port = _free_port(), _free_port(), _free_port()
-    cm_port, sched_port = _free_port(), _free_port()
+    etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
+    cm_port, sched_port = free_port(), free_port()
     sa_key = state_dir / "sa.key"
     subprocess.run(
         ["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True
@@ -418,7 +413,7 @@ def _start(
             # nodes NotReady after ~40 s and every pod Ready=False, for good.
             "--node-lease-duration-seconds=40",
             "--cidr=10.244.0.0/16",
-            f"--server-address=127.0.0.1:{_free_port()}",
+            f"--server-address=127.0.0.1:{free_port()}",
         ],
         state_dir,
         pids,
