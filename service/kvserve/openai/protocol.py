@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams
 
@@ -13,6 +13,33 @@ from kvserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputs
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+# OpenAI request fields this server does not implement whose ``null`` asks for nothing:
+# clients that serialise every field of their request model send them so. Any other
+# value is still refused by name.
+UNSET_WHEN_NULL = frozenset(
+    {
+        "audio", "best_of", "function_call", "functions", "logit_bias", "modalities",
+        "prediction", "suffix", "verbosity", "web_search_options",
+    }
+)  # fmt: skip
+
+
+def _drop_nulls(model: type[BaseModel], data: Any, unsupported: frozenset[str]) -> Any:
+    """``data`` without the ``null`` values that mean "left out", as in OpenAI's API:
+    a field with a default other than null gets that default, and an ``unsupported``
+    field is ignored. (The OpenAI SDK's ``message.model_dump()`` and clients that
+    serialise unset fields send such nulls.)"""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {
+        k: v
+        for k, v in data.items()
+        if v is not None
+        or not (k in unsupported or (k in fields and fields[k].default is not None))
+    }
 
 
 # vLLM's bound is "long enough to be unpredictable"; this one keeps a salt a key, not a body.
@@ -65,6 +92,11 @@ class CommonRequest(BaseModel):
     service_tier: str | None = Field(None, max_length=64)
     safety_identifier: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data, UNSET_WHEN_NULL)
 
     @field_validator("store")
     @classmethod
@@ -159,6 +191,9 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+MESSAGE_UNSET_WHEN_NULL = frozenset({"audio", "function_call"})
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
@@ -171,6 +206,15 @@ class ChatMessage(BaseModel):
     # What a client echoes back from an earlier response (the OpenAI SDK's message).
     reasoning_content: str | None = None
     refusal: str | None = None
+    # URL citations of an earlier answer: they say nothing to the model, so are ignored.
+    annotations: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        # A response message dumped by the OpenAI SDK carries "audio" and
+        # "function_call" as null.
+        return _drop_nulls(cls, data, MESSAGE_UNSET_WHEN_NULL)
 
     @field_validator("content")
     @classmethod
