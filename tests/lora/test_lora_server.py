@@ -135,6 +135,9 @@ def test_load_use_and_unload_at_run_time(served: Served) -> None:
     assert r.status_code == 200, r.text
     again = served.post("/v1/load_lora_adapter", {"lora_name": "third", "lora_path": "second"})
     assert again.status_code == 400 and "already loaded" in again.text
+    for bad in ("two words", "line\nbreak", ""):  # a name goes into logs and labels
+        r = served.post("/v1/load_lora_adapter", {"lora_name": bad, "lora_path": "second"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
     names = {m.id for m in served.sdk().models.list().data}
     assert {"second", "third"} <= names
     expected = offline(
@@ -256,6 +259,9 @@ def test_lora_flags_need_enable_lora() -> None:
     assert "twice" in (lora_problem(args) or "")
     assert "NAME=PATH" in (
         lora_problem(p.parse_args(["--enable-lora", "--lora-modules", "a"])) or ""
+    )
+    assert "whitespace" in (
+        lora_problem(p.parse_args(["--enable-lora", "--lora-modules", "a b=/x"])) or ""
     )
     assert lora_problem(p.parse_args(["--enable-lora", "--lora-modules", "a=/x"])) is None
 

@@ -8,6 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name an adapter, or None. A name is what clients put in a
+    request's ``model`` and what logs, spans and metric labels carry, so it is one
+    printable word, as the gateway's model names are."""
+    if not name:
+        return "a LoRA adapter needs a non-empty name"
+    if not name.isprintable() or any(c.isspace() for c in name):
+        return f"LoRA adapter name {name!r} may not contain whitespace or control characters"
+    return None
+
+
 @dataclass(frozen=True)
 class LoRARequest:
     """A LoRA adapter: ``lora_name`` (what clients call it, the ``model`` field of an API
@@ -22,8 +33,9 @@ class LoRARequest:
     lora_path: str
 
     def __post_init__(self) -> None:
-        if not self.lora_name:
-            raise ValueError("a LoRA adapter needs a non-empty lora_name")
+        problem = name_problem(self.lora_name)
+        if problem is not None:
+            raise ValueError(problem)
         if not self.lora_path:
             raise ValueError(f"LoRA adapter {self.lora_name!r} needs a lora_path")
 

@@ -21,7 +21,7 @@ from typing import Any
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRAError, load_adapter
-from kvserve.lora.request import LoRARequest
+from kvserve.lora.request import LoRARequest, name_problem
 from kvserve.openai.errors import OpenAIError
 
 
@@ -121,11 +121,12 @@ class LoRAAdapters:
         await engine.call(lambda e: e.remove_lora(lora))
 
     def _new_name(self, name: str) -> str:
-        if not name or name == self.base_name:
+        problem = name_problem(name)
+        if problem is not None:
+            raise OpenAIError(400, problem, param="lora_name")
+        if name == self.base_name:
             raise OpenAIError(
-                400,
-                f"lora_name {name!r} must be non-empty and not the base model's name",
-                param="lora_name",
+                400, f"lora_name {name!r} is the base model's name", param="lora_name"
             )
         if name in self.adapters:
             raise OpenAIError(

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from kvserve import engine_options
+from kvserve.lora.request import name_problem
 from kvserve.openai.chat_output import ChatParsing
 from kvserve.openai.http_limits import HttpLimits, protocol_with
 from kvserve.openai.reasoning import REASONING_PARSERS
@@ -271,6 +272,9 @@ def lora_problem(args: argparse.Namespace) -> str | None:
         name, sep, path = module.partition("=")
         if not sep or not name or not path:
             return f"--lora-modules takes NAME=PATH, got {module!r}"
+        problem = name_problem(name)
+        if problem is not None:
+            return f"--lora-modules: {problem}"
         names.append(name)
     if len(set(names)) != len(names):
         return "--lora-modules names an adapter twice"
