@@ -1,8 +1,10 @@
 """``kvserve serve --metrics-port``: ``/metrics`` on a listener of its own, the API port
-without it, through a drain to the process's exit (docs/security.md)."""
+without it, through a drain to the process's exit (docs/security.md); ports that cannot
+work fail before the model loads."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -86,7 +88,10 @@ def test_the_metrics_port_serves_metrics_through_the_drain(checkpoint_dir) -> No
     [
         (["--port", "8123", "--metrics-port", "8123"], "--metrics-port 8123 is also --port"),
         (["--grpc-port", "8124", "--metrics-port", "8124"], "is also --grpc-port"),
-        (["--metrics-port", "70000"], "--metrics-port must be 1-65535, got 70000"),
+        (["--metrics-port", "70000"], "argument --metrics-port: a port is 1-65535, got 70000"),
+        # 70000 would have bound port 4464 and been reported as 70000
+        (["--port", "70000"], "argument --port: a port is 1-65535, got 70000"),
+        (["--grpc-port", "0"], "argument --grpc-port: a port is 1-65535, got 0"),
     ],
 )
 def test_a_metrics_port_that_cannot_work_fails_before_loading(
@@ -101,3 +106,25 @@ def test_a_metrics_port_that_cannot_work_fails_before_loading(
     assert out.returncode == 2, out.stderr
     assert expected in out.stderr, out.stderr
     assert "loading" not in out.stderr
+
+
+def test_a_port_in_use_fails_before_loading() -> None:
+    """A taken port is one line in a second, not a traceback after the model loaded."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag in ("--port", "--grpc-port", "--metrics-port"):
+            others = [f for f in ("--port", "--grpc-port") if f != flag]
+            command = [sys.executable, "-m", "kvserve", "serve", flag, str(port)]
+            command += [arg for f in others for arg in (f, str(free_port()))]
+            out = subprocess.run(
+                [*command, "--model", "/nonexistent"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert out.returncode == 2, out.stderr
+            assert f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+            assert f"(choose another with {flag})" in out.stderr
+            assert "loading" not in out.stderr and "Traceback" not in out.stderr

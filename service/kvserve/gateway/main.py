@@ -6,14 +6,16 @@ import argparse
 import logging
 import sys
 
+from kvserve.ports import port_number
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="gateway YAML (docs/gateway-config.md); required to serve")
     p.add_argument("--host", help="override listen.host")
-    p.add_argument("--port", type=int, help="override listen.port")
+    p.add_argument("--port", type=port_number, help="override listen.port")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         help="override listen.metrics_port: serve /metrics on this port instead of the API's",
     )
     p.add_argument("--log-level", default="info")

@@ -17,6 +17,7 @@ from kvserve.openai.refusal_pacing import REPLICA_REFUSALS_PER_SECOND, RefusalPa
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
 from kvserve.openai.tool_parsers import TOOL_CALL_PARSERS
 from kvserve.parallel.launch import DEFAULT_MASTER_PORT, Launch
+from kvserve.ports import bind_problem, port_number
 from kvserve.sampling_params import StopLimits
 from kvserve.telemetry.vllm_compat import METRICS_COMPAT
 
@@ -41,12 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "loading at run time)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
-    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (for the gateway)")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (OpenAI API)")
+    p.add_argument(
+        "--grpc-port", type=port_number, default=50051, help="gRPC port (for the gateway)"
+    )
     p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         help="serve /metrics on this port of --host instead of the HTTP port, which then "
         "answers it 404 (default: on the HTTP port; docs/security.md)",
     )
@@ -80,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-addr", help="node 0's address (default: 127.0.0.1)")
     g.add_argument(
         "--master-port",
-        type=int,
+        type=port_number,
         help=f"node 0's rendezvous port (default: {DEFAULT_MASTER_PORT} with several "
         "nodes, a free one with one node)",
     )
@@ -187,6 +190,10 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.parallel.node import serve_worker_node
 
         return serve_worker_node(engine_config, launch, args.host, args.port)
+    problem = ports_problem(args)
+    if problem is not None:  # before the model loads, which can take minutes
+        print(f"kvserve serve: error: {problem}", file=sys.stderr)
+        return 2
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
@@ -263,6 +270,20 @@ def run(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
+def ports_problem(args: argparse.Namespace) -> str | None:
+    """Why one of the server's ports cannot be listened on now, or None."""
+    ports = {"--port": args.port}
+    if not args.no_grpc:
+        ports["--grpc-port"] = args.grpc_port
+    if args.metrics_port is not None:
+        ports["--metrics-port"] = args.metrics_port
+    for flag, port in ports.items():
+        problem = bind_problem(args.host, port)
+        if problem is not None:
+            return f"{problem} (choose another with {flag})"
+    return None
+
+
 def lora_problem(args: argparse.Namespace) -> str | None:
     """Why the LoRA flags do not go together, or None."""
     if (args.lora_modules or args.lora_dir) and not args.enable_lora:
@@ -293,8 +314,6 @@ def metrics_port_problem(args: argparse.Namespace) -> str | None:
     port = args.metrics_port
     if port is None:
         return None
-    if not 1 <= port <= 65535:
-        return f"--metrics-port must be 1-65535, got {port}"
     taken = {"--port": args.port} | ({} if args.no_grpc else {"--grpc-port": args.grpc_port})
     for flag, other in taken.items():
         if port == other:
