@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -127,9 +128,9 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"max_tokens must be at most {INT32_MAX}, got {self.max_tokens}", "max_tokens"
             )
-        if self.temperature < 0:
+        if not 0 <= self.temperature < math.inf:  # NaN too
             raise InvalidRequestError(
-                f"temperature must be ≥ 0, got {self.temperature}", "temperature"
+                f"temperature must be a finite number ≥ 0, got {self.temperature}", "temperature"
             )
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")

@@ -152,6 +152,10 @@ def test_chat_is_rendered_with_the_models_template(llm_engine: LLMEngine) -> Non
     serve(llm_engine, body)
 
 
+def _chat(role: str) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[pb.ChatMessage(role=role, content="hi")])
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -160,6 +164,19 @@ def test_chat_is_rendered_with_the_models_template(llm_engine: LLMEngine) -> Non
         ({"max_tokens": 1020}, "max_tokens"),  # prompt + max_tokens > max_model_len
         ({"prompt_text": ""}, "prompt"),
         ({"top_p": 0.0}, "top_p"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        # what HTTP refuses, a direct gRPC client may not send either
+        ({"request_id": "a\nforged log line"}, "request_id"),
+        ({"request_id": "x" * 129}, "request_id"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"max_tokens_cap": 0}, "max_tokens_cap"),
+        ({"chat": _chat("bogus")}, "chat.messages[0].role"),
+        ({"tools": [pb.Tool(name="f", parameters_json="{}")]}, "tools"),  # a text prompt
+        (
+            {"chat": _chat("user"), "tools": [pb.Tool(name='a"b', parameters_json="{}")]},
+            "tools[0].function.name",
+        ),
     ],
 )
 def test_invalid_argument_names_the_param(
@@ -168,8 +185,10 @@ def test_invalid_argument_names_the_param(
     async def body(s: Served) -> None:
         req = request("bad", 8)
         for name, value in fields.items():
-            if isinstance(value, pb.TokenIds):
-                req.prompt_token_ids.CopyFrom(value)
+            if isinstance(value, pb.TokenIds | pb.ChatMessages):
+                getattr(req, name).CopyFrom(value)
+            elif isinstance(value, list):
+                getattr(req, name).extend(value)
             else:
                 setattr(req, name, value)
         error = await expect_error(s.stub.Generate(req), grpc.StatusCode.INVALID_ARGUMENT)

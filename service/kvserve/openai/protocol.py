@@ -3,7 +3,7 @@ onto ``SamplingParams``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -192,11 +192,15 @@ class ToolCall(BaseModel):
 
 
 MESSAGE_UNSET_WHEN_NULL = frozenset({"audio", "function_call"})
+ChatRole = Literal["system", "user", "assistant", "developer", "tool"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
+# OpenAI's rule for function names; it also keeps a name plain text in a grammar.
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: ChatRole
     # Null only where OpenAI allows it (an assistant message with tool calls): checked in
     # openai/messages.py, which names the message.
     content: str | list[ContentPart] | None = None
@@ -224,8 +228,7 @@ class ChatMessage(BaseModel):
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    # OpenAI's rule for function names; it also keeps a name plain text in a grammar.
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema (an object's)
     strict: bool | None = None

@@ -14,6 +14,7 @@ This module loads neither torch nor the engine: the gateway imports it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -24,6 +25,8 @@ from google.protobuf.message import DecodeError
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatDelta
 from kvserve.openai.format import TokenText, ToolCallDelta
+from kvserve.openai.middleware import MAX_REQUEST_ID_LEN, valid_request_id
+from kvserve.openai.protocol import CHAT_ROLES, FUNCTION_NAME_PATTERN, MAX_CACHE_SALT_CHARS
 from kvserve.openai.structured import Constraint
 from kvserve.openai.tools import ChatTools, ToolChoice, ToolChoiceMode, ToolSpec
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -37,6 +40,8 @@ ERROR_METADATA_KEY = "kvserve-error-bin"
 # A prompt as the API carries it: text, token ids, or a conversation (its messages as
 # chat templates take them: kvserve/openai/messages.py).
 Prompt = str | list[int] | list[dict[str, Any]]
+
+_FUNCTION_NAME = re.compile(FUNCTION_NAME_PATTERN)
 
 # Optional request fields: set on the wire only when the client set them, so an unset one
 # keeps the engine's default (``SamplingParams``).
@@ -143,7 +148,10 @@ def _message_to_proto(m: dict[str, Any]) -> pb.ChatMessage:
     return msg
 
 
-def _message_from_proto(m: pb.ChatMessage) -> dict[str, Any]:
+def _message_from_proto(i: int, m: pb.ChatMessage) -> dict[str, Any]:
+    if m.role not in CHAT_ROLES:
+        param = f"chat.messages[{i}].role"
+        raise InvalidRequestError(f"{param} must be one of {', '.join(CHAT_ROLES)}", param)
     out: dict[str, Any] = {"role": m.role, "content": m.content if m.HasField("content") else ""}
     for name in ("tool_call_id", "name", "reasoning_content"):
         if m.HasField(name):
@@ -216,6 +224,9 @@ def decode_chat_tools(request: pb.GenerateRequest) -> ChatTools:
     again here, for any other client)."""
     tools = []
     for i, t in enumerate(request.tools):
+        if _FUNCTION_NAME.fullmatch(t.name) is None:
+            param = f"tools[{i}].function.name"
+            raise InvalidRequestError(f"{param} must be 1-64 letters, digits, _ or -", param)
         parameters = _json_object(t.parameters_json, f"tools[{i}].function.parameters")
         description = t.description if t.HasField("description") else None
         tools.append(ToolSpec(t.name, description, parameters, t.strict))
@@ -269,7 +280,7 @@ def decode_prompt(request: pb.GenerateRequest) -> Prompt:
     if kind == "prompt_token_ids":
         return list(request.prompt_token_ids.ids)
     if kind == "chat":
-        messages = [_message_from_proto(m) for m in request.chat.messages]
+        messages = [_message_from_proto(i, m) for i, m in enumerate(request.chat.messages)]
         if not messages:
             raise InvalidRequestError("chat.messages must not be empty", "chat")
         return messages
@@ -303,8 +314,24 @@ def decode_sampling_params(
     )
 
 
+def decode_request_id(request: pb.GenerateRequest) -> str | None:
+    """The client's id (None: unset), held to ``x-request-id``'s rule: it is logged."""
+    rid = request.request_id
+    if rid and not valid_request_id(rid):
+        raise InvalidRequestError(
+            f"request_id must be 1-{MAX_REQUEST_ID_LEN} printable ASCII characters", "request_id"
+        )
+    return rid or None
+
+
 def decode_cache_salt(request: pb.GenerateRequest) -> str | None:
-    return request.cache_salt if request.HasField("cache_salt") else None
+    if not request.HasField("cache_salt"):
+        return None
+    if not 0 < len(request.cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(
+            f"cache_salt must be 1-{MAX_CACHE_SALT_CHARS} characters", "cache_salt"
+        )
+    return request.cache_salt
 
 
 def decode_lora_adapter(request: pb.GenerateRequest) -> str | None:
@@ -313,7 +340,13 @@ def decode_lora_adapter(request: pb.GenerateRequest) -> str | None:
 
 
 def decode_max_tokens_cap(request: pb.GenerateRequest) -> int | None:
-    return request.max_tokens_cap if request.HasField("max_tokens_cap") else None
+    if not request.HasField("max_tokens_cap"):
+        return None
+    if request.max_tokens_cap < 1:
+        raise InvalidRequestError(
+            f"max_tokens_cap must be ≥ 1, got {request.max_tokens_cap}", "max_tokens_cap"
+        )
+    return request.max_tokens_cap
 
 
 # ---- outputs -------------------------------------------------------------------------

@@ -133,6 +133,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             raise _lora_refusal(exc) from None
         try:
             prompt = codec.decode_prompt(request)
+            request_id = codec.decode_request_id(request)
+            cap = codec.decode_max_tokens_cap(request)
             constraint = codec.decode_constraint(request)
             structured = constraint.params if constraint is not None else None
             grammar_param = constraint.param if constraint is not None else None
@@ -152,11 +154,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 # A chat without max_tokens gets as much as the context allows, or the
                 # gateway's cap if that is less.
                 default_max_tokens = engine.context_left(len(prompt))
-                cap = codec.decode_max_tokens_cap(request)
-                if cap is not None and cap >= 1:
+                if cap is not None:
                     default_max_tokens = min(default_max_tokens, cap)
-            elif constraint is not None:
-                await validate_constraint(self.engine, constraint)
+            else:
+                if request.tools or request.HasField("tool_choice"):
+                    raise InvalidRequestError("tools and tool_choice need a chat prompt", "tools")
+                if constraint is not None:
+                    await validate_constraint(self.engine, constraint)
             params = codec.decode_sampling_params(
                 request, default_max_tokens=default_max_tokens, constraint=structured
             )
@@ -166,7 +170,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             req = self.engine.make_request(
                 await self.engine.prepare(prompt),  # type: ignore[arg-type]
                 params,
-                request.request_id or None,
+                request_id,
                 arrival_time=arrival,
                 cache_salt=codec.decode_cache_salt(request),
                 lora_request=lora,
