@@ -77,6 +77,22 @@ def test_demo_runs_the_bundled_model_by_default() -> None:
     assert len(answers) == 2 and all("a night" in a or "Sorry" in a for a in answers), out.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--model", __file__), "is a file, not a directory"),
+        (("--model", "/nonexistent"), "'/nonexistent' does not exist"),
+        (("--max-tokens", "0"), "--max-tokens must be ≥ 1"),
+        (("--dtype", "float64"), "dtype must be"),
+    ],
+)
+def test_demo_refuses_bad_arguments_in_one_line(args: tuple[str, ...], expected: str) -> None:
+    out = run_kvserve("demo", *args)
+    assert out.returncode == 2, out.stderr
+    assert "kvserve demo: error: " in out.stderr and expected in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_help_lists_the_demo_model_commands() -> None:
     out = run_kvserve("--help")
     for cmd in ("chat", "train-demo", "eval-demo"):

@@ -27,9 +27,16 @@ def run(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
     from kvserve.demo_model import corpus, default_model_dir
 
+    if args.num_requests < 1 or args.max_tokens < 1:
+        print("kvserve demo: error: --num-requests and --max-tokens must be ≥ 1", file=sys.stderr)
+        return 2
     model = args.model or str(default_model_dir())
     print(f"loading {model} ...", file=sys.stderr)
-    llm = LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=16)
+    try:
+        llm = LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=16)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvserve demo: error: {exc}", file=sys.stderr)
+        return 2
     eng = llm.engine
     print(
         f"device {eng.device}, dtype {str(eng.dtype).removeprefix('torch.')}, "

@@ -104,8 +104,9 @@ class ModelSetup:
     def resolve(cls, config: EngineConfig, rank: int = 0) -> ModelSetup:
         model_dir = Path(config.model)
         if not model_dir.is_dir():
+            what = "is a file, not a directory" if model_dir.exists() else "does not exist"
             raise FileNotFoundError(
-                f"model directory {config.model!r} does not exist (pass a local Hugging Face "
+                f"model directory {config.model!r} {what} (pass a local Hugging Face "
                 "checkpoint directory; nothing is downloaded)"
             )
         model_config = ModelConfig.from_file(model_dir)
