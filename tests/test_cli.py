@@ -82,15 +82,22 @@ def test_demo_runs_the_bundled_model_by_default() -> None:
     [
         (("--model", __file__), "is a file, not a directory"),
         (("--model", "/nonexistent"), "'/nonexistent' does not exist"),
-        (("--max-tokens", "0"), "--max-tokens must be ≥ 1"),
         (("--dtype", "float64"), "dtype must be"),
     ],
 )
-def test_demo_refuses_bad_arguments_in_one_line(args: tuple[str, ...], expected: str) -> None:
-    out = run_kvserve("demo", *args)
+@pytest.mark.parametrize("command", ["demo", "eval-demo"])
+def test_bad_model_arguments_are_one_error_line(
+    command: str, args: tuple[str, ...], expected: str
+) -> None:
+    out = run_kvserve(command, *args)
     assert out.returncode == 2, out.stderr
-    assert "kvserve demo: error: " in out.stderr and expected in out.stderr, out.stderr
+    assert f"kvserve {command}: error: " in out.stderr and expected in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_demo_refuses_a_zero_token_budget() -> None:
+    out = run_kvserve("demo", "--max-tokens", "0")
+    assert out.returncode == 2 and "--max-tokens must be ≥ 1" in out.stderr, out.stderr
 
 
 def test_help_lists_the_demo_model_commands() -> None:

@@ -393,7 +393,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve import LLM
     from kvserve.demo_model import default_model_dir
 
     if args.num_prompts < 1 or args.num_conversations < 0 or args.num_tool_prompts < 0:
@@ -407,13 +406,9 @@ def run(args: argparse.Namespace) -> int:
     if args.adapter is not None or args.adapter_dir is not None:
         return _run_adapter(args, model)
     print(f"loading {model} ...", file=sys.stderr, flush=True)
-    llm = LLM(
-        str(model),
-        dtype=args.dtype,
-        device=args.device,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    llm = _load(args, model)
+    if llm is None:
+        return 2
     print("collecting the training corpus's user messages ...", file=sys.stderr, flush=True)
     # Either recipe may have trained the model under test: new text means new to both.
     exclude = training_user_messages(TrainConfig()) | training_user_messages(TOOL_RECIPE)
@@ -479,8 +474,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_adapter(args: argparse.Namespace, model: Path) -> int:
+def _load(args: argparse.Namespace, model: Path, **settings: Any) -> LLM | None:
+    """The engine the flags ask for, or None after printing why it cannot be built."""
     from kvserve import LLM
+
+    try:
+        return LLM(
+            str(model),
+            dtype=args.dtype,
+            device=args.device,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            **settings,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvserve eval-demo: error: {exc}", file=sys.stderr)
+        return None
+
+
+def _run_adapter(args: argparse.Namespace, model: Path) -> int:
     from kvserve.demo_model.train_adapter import ADAPTER_NAMES, ADAPTERS_DIR
     from kvserve.lora import LoRARequest
     from kvserve.lora.adapter import read_config
@@ -498,15 +510,9 @@ def _run_adapter(args: argparse.Namespace, model: Path) -> int:
         print(f"kvserve eval-demo: error: {exc}", file=sys.stderr)
         return 2
     print(f"loading {model} with the adapter {path} ...", file=sys.stderr, flush=True)
-    llm = LLM(
-        str(model),
-        dtype=args.dtype,
-        device=args.device,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        enable_lora=True,
-        max_lora_rank=rank,
-    )
+    llm = _load(args, model, enable_lora=True, max_lora_rank=rank)
+    if llm is None:
+        return 2
     print("collecting the training corpora's user messages ...", file=sys.stderr, flush=True)
     exclude = training_user_messages(TrainConfig()) | training_user_messages(TOOL_RECIPE)
     exclude |= adapter_user_messages()
