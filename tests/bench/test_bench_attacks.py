@@ -26,7 +26,7 @@ def test_every_phase_runs_and_is_reported(checkpoint_dir: Callable[[str], Path])
     out = proc.stdout
     for phase in ("baseline", "load", "stops", "huge", "flood"):
         assert f"\n{phase} " in out, out
-    assert "x TPOT (target <= 1.2)" in out and "/health p99" in out
+    assert " TPOT (target <= 1.2)" in out and "/health p99" in out
     assert "replica CPU, idle %" in out and "refusals paced to 20 a second" in out
     assert "huge vs flood (the same loop of refused requests, 60-byte bodies)" in out
     assert "streams that stop reading (8 tokens, top_logprobs 20): peak RSS" in out

@@ -268,9 +268,13 @@ def run(args: argparse.Namespace) -> int:
         row = [p.name, p.itl_p50_ms, p.tpot_ms, p.health_p99_ms, p.idle_cpu_pct]
         print(text_row(row, widths, ".2f .2f .1f .1f"))
 
+    def times(x: float, y: float) -> str:
+        # On a busy machine a short stream's chunks can arrive together: a 0 ms gap.
+        return f"{x / y:.2f}x" if y > 0 else "n/a (0 ms base)"
+
     def ratio(a: str, b: str) -> str:
         x, y = by[a], by[b]
-        return f"{x.itl_p50_ms / y.itl_p50_ms:.2f}x ITL p50, {x.tpot_ms / y.tpot_ms:.2f}x TPOT"
+        return f"{times(x.itl_p50_ms, y.itl_p50_ms)} ITL p50, {times(x.tpot_ms, y.tpot_ms)} TPOT"
 
     print(
         f"stops vs load (the same requests without stop strings): {ratio('stops', 'load')} "
