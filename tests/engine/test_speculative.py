@@ -174,16 +174,28 @@ def test_speculation_turns_off_for_large_batches_and_some_requests(checkpoint_di
     assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
 
 
-def test_a_seeded_request_samples_alike_alone_and_in_a_batch(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+def test_one_seed_one_output_with_or_without_speculation(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """Alone, in a batch that turns speculation off (``speculative_max_batch``), and
+    without speculation at all: one seed, one output. (Before, a seeded request drew
+    noise only for rows with drafts, so a step that speculated and one that did not
+    consumed it differently: the output depended on the batch.)"""
     path = checkpoint_dir("llama")
     prompts = _prompts(path)
-    llm = _llm(path, **ALWAYS)
-    seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.05, seed=7, ignore_eos=True)
-    alone = llm.generate([prompts[0]], seeded)[0].outputs[0].token_ids
+    seeded = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=t, seed=7 + i, ignore_eos=True)
+        for i, t in enumerate((0.3, 0.8, 1.0, 1.3))
+    ]
     others = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True)
-    outs = llm.generate(prompts, [seeded] + [others] * (len(prompts) - 1))
-    assert outs[0].outputs[0].token_ids == alone
+    plain = [o.outputs[0].token_ids for o in _llm(path).generate(prompts[:4], seeded)]
+    llm = _llm(path, speculative_config=NGRAM, speculative_max_batch=5)
+    alone = [
+        llm.generate([p], s)[0].outputs[0].token_ids
+        for p, s in zip(prompts[:4], seeded, strict=True)
+    ]
     assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    crowded = llm.generate(prompts, seeded + [others] * (len(prompts) - 4))
+    assert alone == plain
+    assert [o.outputs[0].token_ids for o in crowded[:4]] == plain
 
 
 # ---- the sampling distribution ---------------------------------------------------------

@@ -7,8 +7,9 @@ lets a seeded request take its noise from its own generator: its tokens do not d
 what else is in the batch.
 
 ``verify`` does the same for a batch in which some requests carry draft tokens
-(speculative decoding): it accepts drafts and samples one more token so that the tokens
-it returns are distributed exactly as if they had been sampled one per step.
+(speculative decoding): each row picks its token as above, and a draft is kept while its
+row picked it, so the tokens are distributed exactly as if sampled one per step (and a
+seeded request's are the very same tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from kvserve.engine.request import Request
 from kvserve.outputs import TokenLogprob
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.bitmask import TokenMask, apply_token_mask
+
+# A seeded request's generator state (``SeededNoise.get_state``).
+NoiseState = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class SeededNoise:
@@ -42,6 +46,15 @@ class SeededNoise:
         if bits >> 32:
             self._high = torch.Generator(device=device)
             self._high.manual_seed(bits >> 32)
+
+    def get_state(self) -> NoiseState:
+        return self._low.get_state(), None if self._high is None else self._high.get_state()
+
+    def set_state(self, state: NoiseState) -> None:
+        low, high = state
+        self._low.set_state(low)
+        if self._high is not None and high is not None:
+            self._high.set_state(high)
 
     def exponential_(self, row: torch.Tensor) -> torch.Tensor:
         """Fill ``row`` with Exp(1) samples, in place."""
@@ -111,12 +124,18 @@ class Sampler:
         ``j`` predicts the token after the request's last token and its first ``j``
         drafts. ``mask`` covers those rows (only requests without drafts are constrained).
 
-        Greedy: a draft is accepted while it is the argmax; the first row that rejects
-        (or the last row) yields the argmax. Sampling: draft ``x`` at a row with
-        probabilities ``p`` (after temperature, top-k/p, min-p) is accepted with
-        probability ``p(x)``; on rejection the token is drawn from ``p`` without ``x``,
-        renormalised (the residual ``(p - onehot(x))⁺``, since an n-gram draft is a point
-        mass). Each token is then distributed as ``p``, as without speculation.
+        Each row's token is chosen as without speculation: the argmax (greedy), or a
+        sample from the row's distribution ``p`` (after temperature, top-k/p, min-p) by
+        the exponential race. A draft is accepted when its row chose it; the first row
+        that chose another token (or the last row) yields that token. Each token is then
+        distributed as ``p``, as without speculation: for a point-mass (n-gram) draft
+        this is rejection sampling (the draft is accepted with probability ``p(x)``, and
+        otherwise the token is drawn from ``p`` without ``x``). A seeded request's rows
+        take its noise in order, one row per position, and its generator is then set
+        back to where it stood after the rows whose tokens were kept: every position
+        gets the noise it gets without speculation, so its tokens are the same whether a
+        step speculated or not, and so do not depend on the rest of the batch (which
+        decides that: ``speculative_max_batch``).
         """
         rows = [r for r in requests for _ in range(1 + len(r.spec_token_ids))]
         drafts = [t for r in requests for t in (*r.spec_token_ids, -1)]  # -1: sample only
@@ -131,45 +150,36 @@ class Sampler:
             logits = apply_token_mask(logits, mask)
         logits = self._apply_penalties(logits, rows)
         draft_t = torch.tensor(drafts, device=dev)
-        has_draft = draft_t >= 0
-        safe_draft = draft_t.clamp(min=0)
-        greedy_tokens = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            candidates = greedy_tokens
-            accept = greedy_tokens == draft_t
-        else:
+        chosen = logits.argmax(dim=-1)
+        kept_states: dict[int, list[NoiseState]] = {}
+        if not all(p.greedy for p in params):
             probs = self._probs(logits, rows)
-            # Acceptance: with a ~ Exp(1), exp(-a) is uniform, so P(exp(-a) <= p(x)) = p(x).
-            race = torch.empty(len(rows), device=dev).exponential_(generator=self.generator)
-            # A seeded request draws only for its drafts: a step without drafts takes
-            # what it would take without speculation, whatever the rest of the batch does.
-            for i, req in enumerate(rows):
-                if req.generator is not None and not params[i].greedy and drafts[i] >= 0:
-                    req.generator.exponential_(race[i : i + 1])
-            p_draft = probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
-            sampled_accept = torch.exp(-race) <= p_draft
-            # The residual: p with the draft's mass removed (argmax below ignores scale).
-            residual = probs.scatter(
-                1, safe_draft.unsqueeze(1), torch.where(has_draft, 0.0, p_draft).unsqueeze(1)
-            )
-            sampled = self._race(residual, rows)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            row = 0
+            for k, req in enumerate(requests):
+                n = 1 + len(req.spec_token_ids)
+                if req.generator is not None and not req.params.greedy:
+                    states = kept_states[k] = []
+                    for j in range(n):
+                        req.generator.exponential_(noise[row + j])
+                        states.append(req.generator.get_state())
+                row += n
             greedy = torch.tensor([p.greedy for p in params], device=dev)
-            candidates = torch.where(greedy, greedy_tokens, sampled)
-            accept = torch.where(greedy, greedy_tokens == draft_t, sampled_accept)
-        accept &= has_draft
-        emitted = torch.where(accept, draft_t, candidates)  # the token each row yields
-        emitted_l: list[int] = emitted.tolist()
-        accept_l: list[bool] = accept.tolist()
-        row_logprobs = _logprobs(raw_logprobs, emitted, emitted_l, params)
+            chosen = torch.where(greedy, chosen, (probs / noise).argmax(dim=-1))
+        chosen_l: list[int] = chosen.tolist()
+        accept_l: list[bool] = (chosen == draft_t).tolist()  # never for a -1 row
+        row_logprobs = _logprobs(raw_logprobs, chosen, chosen_l, params)
 
         out = StepTokens([], [])
         row = 0
-        for req in requests:
+        for k, req in enumerate(requests):
             n = 1 + len(req.spec_token_ids)
             take = 1
             while take < n and accept_l[row + take - 1]:
                 take += 1
-            out.token_ids.append(emitted_l[row : row + take])
+            if k in kept_states:  # the noise of the rows after ``take`` is not used
+                req.generator.set_state(kept_states[k][take - 1])  # type: ignore[union-attr]
+            out.token_ids.append(chosen_l[row : row + take])
             out.logprobs.append(row_logprobs[row : row + take])
             row += n
         return out
