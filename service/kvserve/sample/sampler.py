@@ -151,18 +151,21 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         draft_t = torch.tensor(drafts, device=dev)
         chosen = logits.argmax(dim=-1)
-        kept_states: dict[int, list[NoiseState]] = {}
+        # A seeded request's generator, and its state after each of its rows.
+        rewind: dict[int, tuple[SeededNoise, list[NoiseState]]] = {}
         if not all(p.greedy for p in params):
             probs = self._probs(logits, rows)
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             row = 0
             for k, req in enumerate(requests):
                 n = 1 + len(req.spec_token_ids)
-                if req.generator is not None and not req.params.greedy:
-                    states = kept_states[k] = []
+                gen = req.generator
+                if gen is not None and not req.params.greedy:
+                    states = []
                     for j in range(n):
-                        req.generator.exponential_(noise[row + j])
-                        states.append(req.generator.get_state())
+                        gen.exponential_(noise[row + j])
+                        states.append(gen.get_state())
+                    rewind[k] = gen, states
                 row += n
             greedy = torch.tensor([p.greedy for p in params], device=dev)
             chosen = torch.where(greedy, chosen, (probs / noise).argmax(dim=-1))
@@ -177,8 +180,9 @@ class Sampler:
             take = 1
             while take < n and accept_l[row + take - 1]:
                 take += 1
-            if k in kept_states:  # the noise of the rows after ``take`` is not used
-                req.generator.set_state(kept_states[k][take - 1])  # type: ignore[union-attr]
+            if k in rewind:  # the noise of the rows after ``take`` is not used
+                gen, states = rewind[k]
+                gen.set_state(states[take - 1])
             out.token_ids.append(chosen_l[row : row + take])
             out.logprobs.append(row_logprobs[row : row + take])
             row += n
