@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from kvserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams
 
@@ -38,8 +39,14 @@ def _drop_nulls(model: type[BaseModel], data: Any, unsupported: frozenset[str]) 
         k: v
         for k, v in data.items()
         if v is not None
-        or not (k in unsupported or (k in fields and fields[k].default is not None))
+        or not (k in unsupported or (k in fields and _defaults_to_a_value(fields[k])))
     }
+
+
+def _defaults_to_a_value(field: FieldInfo) -> bool:
+    """A field with a default other than null (a required field has none: its null is
+    refused as what it is)."""
+    return not field.is_required() and field.default is not None
 
 
 # vLLM's bound is "long enough to be unpredictable"; this one keeps a salt a key, not a body.
