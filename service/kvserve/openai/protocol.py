@@ -10,12 +10,6 @@ from pydantic.fields import FieldInfo
 
 from kvserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams
 
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-
-
 # OpenAI request fields this server does not implement whose ``null`` asks for nothing:
 # clients that serialise every field of their request model send them so. Any other
 # value is still refused by name.
@@ -47,6 +41,16 @@ def _defaults_to_a_value(field: FieldInfo) -> bool:
     """A field with a default other than null (a required field has none: its null is
     refused as what it is)."""
     return not field.is_required() and field.default is not None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data, frozenset())
 
 
 # vLLM's bound is "long enough to be unpredictable"; this one keeps a salt a key, not a body.
