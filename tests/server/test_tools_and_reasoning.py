@@ -10,6 +10,7 @@ the Hermes style, so the server picks the hermes parser by itself.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -293,6 +294,29 @@ def _streamed(client: openai.OpenAI, **request: Any) -> tuple[str, list[tuple[st
             calls[d.index][1] += (d.function and d.function.arguments) or ""
         finish = choice.finish_reason or finish
     return content, [(n, a) for n, a in (calls[i] for i in sorted(calls))], finish
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_without_a_grammar_parallel_false_keeps_the_first_call(
+    tools_server: RunningServer, parallel: bool
+) -> None:
+    """Under "auto" nothing holds the model to one call: when it writes two anyway,
+    ``parallel_tool_calls: false`` keeps the first, whole and streamed. (A regex makes
+    this random model write the two.)"""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "%s"}}\n</tool_call>'
+    two = f"{call % 'UTC'}\n{call % 'CET'}"
+    request: dict[str, Any] = dict(
+        model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="auto", max_tokens=400,
+        parallel_tool_calls=parallel, extra_body={"structured_outputs": {"regex": re.escape(two)}},
+    )  # fmt: skip
+    client = sdk(tools_server)
+    choice = client.chat.completions.create(**request).choices[0]
+    whole = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+    _, streamed, finish = _streamed(client, **request)
+    expected = [("get_time", '{"zone": "UTC"}'), ("get_time", '{"zone": "CET"}')]
+    assert whole == streamed == (expected if parallel else expected[:1])
+    assert choice.finish_reason == finish == "tool_calls"
+    assert not choice.message.content
 
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])

@@ -206,7 +206,8 @@ class ChatParsing:
             if tools.constrained:  # a grammar: calls stream as they are written
                 reader = StreamedCalls(self.tool_parser, tools.names)
             else:
-                reader = WholeCalls(make_tool_parser(self.tool_parser, tools.names))
+                parser = make_tool_parser(self.tool_parser, tools.names)
+                reader = WholeCalls(parser, max_calls=None if tools.parallel else 1)
         reasoning = ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None
         if reader is None and reasoning is None:
             return None

@@ -286,10 +286,13 @@ class CallsDelta:
 
 class WholeCalls:
     """A format's whole-call parser, its complete calls as deltas (header and all the
-    arguments in one)."""
+    arguments in one). ``max_calls``: the calls kept (``parallel_tool_calls: false``
+    keeps the first; a model without a grammar may still write more, which are
+    dropped, as a model held to one call would not have written them)."""
 
-    def __init__(self, parser: ToolCallParser) -> None:
+    def __init__(self, parser: ToolCallParser, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls
         self.num_calls = 0
 
     def feed(self, text: str) -> CallsDelta:
@@ -301,6 +304,8 @@ class WholeCalls:
     def _deltas(self, parse: ToolParse) -> CallsDelta:
         out = CallsDelta(parse.content)
         for call in parse.calls:
+            if self.max_calls is not None and self.num_calls >= self.max_calls:
+                continue
             out.add(self.num_calls, call.arguments, call.id, call.name)
             self.num_calls += 1
         return out
