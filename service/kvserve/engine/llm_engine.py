@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jinja2  # what transformers renders chat templates with
 import torch
 
 from kvserve.capacity import num_kv_blocks
@@ -397,15 +399,13 @@ class LLMEngine:
             )
         self._check_prompt_chars(text_chars(messages, tools), "messages")
         kwargs = template_kwargs or {}
-        reserved = sorted(set(kwargs) & _reserved_template_names(tok)) if kwargs else []
+        reserved = sorted(set(kwargs) & _reserved_template_names(tok.__class__)) if kwargs else []
         if reserved:
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the "
                 "server sets it",
                 "chat_template_kwargs",
             )
-        import jinja2  # what transformers renders templates with
-
         try:
             text = tok.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
@@ -817,9 +817,10 @@ def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> set[
 _RENDERER_VARIABLES = frozenset({"messages", "raise_exception", "strftime_now"})
 
 
-def _reserved_template_names(tokenizer: Any) -> frozenset[str]:
+@functools.cache
+def _reserved_template_names(tokenizer_type: Any) -> frozenset[str]:
     """What ``chat_template_kwargs`` may not set: ``apply_chat_template``'s parameters
     (``chat_template``, ``tokenize``, ``tools`` ...) and the renderer's own variables."""
-    params = inspect.signature(tokenizer.apply_chat_template).parameters
+    params = inspect.signature(tokenizer_type.apply_chat_template).parameters
     named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return frozenset(named) | _RENDERER_VARIABLES
+    return frozenset(named - {"self"}) | _RENDERER_VARIABLES

@@ -3,7 +3,7 @@ onto ``SamplingParams``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -21,47 +21,48 @@ UNSET_WHEN_NULL = frozenset(
 )  # fmt: skip
 
 
-def _drop_nulls(model: type[BaseModel], data: Any, unsupported: frozenset[str]) -> Any:
-    """``data`` without the ``null`` values that mean "left out", as in OpenAI's API:
-    a field with a default other than null gets that default, and an ``unsupported``
-    field is ignored. (The OpenAI SDK's ``message.model_dump()`` and clients that
-    serialise unset fields send such nulls.)"""
-    if not isinstance(data, dict):
-        return data
-    fields = model.model_fields
-    return {
-        k: v
-        for k, v in data.items()
-        if v is not None
-        or not (k in unsupported or (k in fields and _defaults_to_a_value(fields[k])))
-    }
+class OpenAIObject(BaseModel):
+    """An object of an OpenAI request: unknown fields are refused by name, and ``null``
+    means "left out", as in OpenAI's API. A field with a default other than null gets
+    that default; a field named in ``unset_when_null`` (OpenAI's, not implemented here)
+    is ignored when null and refused otherwise. A required field's null is refused as
+    what it is. (The OpenAI SDK's ``message.model_dump()``, and clients that serialise
+    unset fields, send such nulls.)"""
 
-
-def _defaults_to_a_value(field: FieldInfo) -> bool:
-    """A field with a default other than null (a required field has none: its null is
-    refused as what it is)."""
-    return not field.is_required() and field.default is not None
-
-
-class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    unset_when_null: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_left_out(cls, data: Any) -> Any:
-        return _drop_nulls(cls, data, frozenset())
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None
+            or not (k in cls.unset_when_null or (k in fields and _defaults_to_a_value(fields[k])))
+        }
+
+
+def _defaults_to_a_value(field: FieldInfo) -> bool:
+    return not field.is_required() and field.default is not None
+
+
+class StreamOptions(OpenAIObject):
+    include_usage: bool = False
 
 
 # vLLM's bound is "long enough to be unpredictable"; this one keeps a salt a key, not a body.
 MAX_CACHE_SALT_CHARS = 1024
 
 
-class StructuredOutputsRequest(BaseModel):
+class StructuredOutputsRequest(OpenAIObject):
     """vLLM's ``structured_outputs`` request field; exactly one kind is set (checked when
     it becomes ``StructuredOutputsParams``, in ``openai/structured.py``)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
@@ -69,10 +70,10 @@ class StructuredOutputsRequest(BaseModel):
     grammar: str | None = None
 
 
-class CommonRequest(BaseModel):
+class CommonRequest(OpenAIObject):
     """The fields completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    unset_when_null = UNSET_WHEN_NULL
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
@@ -103,11 +104,6 @@ class CommonRequest(BaseModel):
     service_tier: str | None = Field(None, max_length=64)
     safety_identifier: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_left_out(cls, data: Any) -> Any:
-        return _drop_nulls(cls, data, UNSET_WHEN_NULL)
 
     @field_validator("store")
     @classmethod
@@ -187,30 +183,28 @@ class ContentPart(BaseModel):
         return None if value is None else _valid_unicode(value)
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionCall(OpenAIObject):
     name: str
     arguments: str  # JSON text, as OpenAI sends it back
 
 
-class ToolCall(BaseModel):
+class ToolCall(OpenAIObject):
     """A call the assistant made, replayed in a conversation."""
 
-    model_config = ConfigDict(extra="forbid")
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-MESSAGE_UNSET_WHEN_NULL = frozenset({"audio", "function_call"})
 ChatRole = Literal["system", "user", "assistant", "developer", "tool"]
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 # OpenAI's rule for function names; it also keeps a name plain text in a grammar.
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(OpenAIObject):
+    # A response message dumped by the OpenAI SDK carries these as null.
+    unset_when_null = frozenset({"audio", "function_call"})
     role: ChatRole
     # Null only where OpenAI allows it (an assistant message with tool calls): checked in
     # openai/messages.py, which names the message.
@@ -224,54 +218,42 @@ class ChatMessage(BaseModel):
     # URL citations of an earlier answer: they say nothing to the model, so are ignored.
     annotations: list[Any] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_left_out(cls, data: Any) -> Any:
-        # A response message dumped by the OpenAI SDK carries "audio" and
-        # "function_call" as null.
-        return _drop_nulls(cls, data, MESSAGE_UNSET_WHEN_NULL)
-
     @field_validator("content")
     @classmethod
     def _valid_content(cls, value: str | list[ContentPart] | None) -> object:
         return _valid_unicode(value) if isinstance(value, str) else value
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionDefinition(OpenAIObject):
     name: str = Field(pattern=FUNCTION_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema (an object's)
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Tool(OpenAIObject):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedFunction(OpenAIObject):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(OpenAIObject):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class JsonSchemaFormat(OpenAIObject):
+    model_config = ConfigDict(populate_by_name=True)
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponseFormat(OpenAIObject):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 

@@ -150,39 +150,27 @@ class Sampler:
             logits = apply_token_mask(logits, mask)
         logits = self._apply_penalties(logits, rows)
         draft_t = torch.tensor(drafts, device=dev)
-        chosen = logits.argmax(dim=-1)
-        # A seeded request's generator, and its state after each of its rows.
-        rewind: dict[int, tuple[SeededNoise, list[NoiseState]]] = {}
-        if not all(p.greedy for p in params):
-            probs = self._probs(logits, rows)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
-            row = 0
-            for k, req in enumerate(requests):
-                n = 1 + len(req.spec_token_ids)
-                gen = req.generator
-                if gen is not None and not req.params.greedy:
-                    states = []
-                    for j in range(n):
-                        gen.exponential_(noise[row + j])
-                        states.append(gen.get_state())
-                    rewind[k] = gen, states
-                row += n
-            greedy = torch.tensor([p.greedy for p in params], device=dev)
-            chosen = torch.where(greedy, chosen, (probs / noise).argmax(dim=-1))
+        # A seeded row's generator state after its draw, to set the request back to.
+        states: dict[int, NoiseState] = {}
+        if all(p.greedy for p in params):
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen = self._sample(logits, rows, states)
         chosen_l: list[int] = chosen.tolist()
         accept_l: list[bool] = (chosen == draft_t).tolist()  # never for a -1 row
         row_logprobs = _logprobs(raw_logprobs, chosen, chosen_l, params)
 
         out = StepTokens([], [])
         row = 0
-        for k, req in enumerate(requests):
+        for req in requests:
             n = 1 + len(req.spec_token_ids)
             take = 1
             while take < n and accept_l[row + take - 1]:
                 take += 1
-            if k in rewind:  # the noise of the rows after ``take`` is not used
-                gen, states = rewind[k]
-                gen.set_state(states[take - 1])
+            last = row + take - 1
+            gen = req.generator
+            if gen is not None and take < n and last in states:  # later rows' noise unused
+                gen.set_state(states[last])
             out.token_ids.append(chosen_l[row : row + take])
             out.logprobs.append(row_logprobs[row : row + take])
             row += n
@@ -205,11 +193,16 @@ class Sampler:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        states: dict[int, NoiseState] | None = None,
+    ) -> torch.Tensor:
         params = [r.params for r in requests]
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         greedy_tokens = logits.argmax(dim=-1)
-        sampled = self._race(self._probs(logits, requests), requests)
+        sampled = self._race(self._probs(logits, requests), requests, states)
         return torch.where(greedy, greedy_tokens, sampled)
 
     def _probs(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -231,13 +224,21 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0)
         return probs
 
-    def _race(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _race(
+        self,
+        probs: torch.Tensor,
+        requests: Sequence[Request],
+        states: dict[int, NoiseState] | None = None,
+    ) -> torch.Tensor:
         """One token per row drawn from ``probs`` (unnormalised is fine): the argmax of
-        p / q with q ~ Exp(1), a seeded request's q from its own generator."""
+        p / q with q ~ Exp(1), a seeded request's q from its own generator (in row order;
+        with ``states``, each such row's generator state after its draw is kept there)."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, req in enumerate(requests):
             if req.generator is not None and not req.params.greedy:
                 req.generator.exponential_(noise[i])
+                if states is not None:
+                    states[i] = req.generator.get_state()
         return (probs / noise).argmax(dim=-1)
 
 

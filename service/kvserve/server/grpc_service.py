@@ -156,11 +156,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 default_max_tokens = engine.context_left(len(prompt))
                 if cap is not None:
                     default_max_tokens = min(default_max_tokens, cap)
-            else:
-                if request.tools or request.HasField("tool_choice"):
-                    raise InvalidRequestError("tools and tool_choice need a chat prompt", "tools")
-                if constraint is not None:
-                    await validate_constraint(self.engine, constraint)
+            elif request.tools or request.HasField("tool_choice"):
+                raise InvalidRequestError("tools and tool_choice need a chat prompt", "tools")
+            elif constraint is not None:
+                await validate_constraint(self.engine, constraint)
             params = codec.decode_sampling_params(
                 request, default_max_tokens=default_max_tokens, constraint=structured
             )

@@ -270,14 +270,19 @@ def run(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
-def ports_problem(args: argparse.Namespace) -> str | None:
-    """Why one of the server's ports cannot be listened on now, or None."""
+def _ports(args: argparse.Namespace) -> dict[str, int]:
+    """The ports the server listens on, by flag."""
     ports = {"--port": args.port}
     if not args.no_grpc:
         ports["--grpc-port"] = args.grpc_port
     if args.metrics_port is not None:
         ports["--metrics-port"] = args.metrics_port
-    for flag, port in ports.items():
+    return ports
+
+
+def ports_problem(args: argparse.Namespace) -> str | None:
+    """Why one of the server's ports cannot be listened on now, or None."""
+    for flag, port in _ports(args).items():
         problem = bind_problem(args.host, port)
         if problem is not None:
             return f"{problem} (choose another with {flag})"
@@ -314,7 +319,7 @@ def metrics_port_problem(args: argparse.Namespace) -> str | None:
     port = args.metrics_port
     if port is None:
         return None
-    taken = {"--port": args.port} | ({} if args.no_grpc else {"--grpc-port": args.grpc_port})
+    taken = {flag: p for flag, p in _ports(args).items() if flag != "--metrics-port"}
     for flag, other in taken.items():
         if port == other:
             return f"--metrics-port {port} is also {flag}: give /metrics a port of its own"
