@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +79,21 @@ def test_fake_nodes_renew_their_leases(k8s_cluster: Cluster) -> None:
         return all(leases.get(n, {}).get("renewTime") for n in GPU_NODES)
 
     poll("node leases renewed by kwok", renewed, timeout=30)
+
+
+def test_the_by_hand_scripts_run_from_any_directory(tmp_path: Path) -> None:
+    """docs/test-cluster.md's `tests/cluster/up` and `down` import the control plane from
+    any working directory (they once failed on `import tests`). `down` with a state dir
+    that does not exist imports everything and stops nothing."""
+    script = Path(__file__).resolve().parent / "down"
+    gone = tmp_path / "no-such-state-dir"
+    done = subprocess.run(
+        [sys.executable, str(script), str(gone)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{gone} is already gone"
