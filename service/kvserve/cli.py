@@ -184,7 +184,9 @@ def _chosen(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 def _add_command(sub: Any, name: str, cmd: Command, load: bool) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(name, help=cmd.help, description=cmd.description)
+    p: argparse.ArgumentParser = sub.add_parser(
+        name, help=cmd.help, description=cmd.description, allow_abbrev=False
+    )
     if not load:
         return p
     module = importlib.import_module(cmd.module)
@@ -202,8 +204,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     from kvserve import __version__
 
     chosen = _chosen(argv) if argv is not None else None
+    # No abbreviated flags (argparse's allow_abbrev), in any command: a flag is matched
+    # whole, so a new flag cannot change what an old abbreviation meant, and the
+    # operator's refusal of the flags it owns in spec.engine.extraArgs (an exact match)
+    # cannot be bypassed with a prefix such as `--served`.
     parser = argparse.ArgumentParser(
-        prog="kvserve", description="kvserve: paged-KV LLM inference engine and tools"
+        prog="kvserve",
+        description="kvserve: paged-KV LLM inference engine and tools",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -211,7 +219,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         if isinstance(entry, Command):
             _add_command(sub, name, entry, chosen is None or chosen == (name,))
             continue
-        group = sub.add_parser(name, help=entry.help, description=entry.description)
+        group = sub.add_parser(
+            name, help=entry.help, description=entry.description, allow_abbrev=False
+        )
         group_sub = group.add_subparsers(
             dest=f"{name}_command", required=True, metavar=name.upper()
         )

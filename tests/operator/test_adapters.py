@@ -174,6 +174,20 @@ def test_extra_args_may_not_set_lora_flags(flag: str) -> None:
         assert "set by the operator" in err.value.message
 
 
+@pytest.mark.parametrize("flag", OPERATOR_OWNED_FLAGS)
+def test_no_prefix_of_an_owned_flag_reaches_the_engine(flag: str) -> None:
+    """The operator refuses an owned flag in extraArgs by exact match; a prefix of one
+    (`--served` for `--served-model-name`) is not refused there, so `kvserve serve` must
+    refuse it: it once took it as the flag (argparse's abbreviations)."""
+    from kvserve.cli import build_parser
+
+    parser = build_parser(["serve"])
+    for prefix in (flag[:-1], flag[: max(4, len(flag) // 2)]):
+        extra = list(spec(engine={"extraArgs": [f"{prefix}=1"]}).engine.extra_args)
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--model", "/models/m", *extra])
+
+
 def test_an_adapter_may_not_take_the_served_name() -> None:
     # The served name defaults to the resource's name...
     with pytest.raises(SpecError) as err:
