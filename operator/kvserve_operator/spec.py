@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from kvserve import engine_options
 from kvserve.model.pull import ModelPullError, ModelSource, parse_source
+from kvserve.names import model_name_problem
 
 Metric = Literal["queueDepth", "inFlight"]
 
@@ -416,7 +417,10 @@ def _parse_model(r: _Reader) -> ModelSpec:
     except ModelPullError as e:
         raise SpecError(f"{r.path}.source", str(e)) from None
     kw: dict[str, Any] = {"source": source}
-    _put(kw, "served_name", r.get_str("servedName", min_length=1, max_length=256))
+    served_name = r.get_str("servedName", min_length=1, max_length=256)
+    if served_name is not None and (problem := model_name_problem(served_name)) is not None:
+        raise SpecError(f"{r.path}.servedName", problem)
+    _put(kw, "served_name", served_name)
     if (s := r.get_object("hfTokenSecret")) is not None:
         s.known("name", "key")
         name = s.get_str("name", min_length=1)

@@ -78,6 +78,23 @@ def test_slices_without_the_port_or_in_ipv6() -> None:
     assert state.snapshot() == {"m": ["[fd00::5]:50051"]}
 
 
+@pytest.mark.parametrize("served", ["two words", "line\nbreak", "tab\there", "*"])
+def test_a_service_whose_served_name_is_not_a_model_name_is_left_out(
+    served: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = DiscoveryState("grpc")
+    state.apply("Service", "ADDED", service("ok", "good-name"))
+    state.apply("Service", "ADDED", service("bad", served))
+    state.apply("EndpointSlice", "ADDED", endpoint_slice("bad", [("10.0.0.2", True, False)]))
+    assert state.snapshot() == {"good-name": []}
+    assert "Service a/bad left out: served model name" in caplog.text
+    # Renamed to a valid name, it is routed; its old name is gone.
+    state.apply("Service", "MODIFIED", service("bad", "fixed"))
+    assert state.snapshot() == {"fixed": ["10.0.0.2:50051"], "good-name": []}
+    state.apply("Service", "MODIFIED", service("bad", served))
+    assert state.snapshot() == {"good-name": []}
+
+
 def test_a_relist_replaces_what_was_known() -> None:
     state = DiscoveryState("grpc")
     state.apply("Service", "ADDED", service("s", "m", ns="a"))

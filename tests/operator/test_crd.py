@@ -620,6 +620,15 @@ def test_full_spec_round_trip() -> None:
             "spec.model.hfTokenSecret.name",
             "required",
         ),
+        *(
+            ({"model": {"source": "hf://a/b", "servedName": name}}, "spec.model.servedName", why)
+            for name, why in [
+                ("my model", "whitespace"),
+                ("a\nb", "whitespace"),
+                ("bell\x07", "control characters"),
+                ("*", "reserved"),
+            ]
+        ),
     ],
 )
 def test_invalid_specs(spec: dict[str, Any], path: str, fragment: str) -> None:

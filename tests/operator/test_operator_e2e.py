@@ -85,6 +85,7 @@ def test_invalid_specs_are_refused_by_the_api_server(k8s_cluster: Cluster, ns: s
         ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}, "minReplicas"),
         ({"model": {"source": "s3://bucket/x"}}, "source"),
         ({"engine": {"dtype": "int3"}}, "dtype"),
+        ({"model": {"source": "hf://a/b", "servedName": "two words"}}, "servedName"),
     ]
     for spec, field in cases:
         obj = inference_model("bad", ns)

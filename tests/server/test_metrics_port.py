@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -128,3 +129,23 @@ def test_a_port_in_use_fails_before_loading() -> None:
             assert f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
             assert f"(choose another with {flag})" in out.stderr
             assert "loading" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("name", ["two words", "line\nbreak", "*"])
+def test_a_served_name_that_is_not_a_model_name_fails_before_loading(
+    name: str, tmp_path: Path
+) -> None:
+    """The served name follows the rule of every model name (kvserve.names), whether
+    given or taken from the model directory's name."""
+    for flags in (["--served-model-name", name, "--model", "/nonexistent"],
+                  ["--model", str(tmp_path / name)]):  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "kvserve", "serve", *flags, "--port", str(free_port())],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, out.stderr
+        assert "kvserve serve: error: served model name" in out.stderr, out.stderr
+        assert "(name it with --served-model-name)" in out.stderr
+        assert "loading" not in out.stderr and "Traceback" not in out.stderr

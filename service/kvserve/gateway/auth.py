@@ -10,7 +10,8 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-from kvserve.gateway.keys import WILDCARD, KeyLimits, KeysFile, Priority, hash_key
+from kvserve.gateway.keys import KeyLimits, KeysFile, Priority, hash_key
+from kvserve.names import WILDCARD
 
 MAX_MODEL_IN_MESSAGE = 200  # the model name comes from the client: don't echo a novel
 

@@ -39,7 +39,7 @@ from kvserve.gateway.files import (
     read_file,
     validation_problems,
 )
-from kvserve.gateway.keys import WILDCARD
+from kvserve.names import model_name_problem
 from kvserve.openai.http_limits import HttpLimits
 from kvserve.openai.refusal_pacing import GATEWAY_REFUSALS_PER_SECOND
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
@@ -226,10 +226,9 @@ class GatewayConfig(StrictModel):
     @classmethod
     def _model_names(cls, models: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
         for name in models:
-            if not name or name != name.strip() or any(c.isspace() for c in name):
-                raise ValueError(f"model name {name!r} must be non-empty without whitespace")
-            if name == WILDCARD:
-                raise ValueError("'*' is reserved for 'every model' in the keys file")
+            problem = model_name_problem(name)
+            if problem is not None:
+                raise ValueError(problem)
         return models
 
     @model_validator(mode="after")

@@ -7,7 +7,9 @@ controller copies the Service's labels onto its slices. So the gateway lists and
 watches two things with one label selector — Services (for the served name) and
 EndpointSlices (for the ready pod addresses) — and hands the fleet a snapshot
 ``served name → ["ip:grpc-port", ...]`` whenever it changes. A pod that stops being
-ready (or starts terminating) leaves the snapshot, and the fleet drains it.
+ready (or starts terminating) leaves the snapshot, and the fleet drains it. A Service
+whose served name breaks the rule of model names (``kvserve.names``: one printable word,
+not ``*``) is left out, with a warning.
 
 The watches run in threads (the Kubernetes client is synchronous); ``on_change`` is
 called from those threads, so callers hop back to their event loop themselves.
@@ -22,6 +24,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from kvserve.names import model_name_problem
 
 log = logging.getLogger("kvserve.gateway.discovery")
 
@@ -69,10 +73,14 @@ class DiscoveryState:
         meta = obj.get("metadata") or {}
         key = (str(meta.get("namespace")), str(meta.get("name")))
         if kind == "Service":
-            if event_type == "DELETED":
+            name = served_name(obj, self.annotation)
+            problem = model_name_problem(name, "served model name")
+            if problem is not None and event_type != "DELETED":
+                log.warning("Service %s/%s left out: %s", *key, problem)
+            if event_type == "DELETED" or problem is not None:
                 self.services.pop(key, None)
             else:
-                self.services[key] = served_name(obj, self.annotation)
+                self.services[key] = name
         else:
             if event_type == "DELETED":
                 self.slices.pop(key, None)

@@ -25,11 +25,11 @@ from kvserve.gateway.files import (
     read_file,
     validation_problems,
 )
+from kvserve.names import WILDCARD
 
 Priority = Literal["critical", "standard", "sheddable"]
 
 KEY_PREFIX = "sk-kvs-"
-WILDCARD = "*"
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.names import model_name_problem
+
 
 def name_problem(name: str) -> str | None:
-    """Why ``name`` cannot name an adapter, or None. A name is what clients put in a
-    request's ``model`` and what logs, spans and metric labels carry, so it is one
-    printable word, as the gateway's model names are."""
-    if not name:
-        return "a LoRA adapter needs a non-empty name"
-    if not name.isprintable() or any(c.isspace() for c in name):
-        return f"LoRA adapter name {name!r} may not contain whitespace or control characters"
-    return None
+    """Why ``name`` cannot name an adapter, or None: the rule of every model name
+    (``kvserve.names``)."""
+    return model_name_problem(name, "LoRA adapter name")
 
 
 @dataclass(frozen=True)

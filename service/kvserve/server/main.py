@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvserve import engine_options
 from kvserve.lora.request import name_problem
+from kvserve.names import model_name_problem
 from kvserve.openai.chat_output import ChatParsing
 from kvserve.openai.http_limits import HttpLimits, protocol_with
 from kvserve.openai.reasoning import REASONING_PARSERS
@@ -179,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print("no --model given: serving the bundled demo model", file=sys.stderr)
     name = args.served_model_name or Path(args.model).resolve().name
+    if (problem := model_name_problem(name, "served model name")) is not None:
+        hint = "name it with --served-model-name"
+        print(f"kvserve serve: error: {problem} ({hint})", file=sys.stderr)
+        return 2
     try:
         engine_config = engine_options.config_from_args(args)
         launch = Launch.resolve(args.nnodes, args.node_rank, args.master_addr, args.master_port)
