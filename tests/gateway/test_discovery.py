@@ -95,6 +95,20 @@ def test_a_service_whose_served_name_is_not_a_model_name_is_left_out(
     assert state.snapshot() == {"good-name": []}
 
 
+def test_services_sharing_a_served_name_pool_their_replicas_and_are_named() -> None:
+    state = DiscoveryState("grpc")
+    state.apply("Service", "ADDED", service("llm", "llama", ns="team-a"))
+    state.apply("Service", "ADDED", service("other", "qwen", ns="team-a"))
+    assert state.shared_names() == {}
+    state.apply("Service", "ADDED", service("llm", "llama", ns="team-b"))
+    for ns, ip in (("team-a", "10.0.0.1"), ("team-b", "10.0.0.2")):
+        state.apply("EndpointSlice", "ADDED", endpoint_slice("llm", [(ip, True, False)], ns=ns))
+    assert state.snapshot() == {"llama": ["10.0.0.1:50051", "10.0.0.2:50051"], "qwen": []}
+    assert state.shared_names() == {"llama": ["team-a/llm", "team-b/llm"]}
+    state.apply("Service", "DELETED", service("llm", "llama", ns="team-b"))
+    assert state.shared_names() == {}
+
+
 def test_a_relist_replaces_what_was_known() -> None:
     state = DiscoveryState("grpc")
     state.apply("Service", "ADDED", service("s", "m", ns="a"))
@@ -201,7 +215,7 @@ def watcher(k8s_cluster: Cluster, discovery_ns: str) -> Iterator[Recorder]:
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_watch_follows_pods_becoming_ready_and_going_away(
-    k8s_cluster: Cluster, discovery_ns: str, watcher: Recorder
+    k8s_cluster: Cluster, discovery_ns: str, watcher: Recorder, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake_engine(k8s_cluster, discovery_ns, "llm", "llama-3.1-8b", replicas=2)
 
@@ -217,6 +231,15 @@ def test_watch_follows_pods_becoming_ready_and_going_away(
     poll("3 discovered replicas", lambda: replicas(3))
     k8s_cluster.kubectl("scale", "deployment", "llm", "-n", discovery_ns, "--replicas=1")
     poll("1 discovered replica", lambda: replicas(1))
+
+    # A second Service with the same served name: one model, pooled, and a warning.
+    fake_engine(k8s_cluster, discovery_ns, "llm-copy", "llama-3.1-8b", replicas=1)
+    poll("the second Service's replica pooled in", lambda: replicas(2))
+    services = f"{discovery_ns}/llm, {discovery_ns}/llm-copy"
+    assert f"served name 'llama-3.1-8b' is on 2 Services ({services})" in caplog.text
+    for kind in ("service", "deployment"):
+        k8s_cluster.kubectl("delete", kind, "llm-copy", "-n", discovery_ns)
+    poll("back to 1 replica", lambda: replicas(1))
 
     k8s_cluster.kubectl("delete", "service", "llm", "-n", discovery_ns)
     poll("the model to disappear", lambda: watcher.latest() == {})

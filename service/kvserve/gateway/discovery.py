@@ -9,7 +9,10 @@ EndpointSlices (for the ready pod addresses) — and hands the fleet a snapshot
 ``served name → ["ip:grpc-port", ...]`` whenever it changes. A pod that stops being
 ready (or starts terminating) leaves the snapshot, and the fleet drains it. A Service
 whose served name breaks the rule of model names (``kvserve.names``: one printable word,
-not ``*``) is left out, with a warning.
+not ``*``) is left out, with a warning. Services that carry the same served name (in
+one namespace or several) are one model, their replicas pooled: a second deployment of
+a model adds replicas to it (warned about, as a fine-tune given another's name would be
+mixed in the same way).
 
 The watches run in threads (the Kubernetes client is synchronous); ``on_change`` is
 called from those threads, so callers hop back to their event loop themselves.
@@ -106,6 +109,14 @@ class DiscoveryState:
                 models.setdefault(model, set()).update(addresses)
         return {model: sorted(addresses) for model, addresses in sorted(models.items())}
 
+    def shared_names(self) -> dict[str, list[str]]:
+        """Served names that more than one Service carries (``namespace/name`` of each):
+        one model to the gateway, whose replicas are pooled."""
+        services: dict[str, list[str]] = {}
+        for (namespace, name), model in sorted(self.services.items()):
+            services.setdefault(model, []).append(f"{namespace}/{name}")
+        return {model: found for model, found in services.items() if len(found) > 1}
+
 
 class KubernetesDiscovery:
     """List-and-watch threads feeding a ``DiscoveryState``; calls ``on_change`` on changes."""
@@ -143,6 +154,7 @@ class KubernetesDiscovery:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last: Snapshot | None = None
+        self._shared: dict[str, list[str]] = {}  # warned about (shared_names)
 
     def start(self) -> None:
         for namespace in self.namespaces:
@@ -238,5 +250,16 @@ class KubernetesDiscovery:
             if snapshot == self._last:
                 return
             self._last = snapshot
+            shared, before = self.state.shared_names(), self._shared
+            self._shared = shared
         log.info("discovered replicas: %s", snapshot)
+        for model, services in shared.items():
+            if before.get(model) == services:
+                continue  # already said
+            log.warning(
+                "served name %r is on %d Services (%s): their replicas are pooled as one model",
+                model,
+                len(services),
+                ", ".join(services),
+            )
         self.on_change(snapshot)
