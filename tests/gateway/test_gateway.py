@@ -103,9 +103,11 @@ def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> No
         assert r.status_code == 400 and "JSON" in error_of(r)["message"]
         r = c.post("/v1/completions", json={**body, "prompt": [5] * 2000})
         assert r.status_code == 400 and error_of(r)["param"] == "prompt"  # the engine's check
+        r = c.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400 and error_of(r)["param"] == "stream_options"
     for reason, n in [("unauthenticated", 2), ("forbidden", 1), ("payload_too_large", 1)]:
         assert gateway.metric("kvserve_gateway_rejections_total", reason=reason) == n
-    assert gateway.metric("kvserve_gateway_rejections_total", reason="invalid") >= 2
+    assert gateway.metric("kvserve_gateway_rejections_total", reason="invalid") >= 3
 
 
 def test_rate_limits_answer_429_with_headers_and_recover_on_the_clock(gateway: Gateway) -> None:

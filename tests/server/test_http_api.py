@@ -116,6 +116,12 @@ def test_request_id_is_used_and_echoed(server: RunningServer) -> None:
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "≥ 1"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "integer"),
         ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "n=2"),
+        (
+            {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+            "only allowed with stream: true",
+        ),
         ({"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of", "unsupported"),
         ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", ""),
         (
@@ -463,7 +469,7 @@ def test_null_asks_for_the_default(server: RunningServer) -> None:
         field: None
         for field in ("temperature", "top_p", "n", "stream", "echo", "best_of", "suffix",
                       "logit_bias", "logprobs", "stop")
-    } | {"stream_options": {"include_usage": None}}  # fmt: skip
+    } | {"stream_options": None}  # fmt: skip
     with server.client() as c:
         for path, body, extra in (
             ("/v1/chat/completions", {**chat, "max_tokens": 6}, nulls),

@@ -167,7 +167,7 @@ def _checked_limit(
 ) -> checks.TokenLimit:
     """The shared checks, then the model's ``max_tokens`` ceiling (400 ``invalid``)."""
     try:
-        checks.check_n(body)
+        checks.check_options(body)
         checks.check_stop(body, state.config.stop_limits)
         limit = checks.token_limit(body)
         if limit.value is not None and ceiling is not None and limit.value > ceiling:

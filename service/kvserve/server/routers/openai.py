@@ -194,7 +194,7 @@ def _check_common(body: CommonRequest, state: ServerState) -> LoRARequest | None
     if not state.admitting:
         raise OpenAIError(503, "the server is shutting down; retry on another replica")
     lora = state.lora.resolve(body.model)  # 404 model_not_found for an unknown name
-    checks.check_n(body)
+    checks.check_options(body)
     checks.check_stop(body, state.stop_limits)
     return lora
 
