@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import threading
@@ -105,9 +106,15 @@ def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> No
         assert r.status_code == 400 and error_of(r)["param"] == "prompt"  # the engine's check
         r = c.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}})
         assert r.status_code == 400 and error_of(r)["param"] == "stream_options"
+        r = c.post(
+            "/v1/completions",
+            content=gzip.compress(json.dumps(body).encode()),
+            headers={"content-type": "application/json", "content-encoding": "gzip"},
+        )
+        assert r.status_code == 415 and error_of(r)["param"] == "content-encoding"
     for reason, n in [("unauthenticated", 2), ("forbidden", 1), ("payload_too_large", 1)]:
         assert gateway.metric("kvserve_gateway_rejections_total", reason=reason) == n
-    assert gateway.metric("kvserve_gateway_rejections_total", reason="invalid") >= 3
+    assert gateway.metric("kvserve_gateway_rejections_total", reason="invalid") >= 4
 
 
 def test_rate_limits_answer_429_with_headers_and_recover_on_the_clock(gateway: Gateway) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import socket
@@ -158,6 +159,20 @@ def test_invalid_json_and_oversized_body(server: RunningServer) -> None:
             "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
         )
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        body = json.dumps({**GREEDY, "prompt": "hi", "max_tokens": 2}).encode()
+        json_type = {"content-type": "application/json"}
+        # A byte-order mark before the JSON is ignored (RFC 8259 allows it).
+        r = c.post("/v1/completions", content=b"\xef\xbb\xbf" + body, headers=json_type)
+        assert r.status_code == 200, r.text
+        # A compressed body is refused as what it is, not as bad JSON.
+        r = c.post(
+            "/v1/completions",
+            content=gzip.compress(body),
+            headers={**json_type, "content-encoding": "gzip"},
+        )
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["param"] == "content-encoding"
+        assert "'gzip' is not supported" in r.json()["error"]["message"]
         big = c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 100_000})
         assert big.status_code == 413 and "exceeds the limit" in big.json()["error"]["message"]
         # Without a content-length the limit is found while the body is read.

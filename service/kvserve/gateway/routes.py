@@ -105,8 +105,8 @@ def gateway_router(state: GatewayState) -> APIRouter:
     )
     async def completions(request: Request) -> Response:
         tenant = _authenticate(state, request)
-        body = await parse_body(request, CompletionRequest)
         try:
+            body = await parse_body(request, CompletionRequest)
             prompt = checks.completion_prompt(body)
             constraint = requested_constraint(body)
         except OpenAIError:
@@ -121,8 +121,8 @@ def gateway_router(state: GatewayState) -> APIRouter:
     )
     async def chat(request: Request) -> Response:
         tenant = _authenticate(state, request)
-        body = await parse_body(request, ChatCompletionRequest)
         try:  # the model's output is read by the replica; here only the input is checked
+            body = await parse_body(request, ChatCompletionRequest)
             messages = template_messages(body.messages)
             tools = chat_tools(body)
             constraint = requested_constraint(body)

@@ -8,6 +8,10 @@ gateway's per-request cost; pydantic-core validates the raw bytes with its own J
 instead. Errors are the same ``RequestValidationError`` FastAPI raises, so the apps' one
 handler turns them into OpenAI 400s. ``body_schema`` puts the model's schema in the
 OpenAPI document, as a body parameter would.
+
+A compressed body (``Content-Encoding`` other than ``identity``) is a 415 that says so,
+not a JSON error; a UTF-8 byte-order mark before the JSON is ignored (RFC 8259 lets a
+parser do so, and some Windows tools write one).
 """
 
 from __future__ import annotations
@@ -18,13 +22,25 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from kvserve.openai.errors import OpenAIError
+
 M = TypeVar("M", bound=BaseModel)
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The request's JSON body as ``model``; ``RequestValidationError`` if it is not."""
+    """The request's JSON body as ``model``; ``RequestValidationError`` if it is not,
+    ``OpenAIError`` 415 if it is compressed."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise OpenAIError(
+            415,
+            f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
+            param="content-encoding",
+        )
+    body = await request.body()
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body.removeprefix(UTF8_BOM))
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
 
