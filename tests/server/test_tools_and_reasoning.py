@@ -395,6 +395,33 @@ def test_grpc_sends_calls_in_pieces_only_to_a_client_that_reads_them(
         )
 
 
+def test_a_tool_without_parameters_is_the_same_over_grpc_and_http(
+    tools_server: RunningServer,
+) -> None:
+    """A tool without ``parameters`` takes none over HTTP; over gRPC the field is an
+    empty string then (proto3's unset), which was once refused as not a JSON object."""
+    forced = {"seed": 3, "temperature": 1.0, "max_tokens": 60}
+    body = {"model": MODEL, "messages": QUESTION, **forced,
+            "tools": [{"type": "function", "function": {"name": "ping"}}],
+            "tool_choice": {"type": "function", "function": {"name": "ping"}}}  # fmt: skip
+    with tools_server.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    (http_call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    request = pb.GenerateRequest(
+        chat=pb.ChatMessages(
+            messages=[pb.ChatMessage(role="user", content=QUESTION[0]["content"])]
+        ),
+        tools=[pb.Tool(name="ping")],
+        tool_choice=pb.ToolChoice(mode="function", function="ping"),
+        **forced,
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{tools_server.grpc_port}") as channel:
+        responses = list(pb_grpc.EngineServiceStub(channel).Generate(request, timeout=120))
+    calls = [d.call for r in responses if r.HasField("delta") for d in r.delta.tool_calls]
+    assert [(c.name, c.arguments) for c in calls] == [("ping", http_call["function"]["arguments"])]
+
+
 @pytest.mark.parametrize("replay", ["message objects", "streamed", "dumped"])
 def test_a_tool_loop_over_several_turns(tools_server: RunningServer, replay: str) -> None:
     """call → tool result → call → tool result → answer, the conversation growing as an

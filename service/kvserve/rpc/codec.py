@@ -28,7 +28,13 @@ from kvserve.openai.format import TokenText, ToolCallDelta
 from kvserve.openai.middleware import MAX_REQUEST_ID_LEN, valid_request_id
 from kvserve.openai.protocol import CHAT_ROLES, FUNCTION_NAME_PATTERN, MAX_CACHE_SALT_CHARS
 from kvserve.openai.structured import Constraint
-from kvserve.openai.tools import ChatTools, ToolChoice, ToolChoiceMode, ToolSpec
+from kvserve.openai.tools import (
+    EMPTY_PARAMETERS,
+    ChatTools,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolSpec,
+)
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -227,9 +233,11 @@ def decode_chat_tools(request: pb.GenerateRequest) -> ChatTools:
         if _FUNCTION_NAME.fullmatch(t.name) is None:
             param = f"tools[{i}].function.name"
             raise InvalidRequestError(f"{param} must be 1-64 letters, digits, _ or -", param)
-        parameters = _json_object(t.parameters_json, f"tools[{i}].function.parameters")
+        # Unset (proto3's empty string) or {}: no parameters, as over HTTP.
+        param = f"tools[{i}].function.parameters"
+        parameters = _json_object(t.parameters_json, param) if t.parameters_json else {}
         description = t.description if t.HasField("description") else None
-        tools.append(ToolSpec(t.name, description, parameters, t.strict))
+        tools.append(ToolSpec(t.name, description, parameters or EMPTY_PARAMETERS, t.strict))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidRequestError("tool names must be unique", "tools")
