@@ -834,6 +834,11 @@ SCHEMA_REJECTIONS = [
     ("metrics.serviceMonitor.interval=30", ["/metrics/serviceMonitor/interval"]),
     ("gateway.pdb.minAvailable=half", ["/gateway/pdb/minAvailable"]),
     ("gateway.metricsPort=0", ["/gateway/metricsPort"]),
+    # What the API server would refuse at install, refused before anything is applied:
+    ("nameOverride=Bad_Name", ["/nameOverride", "does not match pattern"]),
+    ("tmpSizeLimit=lots", ["/tmpSizeLimit", "does not match pattern"]),
+    ("commonLabels.a b=c", ["invalid propertyName 'a b'"]),
+    ("gateway.podLabels.team=a b", ["/gateway/podLabels/team", "does not match pattern"]),
 ]
 
 
