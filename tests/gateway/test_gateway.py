@@ -71,6 +71,18 @@ def test_chat_stream_and_logprobs(gateway: Gateway, replicas: list[Replica]) -> 
     assert chunks[0]["object"] == "chat.completion.chunk"
 
 
+def test_streamed_completion_logprobs_join_to_the_whole_answers(gateway: Gateway) -> None:
+    body = {**GREEDY, "prompt": "hello", "max_tokens": 8, "logprobs": 1}
+    with gateway.client() as c:
+        whole = c.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        _, chunks = stream_text(c, "/v1/completions", body)
+    offsets = [
+        x for e in chunks for x in (e["choices"][0]["logprobs"] or {}).get("text_offset", [])
+    ]
+    assert len(chunks) > 2 and offsets == whole["text_offset"]
+    assert whole["text_offset"] == [sum(map(len, whole["tokens"][:i])) for i in range(8)]
+
+
 # ---- refusals -----------------------------------------------------------------------------
 def error_of(r: httpx.Response) -> dict[str, Any]:
     body = r.json()

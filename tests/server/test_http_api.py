@@ -426,6 +426,22 @@ def test_logprobs_in_both_formats(server: RunningServer) -> None:
     )
 
 
+def test_streamed_completion_logprobs_join_to_the_whole_answers(server: RunningServer) -> None:
+    """Each chunk's text_offset goes on from the last chunk's (they once restarted at 0)."""
+    body = {**GREEDY, "prompt": "hello", "max_tokens": 8, "logprobs": 1}
+    with server.client() as c:
+        whole = c.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            streamed = [e for e in sse_events(r) if isinstance(e, dict)]
+    joined: dict[str, list[Any]] = {k: [] for k in whole}
+    for event in streamed:
+        for key, values in (event["choices"][0]["logprobs"] or {}).items():
+            joined[key] += values
+    assert len(streamed) > 2 and joined["tokens"] == whole["tokens"]
+    assert joined["text_offset"] == whole["text_offset"]
+    assert whole["text_offset"] == [sum(map(len, whole["tokens"][:i])) for i in range(8)]
+
+
 def test_edge_values_found_by_fuzzing(server: RunningServer) -> None:
     with server.client() as c:
         huge_seed = c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "seed": 2**70})

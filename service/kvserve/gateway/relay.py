@@ -25,6 +25,7 @@ async def sse(
 ) -> AsyncIterator[bytes]:
     """The response's events (the response's ``on_close`` closes the call)."""
     plain = TextEvents(ids, chat)
+    streamed = fmt.StreamedCompletionLogprobs()  # a completion's text offsets so far
     opening = True  # a chat's first delta carries the role
     read = call.grpc_call.read
     msg = first
@@ -34,7 +35,7 @@ async def sse(
         while msg is not grpc.aio.EOF:
             if msg.WhichOneof("kind") != "delta":  # the end: one write with [DONE]
                 final = msg.final
-                chunk = _chunk(ids, chat, "", None, final.finish_reason, opening)
+                chunk = _chunk(ids, chat, "", None, final.finish_reason, opening, streamed)
                 ending = [encode_event(chunk)]
                 if include_usage:
                     ending.append(encode_event(fmt.usage_chunk(ids, chat, _usage(final))))
@@ -57,7 +58,7 @@ async def sse(
                     yield plain.text(text)
                     call.handed_over()
             elif text or lp is not None:
-                yield encode_event(_chunk(ids, chat, text, lp, None, opening))
+                yield encode_event(_chunk(ids, chat, text, lp, None, opening, streamed))
                 opening = False
                 if text:
                     call.handed_over()
@@ -136,11 +137,12 @@ def _chunk(
     lp: DeltaLogprobs | None,
     finish: str | None,
     opening: bool,
+    streamed: fmt.StreamedCompletionLogprobs,
 ) -> dict[str, Any]:
     if chat:
         logprobs = fmt.chat_logprobs(lp.entries, lp.token_text) if lp else None
         return fmt.chat_chunk(ids, text, logprobs, finish, opening)
-    logprobs = fmt.completion_logprobs(lp.entries, lp.token_text) if lp else None
+    logprobs = streamed.chunk(lp.entries, lp.token_text) if lp else None
     return fmt.completion_chunk(ids, text, logprobs, finish)
 
 

@@ -65,6 +65,19 @@ def completion_logprobs(
     }
 
 
+class StreamedCompletionLogprobs:
+    """The logprobs of a streamed /v1/completions answer, chunk by chunk: each chunk's
+    ``text_offset`` goes on from the chunk before, as in the whole answer (and vLLM)."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def chunk(self, entries: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+        logprobs = completion_logprobs(entries, token_text, self.offset)
+        self.offset += sum(map(len, logprobs["tokens"]))
+        return logprobs
+
+
 # ---- bodies --------------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {

@@ -74,6 +74,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
 
     if body.stream:
         plain = TextEvents(ids, chat=False)
+        streamed = fmt.StreamedCompletionLogprobs()
 
         def chunk(out: RequestOutput) -> bytes:
             c = out.outputs[0]
@@ -84,7 +85,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
                 fmt.completion_chunk(
                     ids,
                     c.delta_text,
-                    fmt.completion_logprobs(logprobs, text_of) if logprobs is not None else None,
+                    streamed.chunk(logprobs, text_of) if logprobs is not None else None,
                     c.finish_reason,
                 )
             )
