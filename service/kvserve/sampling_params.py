@@ -18,6 +18,10 @@ SEED_RANGE = (-(2**63), 2**63 - 1)  # int64
 
 
 STRUCTURED_OUTPUTS_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# logit_bias: OpenAI's value range, and this server's bound on the entries (each one is
+# work for every step of the request).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,15 @@ class SamplingParams:
     ``temperature=0`` is greedy decoding. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``seed`` makes sampling reproducible for this request whatever else is in the
     batch. ``logprobs=N`` returns the sampled token's log-probability and the top N
-    alternatives, computed from the model's raw distribution (before penalties/temperature
-    and before a structured-outputs mask). ``structured_outputs`` constrains the output to
-    a JSON schema, regex, choice or grammar (``StructuredOutputsParams``).
+    alternatives, computed from the model's raw distribution (before biases, penalties and
+    temperature, and before a structured-outputs mask). ``structured_outputs`` constrains
+    the output to a JSON schema, regex, choice or grammar (``StructuredOutputsParams``).
+
+    ``logit_bias`` (OpenAI's): token id → a value in [-100, 100] added to its logit at
+    every step. ``repetition_penalty`` (vLLM's and transformers'): each token that occurs
+    in the prompt or the output so far has its logit divided by it when positive and
+    multiplied by it when negative; 1 is off, above 1 discourages repeats. Both apply
+    before the presence and frequency penalties, as in vLLM.
     """
 
     max_tokens: int = 16
@@ -114,6 +124,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +158,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        if not 0 < self.repetition_penalty < math.inf:  # NaN too
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise InvalidRequestError(
                 f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}", "seed"
@@ -168,9 +187,52 @@ class SamplingParams:
             )
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or a penalty changes the logits this request samples from."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1
+            or self.presence_penalty
+            or self.frequency_penalty
+        )
+
+    @property
     def greedy(self) -> bool:
         # Below this, dividing logits by the temperature overflows float32: treat as 0.
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _checked_logit_bias(bias: object) -> dict[int, float]:
+    """``bias`` as token id → value (InvalidRequestError naming ``logit_bias`` unless it is
+    one: at most MAX_LOGIT_BIAS_ENTRIES ids in the wire's range, values in LOGIT_BIAS_RANGE).
+    Whether each id is in the model's vocabulary the engine checks."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}",
+            "logit_bias",
+        )
+    low, high = LOGIT_BIAS_RANGE
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT32_MAX:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids in [0, {INT32_MAX}], got {token!r}",
+                "logit_bias",
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not low <= value <= high
+        ):
+            raise InvalidRequestError(
+                f"logit_bias values must be numbers in [{low:g}, {high:g}]; "
+                f"token {token} has {value!r}",
+                "logit_bias",
+            )
+        out[token] = float(value)
+    return out
 
 
 @dataclass(frozen=True)

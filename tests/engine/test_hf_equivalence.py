@@ -68,3 +68,27 @@ def test_matches_transformers_under_pressure(name, setup, checkpoint_dir, hf_ref
     if setup == "preempt":
         assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
     assert stats.kv_cache_usage == 0.0
+
+
+# (SamplingParams, the same for transformers' generate): each changes greedy choices.
+LOGITS_ADJUSTMENTS = {
+    "repetition_penalty": ({"repetition_penalty": 1.8}, {"repetition_penalty": 1.8}),
+    "logit_bias": (
+        {"logit_bias": {7: 4.0, 11: 2.5, 3: -100.0}},
+        {"sequence_bias": {(7,): 4.0, (11,): 2.5, (3,): -100.0}},
+    ),
+}
+
+
+@pytest.mark.parametrize("adjustment", list(LOGITS_ADJUSTMENTS))
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_logits_adjustments_match_transformers(name, adjustment, checkpoint_dir, hf_reference):  # type: ignore[no-untyped-def]
+    """logit_bias is transformers' sequence_bias of one-token sequences; the repetition
+    penalty is its own (over the prompt and the output so far)."""
+    ours, theirs = LOGITS_ADJUSTMENTS[adjustment]
+    prompts, plain = hf_reference(name)
+    expected = hf_greedy(checkpoint_dir(name), prompts, MAX_TOKENS, **theirs)
+    assert expected != plain, "the adjustment should change some greedy choice"
+    llm = LLM(str(checkpoint_dir(name)), dtype="float32", device=TEST_DEVICE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **ours)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected

@@ -72,6 +72,20 @@ def test_greedy_output_is_identical_under_pressure(name, setup, checkpoint_dir) 
     _greedy_case(checkpoint_dir(name), SETUPS[setup])
 
 
+def test_a_logit_bias_speculates_and_keeps_its_output(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """A bias is the same at every position, so its requests are verified like others."""
+    path = checkpoint_dir("llama")
+    prompts = _prompts(path)
+    biased = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logit_bias={7: 3.0, 11: -1.5}
+    )
+    expected = [o.outputs[0].token_ids for o in _llm(path).generate(prompts, biased)]
+    assert expected != [o.outputs[0].token_ids for o in _llm(path).generate(prompts, GREEDY)]
+    llm = _llm(path, **ALWAYS)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, biased)] == expected
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
 def test_lora_requests_speculate_under_their_adapter(checkpoint_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint_dir("llama")
     adapter = LoRARequest("a", str(build_adapter(path, tmp_path / "a", targets=ALL_LINEAR)))
@@ -160,9 +174,10 @@ def test_speculation_turns_off_for_large_batches_and_some_requests(checkpoint_di
         assert (llm.engine.stats().spec_decode.num_drafts > 0) is speculates
     # Penalties and grammars: never speculated (their per-position state is not
     # replayed), while the requests beside them are, unchanged.
-    llm = _llm(path, **ALWAYS)
-    llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, presence_penalty=0.5))
-    assert llm.engine.stats().spec_decode.num_drafts == 0
+    for penalty in ({"presence_penalty": 0.5}, {"repetition_penalty": 1.2}):
+        llm = _llm(path, **ALWAYS)
+        llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, **penalty))
+        assert llm.engine.stats().spec_decode.num_drafts == 0, penalty
     regex = SamplingParams(
         max_tokens=16, temperature=0, structured_outputs=StructuredOutputsParams(regex="[a-z]{9}")
     )

@@ -71,6 +71,23 @@ def test_chat_stream_and_logprobs(gateway: Gateway, replicas: list[Replica]) -> 
     assert chunks[0]["object"] == "chat.completion.chunk"
 
 
+def test_logit_bias_and_repetition_penalty_reach_the_replica(
+    gateway: Gateway, replicas: list[Replica]
+) -> None:
+    body = {**GREEDY, "prompt": "the cache keeps keys", "max_tokens": 12,
+            "logit_bias": {"42": 5.5, "7": -100}, "repetition_penalty": 1.7}  # fmt: skip
+    direct = httpx.post(f"{replicas[0].http}/v1/completions", json=body, timeout=60).json()
+    plain = {k: v for k, v in body.items() if k not in ("logit_bias", "repetition_penalty")}
+    with gateway.client() as c:
+        via = c.post("/v1/completions", json=body).json()
+        unbiased = c.post("/v1/completions", json=plain).json()
+        # the replica checks the ids against its vocabulary; the gateway relays its 400
+        r = c.post("/v1/completions", json={**body, "logit_bias": {"999999": 1}})
+    assert via["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert via["choices"][0]["text"] != unbiased["choices"][0]["text"]
+    assert r.status_code == 400 and error_of(r)["param"] == "logit_bias", r.text
+
+
 def test_streamed_completion_logprobs_join_to_the_whole_answers(gateway: Gateway) -> None:
     body = {**GREEDY, "prompt": "hello", "max_tokens": 8, "logprobs": 1}
     with gateway.client() as c:

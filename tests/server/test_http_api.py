@@ -124,6 +124,26 @@ def test_request_id_is_used_and_echoed(server: RunningServer) -> None:
             "only allowed with stream: true",
         ),
         ({"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of", "unsupported"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
+        (
+            {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}},
+            400,
+            "logit_bias",
+            "[-100, 100]",
+        ),
+        (
+            {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}},
+            400,
+            "logit_bias",
+            "out of range",
+        ),
+        (
+            {"model": MODEL, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}},
+            400,
+            "logit_bias",
+            "at most 1024",
+        ),
+        ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", ""),
         ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", ""),
         (
             {"model": MODEL, "prompt": [5] * 1030, "max_tokens": 4},
@@ -426,6 +446,23 @@ def test_logprobs_in_both_formats(server: RunningServer) -> None:
     )
 
 
+def test_logit_bias_and_repetition_penalty(server: RunningServer) -> None:
+    body = {**GREEDY, "prompt": "the cache keeps keys", "max_tokens": 16, "logprobs": 0}
+    with server.client() as c:
+
+        def tokens(**extra: Any) -> list[str]:
+            r = c.post("/v1/completions", json={**body, **extra})
+            assert r.status_code == 200, r.text
+            return list(r.json()["choices"][0]["logprobs"]["tokens"])
+
+        plain = tokens()
+        forced = tokens(logit_bias={"42": 100})  # +100 on one token: it is every token
+        penalised = tokens(repetition_penalty=2.0)
+    assert len(set(plain)) < len(plain), "the random model repeats itself"
+    assert len(set(forced)) == 1 and forced != plain
+    assert penalised != plain
+
+
 def test_streamed_completion_logprobs_join_to_the_whole_answers(server: RunningServer) -> None:
     """Each chunk's text_offset goes on from the last chunk's (they once restarted at 0)."""
     body = {**GREEDY, "prompt": "hello", "max_tokens": 8, "logprobs": 1}
@@ -491,6 +528,7 @@ def test_null_asks_for_the_default(server: RunningServer) -> None:
         for field in (
             "temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
             "top_k", "min_p", "ignore_eos", "logprobs", "parallel_tool_calls", "logit_bias",
+            "repetition_penalty",
             "prediction", "modalities", "audio", "verbosity", "web_search_options",
             "function_call", "functions", "stop", "tools", "tool_choice", "response_format",
         )
@@ -514,7 +552,7 @@ def test_null_asks_for_the_default(server: RunningServer) -> None:
         sixteen = c.post("/v1/completions", json={**completion, "max_tokens": None,
                                                    "ignore_eos": True})  # fmt: skip
         assert sixteen.json()["usage"]["completion_tokens"] == 16
-        for field, value in (("logit_bias", {"5": 10}), ("suffix", "x"), ("audio", {})):
+        for field, value in (("best_of", 2), ("suffix", "x"), ("audio", {})):
             r = c.post("/v1/chat/completions", json={**chat, field: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assistant = {"role": "assistant", "content": "x", "audio": {"id": "a1"}}

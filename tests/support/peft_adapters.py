@@ -59,9 +59,12 @@ def hf_greedy(
     prompts: list[list[int]],
     max_tokens: int,
     adapter_dir: Path | None = None,
+    **generate: Any,
 ) -> list[list[int]]:
     """Greedy fp32 tokens of transformers on the test device: of the base model, or under
-    the adapter through ``PeftModel`` (unmerged). The reference of every equivalence test."""
+    the adapter through ``PeftModel`` (unmerged). The reference of every equivalence test.
+    ``generate``: more ``generate`` arguments (logits processors such as
+    ``repetition_penalty``)."""
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         from peft import PeftModel
@@ -78,6 +81,7 @@ def hf_greedy(
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
+                **generate,
             )
             outs.append(gen[0, len(ids) :].tolist())
     return outs

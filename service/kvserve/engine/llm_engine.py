@@ -475,6 +475,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt"
             )
+        if params.logit_bias and (bad := [t for t in params.logit_bias if t >= vocab]):
+            raise InvalidRequestError(
+                f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}", "logit_bias"
+            )
         total = len(token_ids) + params.max_tokens
         # Blame the prompt when it alone leaves no room, else max_tokens.
         param = "prompt" if len(token_ids) >= self.max_model_len else "max_tokens"

@@ -12,7 +12,7 @@ from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.detokenizer import IncrementalDetokenizer
-    from kvserve.sample.sampler import SeededNoise
+    from kvserve.sample.sampler import SeededNoise, SeenTokens
     from kvserve.structured.matcher import GrammarMatcher
 
 
@@ -54,6 +54,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     detokenizer: IncrementalDetokenizer | None = None
     generator: SeededNoise | None = None  # the noise of a seeded request
+    seen_tokens: SeenTokens | None = None  # its tokens so far, for a repetition penalty
     grammar: GrammarMatcher | None = None  # its structured-outputs constraint
     # Draft tokens scheduled for verification this step (speculative decoding); the
     # engine empties the list once the step has verified them.
@@ -71,9 +72,11 @@ class Request:
     @property
     def can_speculate(self) -> bool:
         """Whether drafts may be verified for it: not under a grammar or penalties, whose
-        per-position state the verifier does not replay (docs/engine.md)."""
+        per-position state the verifier does not replay (docs/engine.md). A logit bias is
+        the same at every position."""
         p = self.params
-        return self.grammar is None and not (p.presence_penalty or p.frequency_penalty)
+        penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
+        return self.grammar is None and not penalised
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,7 @@ from kvserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputs
 # value is still refused by name.
 UNSET_WHEN_NULL = frozenset(
     {
-        "audio", "best_of", "function_call", "functions", "logit_bias", "modalities",
+        "audio", "best_of", "function_call", "functions", "modalities",
         "prediction", "suffix", "verbosity", "web_search_options",
     }
 )  # fmt: skip
@@ -85,10 +85,14 @@ class CommonRequest(OpenAIObject):
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # OpenAI's: token id, written as a string → a bias in [-100, 100] added to its logit
+    # (range and count are checked with the other sampling parameters).
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions (vLLM-compatible names).
     top_k: int = 0
     min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     # Prefix-cache isolation (vLLM's name and meaning): a request reuses cached prompt
     # blocks only from requests with the same salt. Behind the gateway, the tenant's own
@@ -104,6 +108,14 @@ class CommonRequest(OpenAIObject):
     service_tier: str | None = Field(None, max_length=64)
     safety_identifier: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _keys_are_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys must be token ids written as decimal numbers, got {key!r}")
+        return bias
 
     @field_validator("store")
     @classmethod
@@ -131,6 +143,10 @@ class CommonRequest(OpenAIObject):
             min_p=self.min_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=(
+                None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
+            ),
             seed=self.seed,
             stop=self.stop_list,
             ignore_eos=self.ignore_eos,

@@ -59,6 +59,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "min_p",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
     "seed",
     "logprobs",
     "skip_special_tokens",
@@ -103,6 +104,10 @@ def encode_request(
         req.max_tokens = params.max_tokens
     if params.seed is not None:
         req.seed = params.seed
+    if params.repetition_penalty != 1:
+        req.repetition_penalty = params.repetition_penalty
+    if params.logit_bias:
+        req.logit_bias.update(params.logit_bias)
     if params.logprobs is not None:
         req.logprobs = params.logprobs
     if cache_salt is not None:
@@ -312,6 +317,8 @@ def decode_sampling_params(
     }
     if default_max_tokens is not None:
         kwargs.setdefault("max_tokens", default_max_tokens)
+    if request.logit_bias:
+        kwargs["logit_bias"] = dict(request.logit_bias)
     return SamplingParams(
         stop=list(request.stop),
         stop_token_ids=list(request.stop_token_ids),

@@ -177,20 +177,34 @@ class Sampler:
         return out
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        rows = [
-            i
-            for i, r in enumerate(requests)
-            if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids
-        ]
+        """Each row's logit bias, then its repetition, presence and frequency penalties
+        (``SamplingParams``), in vLLM's order; only rows that ask for one cost anything."""
+        rows = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
         if not rows:
             return logits
         logits = logits.clone()
-        vocab = logits.shape[1]
-        for i in rows:  # one bincount per penalised request; outputs differ in length
-            p = requests[i].params
-            ids = torch.tensor(requests[i].output_token_ids, device=logits.device)
-            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        vocab, dev = logits.shape[1], logits.device
+        for i in rows:  # per request: each has its own ids and counts
+            req = requests[i]
+            p = req.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=dev)
+                logits[i].index_add_(
+                    0,
+                    ids,
+                    torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=dev),
+                )
+            if p.repetition_penalty != 1:
+                seen = _seen_tokens(req, vocab, dev)
+                row = logits[i]
+                penalised = torch.where(
+                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+                )
+                logits[i] = torch.where(seen, penalised, row)
+            if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+                ids = torch.tensor(req.output_token_ids, device=dev)
+                counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         return logits
 
     def _sample(
@@ -240,6 +254,28 @@ class Sampler:
                 if states is not None:
                     states[i] = req.generator.get_state()
         return (probs / noise).argmax(dim=-1)
+
+
+class SeenTokens:
+    """Which token ids a request's prompt and output hold (the repetition penalty's set),
+    kept on the request and brought up to date each step with only its new tokens."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.count = 0  # how many of the request's tokens are in the mask
+
+    def update(self, token_ids: Sequence[int]) -> torch.Tensor:
+        if self.count < len(token_ids):
+            new = torch.tensor(token_ids[self.count :], device=self.mask.device)
+            self.mask[new[new < self.mask.shape[0]]] = True
+            self.count = len(token_ids)
+        return self.mask
+
+
+def _seen_tokens(req: Request, vocab: int, device: torch.device) -> torch.Tensor:
+    if req.seen_tokens is None:
+        req.seen_tokens = SeenTokens(vocab, device)
+    return req.seen_tokens.update(req.all_token_ids)
 
 
 def _logprobs(
