@@ -130,6 +130,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         if isinstance(stop, str):
             raise TypeError("stop must be a sequence of strings, not a single string")
@@ -138,6 +139,9 @@ class IncrementalDetokenizer:
         # Empty stop strings would match everywhere; ignore them. Keep order, drop duplicates.
         self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
         self.include_stop_str_in_output = include_stop_str_in_output
+        # Text decoded by the time the first min_tokens tokens are in is never searched
+        # for stop strings (vLLM's min_tokens).
+        self.min_tokens = min_tokens
 
         self.text = ""
         self.delta_text = ""
@@ -239,6 +243,8 @@ class IncrementalDetokenizer:
             self._correct_at_finish()
 
         visible_len = len(self.text)
+        if self.stop and len(self.token_ids) <= self.min_tokens:
+            self._stops.skip_to(len(self._decoded))
         matched = self._find_stop() if self.stop else None
         if matched is not None:
             stop_str, start, end = matched

@@ -106,7 +106,10 @@ class SamplingParams:
     every step. ``repetition_penalty`` (vLLM's and transformers'): each token that occurs
     in the prompt or the output so far has its logit divided by it when positive and
     multiplied by it when negative; 1 is off, above 1 discourages repeats. Both apply
-    before the presence and frequency penalties, as in vLLM.
+    before the presence and frequency penalties, as in vLLM. ``min_tokens`` (vLLM's): no
+    EOS or ``stop_token_ids`` token is sampled, and no stop string ends the output, before
+    this many tokens (it cannot go with ``structured_outputs``, whose grammar may need to
+    end sooner).
     """
 
     max_tokens: int = 16
@@ -126,6 +129,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -165,6 +169,18 @@ class SamplingParams:
             )
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}",
+                "min_tokens",
+            )
+        if self.min_tokens and self.structured_outputs is not None:
+            raise InvalidRequestError(
+                "min_tokens cannot be combined with structured outputs or forced tool calls "
+                "(their grammar may have to end sooner)",
+                "min_tokens",
+            )
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise InvalidRequestError(
                 f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}", "seed"
@@ -191,6 +207,7 @@ class SamplingParams:
         """Whether a bias or a penalty changes the logits this request samples from."""
         return bool(
             self.logit_bias
+            or self.min_tokens
             or self.repetition_penalty != 1
             or self.presence_penalty
             or self.frequency_penalty

@@ -45,6 +45,11 @@ class StopMatcher:
         self._state = [0] * len(self.stops)
         self.fed = 0
 
+    def skip_to(self, fed: int) -> None:
+        """Count the text up to ``fed`` as fed, without matching in it."""
+        self._state = [0] * len(self.stops)
+        self.fed = fed
+
     def feed(self, text: str) -> tuple[str, int, int] | None:
         """Feed ``text[self.fed:]``; the first match as (stop, start, end) in ``text``.
 

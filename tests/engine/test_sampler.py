@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.request import Request
+from kvserve.errors import InvalidRequestError
 from kvserve.outputs import RequestMetrics
 from kvserve.sample.sampler import Sampler, SeededNoise
+from kvserve.sampling_params import StructuredOutputsParams
 
 VOCAB = 50
 
@@ -155,3 +158,48 @@ def test_the_noise_of_a_large_seed_is_exponential() -> None:
     assert bool((values > 0).all()) and bool(torch.isfinite(values).all())
     assert abs(values.mean().item() - 1.0) < 0.02  # Exp(1): mean 1, variance 1
     assert abs(values.var().item() - 1.0) < 0.05
+
+
+def test_min_tokens_holds_back_every_stop(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """No EOS, stop token or stop string ends the output before min_tokens (vLLM's)."""
+    llm = LLM(str(checkpoint_dir("llama")), dtype="float32", device="cpu")
+    (eos, *_) = sorted(llm.engine.eos_token_ids)
+
+    def run(**params: object) -> tuple[list[int], str | None, str | int | None, str]:
+        out = llm.generate(["hello there"], SamplingParams(max_tokens=12, temperature=0, **params))
+        c = out[0].outputs[0]
+        return list(c.token_ids), c.finish_reason, c.stop_reason, c.text
+
+    # +100 on EOS: it is the first token, or the first one min_tokens allows.
+    assert run(logit_bias={eos: 100})[:2] == ([eos], "stop")
+    tokens, reason, _, _ = run(logit_bias={eos: 100}, min_tokens=5)
+    assert len(tokens) == 6 and tokens[-1] == eos and eos not in tokens[:5] and reason == "stop"
+    tokens, reason, stop_reason, _ = run(logit_bias={17: 100}, stop_token_ids=[17], min_tokens=3)
+    assert (len(tokens), tokens[-1], reason, stop_reason) == (4, 17, "stop", 17)
+    # A stop string that the first tokens' text holds.
+    _, _, _, text = run(ignore_eos=True)
+    first = (
+        llm.generate(["hello there"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[
+            0
+        ]
+        .outputs[0]
+        .text
+    )
+    stop = first[-2:] if len(first) >= 2 else first
+    assert stop and run(ignore_eos=True, stop=[stop])[1] == "stop"
+    tokens, reason, _, whole = run(ignore_eos=True, stop=[stop], min_tokens=12)
+    assert (len(tokens), reason, whole) == (12, "length", text)
+
+
+def test_min_tokens_is_checked() -> None:
+    for params, fragment in (
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens must be an integer in [0, max_tokens=4]"),
+        ({"min_tokens": -1}, "min_tokens must be"),
+        (
+            {"min_tokens": 2, "structured_outputs": StructuredOutputsParams(regex="a+")},
+            "cannot be combined with structured outputs",
+        ),
+    ):
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(**params)  # type: ignore[arg-type]
+        assert err.value.param == "min_tokens" and fragment in str(err.value)

@@ -86,6 +86,13 @@ def test_logit_bias_and_repetition_penalty_reach_the_replica(
     assert via["choices"][0]["text"] == direct["choices"][0]["text"]
     assert via["choices"][0]["text"] != unbiased["choices"][0]["text"]
     assert r.status_code == 400 and error_of(r)["param"] == "logit_bias", r.text
+    # min_tokens on a chat without max_tokens: the replica resolves the limit
+    unlimited = {k: v for k, v in chat_body("hi").items() if k != "max_tokens"}
+    with gateway.client() as c:
+        chat = c.post("/v1/chat/completions", json={**unlimited, "min_tokens": 20})
+        too_many = c.post("/v1/chat/completions", json={**unlimited, "min_tokens": 10**6})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 20, chat.text
+    assert too_many.status_code == 400 and error_of(too_many)["param"] == "min_tokens"
 
 
 def test_streamed_completion_logprobs_join_to_the_whole_answers(gateway: Gateway) -> None:

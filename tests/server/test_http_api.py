@@ -144,6 +144,18 @@ def test_request_id_is_used_and_echoed(server: RunningServer) -> None:
             "at most 1024",
         ),
         ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", ""),
+        (
+            {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5},
+            400,
+            "min_tokens",
+            "[0, max_tokens=4]",
+        ),
+        (
+            {"model": MODEL, "prompt": "hi", "min_tokens": 2, "structured_outputs": {"regex": "a"}},
+            400,
+            "min_tokens",
+            "structured outputs",
+        ),
         ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", ""),
         (
             {"model": MODEL, "prompt": [5] * 1030, "max_tokens": 4},

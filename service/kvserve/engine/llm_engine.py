@@ -514,6 +514,7 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
             )
         if params.seed is not None:
             req.generator = self.runner.sampler.request_generator(params.seed)

@@ -76,7 +76,8 @@ class Request:
         the same at every position."""
         p = self.params
         penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-        return self.grammar is None and not penalised
+        # Until min_tokens, each position's stop tokens are masked by its own count.
+        return self.grammar is None and not penalised and self.num_output_tokens >= p.min_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -213,7 +213,10 @@ async def _serve(
     ceiling = state.config.model_settings(model).max_tokens_ceiling
     limit = _checked_limit(state, body, ceiling)
     try:
-        params = body.sampling_params(limit.value or 1, checks.logprobs_count(body))
+        # Without a limit the replica resolves max_tokens (what the context leaves) and
+        # checks min_tokens against it; here a stand-in that min_tokens fits.
+        stand_in = limit.value or max(1, body.min_tokens)
+        params = body.sampling_params(stand_in, checks.logprobs_count(body))
     except InvalidRequestError as exc:
         state.metrics.rejections.labels("invalid").inc()
         raise OpenAIError(400, str(exc), param=exc.param) from None

@@ -93,6 +93,7 @@ class CommonRequest(OpenAIObject):
     top_k: int = 0
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     # Prefix-cache isolation (vLLM's name and meaning): a request reuses cached prompt
     # blocks only from requests with the same salt. Behind the gateway, the tenant's own
@@ -144,6 +145,7 @@ class CommonRequest(OpenAIObject):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
             logit_bias=(
                 None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
             ),

@@ -60,6 +60,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_tokens",
     "seed",
     "logprobs",
     "skip_special_tokens",
@@ -108,6 +109,8 @@ def encode_request(
         req.repetition_penalty = params.repetition_penalty
     if params.logit_bias:
         req.logit_bias.update(params.logit_bias)
+    if params.min_tokens:
+        req.min_tokens = params.min_tokens
     if params.logprobs is not None:
         req.logprobs = params.logprobs
     if cache_salt is not None:

@@ -14,6 +14,7 @@ seeded request's are the very same tokens).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -178,7 +179,8 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """Each row's logit bias, then its repetition, presence and frequency penalties
-        (``SamplingParams``), in vLLM's order; only rows that ask for one cost anything."""
+        (``SamplingParams``), in vLLM's order, and last its ``min_tokens`` (no stop token
+        yet); only rows that ask for one cost anything."""
         rows = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
         if not rows:
             return logits
@@ -205,6 +207,9 @@ class Sampler:
                 ids = torch.tensor(req.output_token_ids, device=dev)
                 counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            if req.num_output_tokens < p.min_tokens:
+                stops = [t for t in (*req.eos_token_ids, *p.stop_token_ids) if t < vocab]
+                logits[i, stops] = -math.inf
         return logits
 
     def _sample(
