@@ -1,7 +1,8 @@
 """Pick the next token for every request in the batch at once.
 
-Order: the structured-outputs mask (disallowed tokens to -inf), then penalties, then
-temperature, then top-k / top-p / min-p filters, then sampling. Sampling uses the
+Order: the structured-outputs mask (disallowed tokens to -inf), then each request's logit
+bias, repetition, presence and frequency penalties and ``min_tokens`` (stop tokens to -inf
+until then), then temperature, then top-k / top-p / min-p filters, then sampling. Sampling uses the
 exponential-race trick (argmax of p / q with q ~ Exp(1)), which draws from p exactly and
 lets a seeded request take its noise from its own generator: its tokens do not depend on
 what else is in the batch.
