@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -131,3 +132,28 @@ def test_adapters_need_enable_lora_and_bad_ones_fail_before_queueing(
     assert manager is not None and lora in manager.host and manager.slots.resident == [lora]
     llm.engine.remove_lora(lora)  # idle: dropped from host memory and its slot at once
     assert lora not in manager.host and manager.slots.resident == []
+
+
+def test_vllm_style_lora_requests_are_the_same_adapter(good: Path, base: Path) -> None:
+    """vLLM's LoRARequest(name, int_id, path) works as it is (only the import changes):
+    the integer id is checked and not used; the adapter is its name and path."""
+    ours = LoRARequest("good", str(good))
+    for vllm_style in (
+        LoRARequest("good", 1, str(good)),
+        LoRARequest(lora_name="good", lora_int_id=7, lora_path=str(good)),
+        LoRARequest("good", 2, lora_path=str(good)),
+    ):
+        assert vllm_style == ours and hash(vllm_style) == hash(ours)
+    for args, error in (
+        (("good", 0, str(good)), "lora_int_id must be an integer ≥ 1"),
+        (("good", str(good), "/elsewhere"), "takes (lora_name, lora_path)"),
+        (("good",), "needs a lora_path"),
+    ):
+        with pytest.raises((TypeError, ValueError), match=re.escape(error)):
+            LoRARequest(*args)  # type: ignore[arg-type]
+    llm = LLM(str(base), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = llm.generate(
+        ["hi", "hi"], params, lora_request=[ours, LoRARequest("good", 1, str(good))]
+    )
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
