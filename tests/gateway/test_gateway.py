@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.support.gateway import KEY_A, KEY_B, KEY_LIMITED, Gateway, start_gateway, stream_text
@@ -370,6 +371,14 @@ def test_models_lists_what_the_key_may_use(gateway: Gateway) -> None:
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL]
     with gateway.client(key=KEY_B) as b:
         assert b.get("/v1/models").json()["data"] == []
+        # A model the key may not use is as unknown as one that does not exist.
+        assert b.get(f"/v1/models/{MODEL}").status_code == 404
+    sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY_A, max_retries=0)
+    assert sdk.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("nope")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-wrong").models.retrieve(MODEL)
     assert httpx.get(f"{gateway.url}/ready").json()["replicas"] == {MODEL: 2}
     assert KEY_A not in httpx.get(f"{gateway.url}/metrics").text
 

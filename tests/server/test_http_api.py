@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -36,6 +37,15 @@ def test_models_health_ready(server: RunningServer) -> None:
         assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
         assert c.get("/health").status_code == 200
         assert c.get("/ready").status_code == 200
+
+
+def test_the_sdk_retrieves_a_model(server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    listed = client.models.list().data
+    assert client.models.retrieve(MODEL) == listed[0]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("org/no-such-model")
+    assert err.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
 def test_completion_non_stream_and_stream_agree(server: RunningServer) -> None:

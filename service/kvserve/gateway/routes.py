@@ -86,7 +86,16 @@ def gateway_router(state: GatewayState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        tenant = _authenticate(state, request)
+        return {"object": "list", "data": listed(_authenticate(state, request))}
+
+    @router.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
+        """One entry of ``/v1/models`` for this key (OpenAI's retrieve); a model the key
+        may not use is as unknown as one that does not exist (404)."""
+        return fmt.model_entry(model, listed(_authenticate(state, request)))
+
+    def listed(tenant: Tenant) -> list[dict[str, Any]]:
+        """What ``/v1/models`` shows ``tenant``: each model and adapter it may use."""
         data: list[dict[str, Any]] = []
         for model in state.model_names():
             entry = {"id": model, "object": "model", "created": 0, "owned_by": "kvserve"}
@@ -98,7 +107,7 @@ def gateway_router(state: GatewayState) -> APIRouter:
                 for name in adapters.known(state, model)
                 if tenant.allows(name)
             )
-        return {"object": "list", "data": data}
+        return data
 
     @router.post(
         "/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.openai.errors import OpenAIError
 from kvserve.outputs import TokenLogprob
 
 TokenText = Callable[[int], str]
@@ -79,6 +80,17 @@ class StreamedCompletionLogprobs:
 
 
 # ---- bodies --------------------------------------------------------------------------------
+def model_entry(model: str, listed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``GET /v1/models/{model}``: its entry among ``listed`` (``/v1/models``'s data), or
+    OpenAI's 404 ``model_not_found``."""
+    for entry in listed:
+        if entry["id"] == model:
+            return entry
+    raise OpenAIError(
+        404, f"the model {model!r} does not exist here", param="model", code="model_not_found"
+    )
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,

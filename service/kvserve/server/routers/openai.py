@@ -43,6 +43,12 @@ async def list_models(state: State) -> dict[str, Any]:
     return {"object": "list", "data": state.lora.models(0, state.max_model_len)}
 
 
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, state: State) -> dict[str, Any]:
+    """One entry of ``/v1/models`` (OpenAI's retrieve), or 404 ``model_not_found``."""
+    return fmt.model_entry(model, state.lora.models(0, state.max_model_len))
+
+
 @router.post("/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     arrival = time.monotonic()
