@@ -20,7 +20,12 @@ from tests.support.openapi_fuzz import fuzz_operation
 from tests.support.replicas import REPLICA_MODEL, Replica, start_replicas
 
 MAX_EXAMPLES = 30
-OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"]
+OPERATIONS = [
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "GET /v1/models",
+    "GET /v1/models/{model}",
+]
 
 
 @pytest.fixture(scope="module")

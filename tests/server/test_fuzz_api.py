@@ -32,6 +32,7 @@ OPERATIONS = [
     "POST /v1/completions",
     "POST /v1/chat/completions",
     "GET /v1/models",
+    "GET /v1/models/{model}",
     "GET /health",
     "GET /ready",
     "GET /metrics",
