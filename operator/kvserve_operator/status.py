@@ -140,11 +140,10 @@ def compute_status(
     conditions = previous.get("conditions") or []
     ready = counts["readyReplicas"]
     if deployment is None:
-        ready_c = (
-            False,
-            f"{workload_kind}Missing",
-            f"the engine {workload_kind} does not exist yet",
-        )
+        # Missing because of an error (an invalid spec, a refused apply): say why here too,
+        # where `kubectl get` and `kubectl wait --for=condition=Ready` look.
+        missing = f"the engine {workload_kind} does not exist yet"
+        ready_c = (False, f"{workload_kind}Missing", f"{missing}: {error}" if error else missing)
     elif desired_replicas == 0:
         ready_c = (False, "ScaledToZero", "replicas is 0")
     elif ready >= desired_replicas:

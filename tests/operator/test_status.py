@@ -87,6 +87,12 @@ def test_deadline_exceeded_and_errors_are_degraded() -> None:
     s = compute(None, error="apply failed: forbidden")
     assert conditions(s)["Degraded"] == ("True", "ReconcileError")
     assert conditions(s)["Ready"] == ("False", "DeploymentMissing")
+    # The Ready condition says why it is missing, where `kubectl wait` looks.
+    (ready,) = [c for c in s["conditions"] if c["type"] == "Ready"]
+    assert ready["message"] == "the engine Deployment does not exist yet: apply failed: forbidden"
+    s = compute(None)
+    (ready,) = [c for c in s["conditions"] if c["type"] == "Ready"]
+    assert ready["message"] == "the engine Deployment does not exist yet"
 
 
 def test_transition_time_changes_only_when_status_flips() -> None:
