@@ -244,10 +244,20 @@ class Product:
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
 
     def patch_model(self, spec: dict[str, Any]) -> None:
-        self.cluster.kubectl(
+        """Merge ``spec`` into the InferenceModel, and return once the operator has applied
+        it (``status.observedGeneration``): until then its Deployment still shows the old
+        template, which ``settled`` would take for a finished rollout."""
+        patched = self.cluster.kubectl(
             "patch", "inferencemodel", self.model, "-n", self.namespace, "--type", "merge",
-            "-p", json.dumps({"spec": spec}),
+            "-p", json.dumps({"spec": spec}), "-o", "json",
         )  # fmt: skip
+        generation = int(json.loads(patched.stdout)["metadata"]["generation"])
+
+        def applied() -> bool:
+            im = self.get("inferencemodel", self.model) or {}
+            return int((im.get("status") or {}).get("observedGeneration") or 0) >= generation
+
+        poll("the operator to apply the patched spec", applied, timeout=START_TIMEOUT)
 
     def settled(self, replicas: int) -> bool:
         """Exactly ``replicas`` pods, all Ready and of the Deployment's current template;
