@@ -12,7 +12,7 @@ from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.detokenizer import IncrementalDetokenizer
-    from kvserve.sample.sampler import SeededNoise, SeenTokens
+    from kvserve.sample.sampler import LogitsState, SeededNoise
     from kvserve.structured.matcher import GrammarMatcher
 
 
@@ -54,7 +54,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     detokenizer: IncrementalDetokenizer | None = None
     generator: SeededNoise | None = None  # the noise of a seeded request
-    seen_tokens: SeenTokens | None = None  # its tokens so far, for a repetition penalty
+    logits_state: LogitsState | None = None  # its biases' and penalties' (the sampler's)
     grammar: GrammarMatcher | None = None  # its structured-outputs constraint
     # Draft tokens scheduled for verification this step (speculative decoding); the
     # engine empties the list once the step has verified them.

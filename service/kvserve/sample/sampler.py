@@ -2,10 +2,10 @@
 
 Order: the structured-outputs mask (disallowed tokens to -inf), then each request's logit
 bias, repetition, presence and frequency penalties and ``min_tokens`` (stop tokens to -inf
-until then), then temperature, then top-k / top-p / min-p filters, then sampling. Sampling uses the
-exponential-race trick (argmax of p / q with q ~ Exp(1)), which draws from p exactly and
-lets a seeded request take its noise from its own generator: its tokens do not depend on
-what else is in the batch.
+until then), then temperature, then top-k / top-p / min-p filters, then sampling.
+Sampling uses the exponential-race trick (argmax of p / q with q ~ Exp(1)), which draws
+from p exactly and lets a seeded request take its noise from its own generator: its
+tokens do not depend on what else is in the batch.
 
 ``verify`` does the same for a batch in which some requests carry draft tokens
 (speculative decoding): each row picks its token as above, and a draft is kept while its
@@ -190,27 +190,23 @@ class Sampler:
         for i in rows:  # per request: each has its own ids and counts
             req = requests[i]
             p = req.params
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=dev)
-                logits[i].index_add_(
-                    0,
-                    ids,
-                    torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=dev),
-                )
+            if req.logits_state is None:
+                req.logits_state = LogitsState(req, vocab, dev)
+            state = req.logits_state
+            if state.bias is not None:
+                logits[i].index_add_(0, *state.bias)
             if p.repetition_penalty != 1:
-                seen = _seen_tokens(req, vocab, dev)
                 row = logits[i]
                 penalised = torch.where(
                     row > 0, row / p.repetition_penalty, row * p.repetition_penalty
                 )
-                logits[i] = torch.where(seen, penalised, row)
+                logits[i] = torch.where(state.seen(req.all_token_ids), penalised, row)
             if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
                 ids = torch.tensor(req.output_token_ids, device=dev)
                 counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
             if req.num_output_tokens < p.min_tokens:
-                stops = [t for t in (*req.eos_token_ids, *p.stop_token_ids) if t < vocab]
-                logits[i, stops] = -math.inf
+                logits[i, state.stop_ids] = -math.inf
         return logits
 
     def _sample(
@@ -262,26 +258,34 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-class SeenTokens:
-    """Which token ids a request's prompt and output hold (the repetition penalty's set),
-    kept on the request and brought up to date each step with only its new tokens."""
+class LogitsState:
+    """What a request's logit adjustments keep between steps, built at its first one (on
+    the request, so a verify step's repeated rows share it): its ``logit_bias`` and its
+    ``min_tokens`` stop ids as tensors, and for a repetition penalty the set of token ids
+    its prompt and output hold, grown by each step's new tokens only."""
 
-    def __init__(self, vocab: int, device: torch.device) -> None:
-        self.mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-        self.count = 0  # how many of the request's tokens are in the mask
+    def __init__(self, req: Request, vocab: int, device: torch.device) -> None:
+        p = req.params
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=device)
+            values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+            self.bias = ids, values
+        stops = [t for t in (*req.eos_token_ids, *p.stop_token_ids) if t < vocab]
+        self.stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
+        self._vocab, self._device = vocab, device
+        self._seen: torch.Tensor | None = None  # made at the first ``seen``
+        self._seen_count = 0  # how many of the request's tokens are in it
 
-    def update(self, token_ids: Sequence[int]) -> torch.Tensor:
-        if self.count < len(token_ids):
-            new = torch.tensor(token_ids[self.count :], device=self.mask.device)
-            self.mask[new[new < self.mask.shape[0]]] = True
-            self.count = len(token_ids)
-        return self.mask
-
-
-def _seen_tokens(req: Request, vocab: int, device: torch.device) -> torch.Tensor:
-    if req.seen_tokens is None:
-        req.seen_tokens = SeenTokens(vocab, device)
-    return req.seen_tokens.update(req.all_token_ids)
+    def seen(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Which ids occur in ``token_ids`` (the request's prompt and output so far)."""
+        if self._seen is None:
+            self._seen = torch.zeros(self._vocab, dtype=torch.bool, device=self._device)
+        if self._seen_count < len(token_ids):
+            new = torch.tensor(token_ids[self._seen_count :], device=self._device)
+            self._seen[new[new < self._vocab]] = True
+            self._seen_count = len(token_ids)
+        return self._seen
 
 
 def _logprobs(
