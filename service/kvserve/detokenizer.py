@@ -244,7 +244,7 @@ class IncrementalDetokenizer:
 
         visible_len = len(self.text)
         if self.stop and len(self.token_ids) <= self.min_tokens:
-            self._stops.skip_to(len(self._decoded))
+            self._stops.reset(fed=len(self._decoded))
         matched = self._find_stop() if self.stop else None
         if matched is not None:
             stop_str, start, end = matched

@@ -41,12 +41,8 @@ class StopMatcher:
         self._state = [0] * len(self.stops)
         self.fed = 0  # characters fed so far
 
-    def reset(self) -> None:
-        self._state = [0] * len(self.stops)
-        self.fed = 0
-
-    def skip_to(self, fed: int) -> None:
-        """Count the text up to ``fed`` as fed, without matching in it."""
+    def reset(self, fed: int = 0) -> None:
+        """Start over at ``fed``: the text before it counts as fed, never matched in."""
         self._state = [0] * len(self.stops)
         self.fed = fed
 
