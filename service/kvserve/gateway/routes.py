@@ -48,6 +48,7 @@ from kvserve.openai.sse import EventStreamResponse
 from kvserve.openai.structured import Constraint, requested_constraint
 from kvserve.openai.tools import ChatTools, chat_tools
 from kvserve.rpc.codec import Prompt, encode_request
+from kvserve.sampling_params import INT32_MAX
 
 CHARS_PER_TOKEN = 4  # admission estimate of prompt tokens; settled to the real count later
 
@@ -222,10 +223,10 @@ async def _serve(
     ceiling = state.config.model_settings(model).max_tokens_ceiling
     limit = _checked_limit(state, body, ceiling)
     try:
-        # Without a limit the replica resolves max_tokens (what the context leaves) and
-        # checks min_tokens against it; here a stand-in that min_tokens fits.
-        stand_in = limit.value or max(1, body.min_tokens)
-        params = body.sampling_params(stand_in, checks.logprobs_count(body))
+        # Without a limit max_tokens is not sent: the replica resolves it (what the context
+        # leaves, at most the ceiling) and checks what depends on it, such as min_tokens.
+        max_tokens = INT32_MAX if limit.value is None else limit.value
+        params = body.sampling_params(max_tokens, checks.logprobs_count(body))
     except InvalidRequestError as exc:
         state.metrics.rejections.labels("invalid").inc()
         raise OpenAIError(400, str(exc), param=exc.param) from None
