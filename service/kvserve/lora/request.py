@@ -22,12 +22,12 @@ class LoRARequest:
     request) and ``lora_path`` (a PEFT directory: ``adapter_config.json`` and
     ``adapter_model.safetensors``).
 
-    ``LoRARequest(name, path)``, or vLLM's ``LoRARequest(name, int_id, path)`` (also with
-    keywords ``lora_int_id`` and ``lora_path``), so that vLLM code needs only its import
-    changed. vLLM's integer id is checked (≥ 1) and not used: an adapter here is known by
-    its name and path. Two requests with equal ``LoRARequest``s run the same adapter and
-    may share prefix cache blocks; a name loaded again from another path is another
-    adapter.
+    ``LoRARequest(name, path)``, or vLLM's ``LoRARequest(name, int_id, path)`` (or with
+    the keywords ``lora_name``, ``lora_int_id``, ``lora_path``), so that vLLM code needs
+    only its import changed. vLLM's integer id is checked (≥ 1) and not used: an adapter
+    here is known by its name and path. Two requests with equal ``LoRARequest``s run the
+    same adapter and may share prefix cache blocks; a name loaded again from another path
+    is another adapter.
     """
 
     lora_name: str
@@ -36,28 +36,19 @@ class LoRARequest:
     def __init__(
         self,
         lora_name: str,
-        *args: int | str,
-        lora_path: str | None = None,
+        lora_path: str | int = "",
+        vllm_path: str = "",
+        *,
         lora_int_id: int | None = None,
     ) -> None:
-        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
-            if lora_int_id is not None:
-                raise TypeError("LoRARequest got lora_int_id twice")
-            lora_int_id, args = args[0], args[1:]
-        if len(args) > 1 or (args and lora_path is not None):
-            raise TypeError(
-                "LoRARequest takes (lora_name, lora_path) "
-                "or vLLM's (lora_name, lora_int_id, lora_path)"
-            )
-        path = args[0] if args else (lora_path or "")
-        if lora_int_id is not None and (
-            isinstance(lora_int_id, bool) or not isinstance(lora_int_id, int) or lora_int_id < 1
-        ):
-            raise ValueError(f"lora_int_id must be an integer ≥ 1, got {lora_int_id!r}")
-        if not isinstance(path, str):
-            raise TypeError(f"lora_path must be a string, got {path!r}")
+        if isinstance(lora_path, int):  # vLLM's (lora_name, lora_int_id, lora_path)
+            lora_int_id, lora_path = lora_path, vllm_path
+        elif vllm_path:
+            raise TypeError("LoRARequest takes (name, path) or vLLM's (name, int_id, path)")
+        if lora_int_id is not None and lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be ≥ 1, got {lora_int_id}")
         object.__setattr__(self, "lora_name", lora_name)
-        object.__setattr__(self, "lora_path", path)
+        object.__setattr__(self, "lora_path", lora_path)
         self.__post_init__()
 
     def __post_init__(self) -> None:
