@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -97,14 +98,28 @@ class LLM:
         for adapter in dict.fromkeys(x for x in loras if x is not None):
             self.engine.add_lora(adapter)
 
-        ids = [f"offline-{next(self._ids)}" for _ in batch]
+        # One engine request per sample: a prompt with n > 1 is n requests (their
+        # outputs are joined into one RequestOutput, vLLM's shape).
+        groups: list[list[str]] = []
         try:
-            for rid, prompt, p, lora in zip(ids, batch, params, loras, strict=True):
-                self.engine.add_request(rid, prompt, p, cache_salt=cache_salt, lora_request=lora)
+            for prompt, p, lora in zip(batch, params, loras, strict=True):
+                groups.append([])
+                for i, sample in enumerate(p.samples()):
+                    rid = f"offline-{next(self._ids)}"
+                    groups[-1].append(rid)
+                    self.engine.add_request(
+                        rid,
+                        prompt,
+                        sample,
+                        cache_salt=cache_salt,
+                        lora_request=lora,
+                        sample_index=i,
+                    )
         except ValueError:
-            self.engine.abort_request(ids)
+            self.engine.abort_request(rid for group in groups for rid in group)
             raise
-        return self._run(ids, use_tqdm)
+        done = self._run([rid for group in groups for rid in group], use_tqdm)
+        return [joined_samples([done[rid] for rid in group]) for group in groups]
 
     def chat(
         self,
@@ -136,7 +151,7 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> dict[str, RequestOutput]:
         show = len(ids) >= PROGRESS_BAR_MIN_PROMPTS if use_tqdm is None else use_tqdm
         bar = None
         if show:
@@ -161,7 +176,16 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [done[rid] for rid in ids]
+        return done
+
+
+def joined_samples(outputs: list[RequestOutput]) -> RequestOutput:
+    """The finished outputs of one prompt's samples (``SamplingParams.samples``) as one
+    output with a completion per sample (each ``index`` its place): the first sample's request,
+    prompt, cached tokens and timeline, and every sample's completion."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return dataclasses.replace(outputs[0], outputs=[out.outputs[0] for out in outputs])
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ STRUCTURED_OUTPUTS_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # work for every step of the request).
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# n: OpenAI's bound on the samples one request may ask for.
+MAX_N = 128
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,10 @@ class SamplingParams:
     EOS or ``stop_token_ids`` token is sampled, and no stop string ends the output, before
     this many tokens (it cannot go with ``structured_outputs``, whose grammar may need to
     end sooner).
+
+    ``n`` (OpenAI's and vLLM's): how many answers to sample for the prompt, at most
+    ``MAX_N``. They run as ``n`` requests of one sample each (``samples()``), the i-th
+    with seed ``seed + i`` when a seed is set, so each is reproducible and they differ.
     """
 
     max_tokens: int = 16
@@ -130,6 +137,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -185,6 +193,12 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}", "seed"
             )
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_RANGE[1]:
+            raise InvalidRequestError(
+                f"seed + n - 1 must be at most {SEED_RANGE[1]} (sample i uses seed + i)", "seed"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(
                 f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs"
@@ -201,6 +215,16 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"stop_token_ids must be token ids in [0, {INT32_MAX}]", "stop_token_ids"
             )
+
+    def samples(self) -> list[SamplingParams]:
+        """The requests of one sample each that ``n`` stands for: ``[self]`` when n is 1,
+        else n copies with n=1, the i-th with seed ``seed + i`` (when a seed is set)."""
+        if self.n == 1:
+            return [self]
+        return [
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+            for i in range(self.n)
+        ]
 
     @property
     def adjusts_logits(self) -> bool:

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from kvserve import LLM, SamplingParams
+from kvserve.errors import InvalidRequestError
 from kvserve.telemetry import definitions as d
 from tests.support.prompts import greedy_reference
 
@@ -169,6 +170,23 @@ def test_outputs_in_input_order_and_chat(llm: LLM) -> None:
     chat = llm.chat([{"role": "user", "content": "hello"}], GREEDY)
     assert len(chat) == 1 and len(chat[0].outputs[0].token_ids) == 8
     assert chat[0].prompt_token_ids[0] == llm.get_tokenizer().bos_token_id
+
+
+def test_n_samples_are_one_output_each_with_its_own_seed(llm: LLM) -> None:
+    """``SamplingParams(n=3)`` answers a prompt three times in one RequestOutput (vLLM's
+    shape): sample i is what the same request alone with seed + i gives."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, seed=40, n=3)
+    out, other = llm.generate(["the cache keeps keys", "hello"], params)
+    alone = llm.generate(
+        ["the cache keeps keys"] * 3,
+        [SamplingParams(max_tokens=6, ignore_eos=True, seed=40 + i) for i in range(3)],
+    )
+    assert [c.index for c in out.outputs] == [0, 1, 2] and len(other.outputs) == 3
+    assert [c.token_ids for c in out.outputs] == [a.outputs[0].token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_kv_blocks
+    with pytest.raises(InvalidRequestError, match="n must be"):
+        SamplingParams(n=129)
 
 
 def test_bf16_agrees_with_fp32_teacher_forced(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]

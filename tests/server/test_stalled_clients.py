@@ -115,3 +115,48 @@ def test_a_consumer_that_falls_behind_holds_a_bounded_number_of_outputs(
     assert len(c.delta_token_ids) == 200 - (MERGE_AFTER - 1)  # the last absorbed the rest
     assert c.logprobs is not None and len(c.logprobs) == 200
     assert server.engine.kv.pool.num_free_blocks == server.engine.num_kv_blocks
+
+
+def test_samples_share_one_stream_bounded_per_request_and_closed_together(
+    server: RunningServer,
+) -> None:
+    """The samples of one prompt (``n``) on one stream: unread, they keep at most
+    3 × MERGE_AFTER outputs, which carry each one's tokens in order; closing the stream
+    before they finish aborts every one of them and frees their blocks."""
+
+    async def main() -> tuple[list[Any], int]:
+        engine = AsyncEngine(server.engine)
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=150, ignore_eos=True, seed=1, n=3)
+            reqs = [
+                engine.make_request("fall behind", p, "samples", sample_index=i)
+                for i, p in enumerate(params.samples())
+            ]
+            stream = engine.submit(*reqs)
+            while not server.engine.requests:  # the engine thread takes them
+                await asyncio.sleep(0.01)
+            while server.engine.requests:  # and runs them to the end; nobody reads
+                await asyncio.sleep(0.01)
+            got = [out async for out in stream]
+            stream.close()
+
+            cut = engine.submit(*(engine.make_request("cut", p) for p in params.samples()))
+            await anext(cut)
+            cut.close()  # two samples (at least) still running: all three are aborted
+            while server.engine.requests:
+                await asyncio.sleep(0.01)
+            return got, server.engine.kv.pool.num_free_blocks
+        finally:
+            await engine.stop()
+
+    got, free = asyncio.run(main())
+    assert len(got) <= 3 * MERGE_AFTER
+    by_sample = [[o for o in got if o.outputs[0].index == i] for i in range(3)]
+    for outs in by_sample:
+        c = outs[-1].outputs[0]
+        assert outs[-1].finished and len(c.token_ids) == 150
+        assert [t for o in outs for t in o.outputs[0].delta_token_ids] == c.token_ids
+        assert not any(o.finished for o in outs[:-1])
+    assert len({tuple(outs[-1].outputs[0].token_ids) for outs in by_sample}) == 3
+    assert free == server.engine.num_kv_blocks

@@ -163,11 +163,13 @@ class AsyncEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        sample_index: int = 0,
     ) -> Request:
         """Tokenize and validate; raises ValueError for bad input (before any streaming).
 
         The request gets an engine id of its own; ``external_id`` (the client's, any
         string, unique or not) travels with it into outputs, logs and spans.
+        ``sample_index``: which of its prompt's samples it is (``SamplingParams.samples``).
         """
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
@@ -179,6 +181,7 @@ class AsyncEngine:
             cache_salt=cache_salt,
             external_id=external_id,
             lora_request=lora_request,
+            sample_index=sample_index,
         )
 
     async def prepare(self, prompt: str | list[int]) -> str | list[int]:
@@ -225,14 +228,20 @@ class AsyncEngine:
         async for out in self.stream(req):
             yield out
 
-    def submit(self, req: Request) -> RequestStream:
-        """Hand ``req`` to the engine thread now; iterate the result for its outputs.
+    def submit(self, *reqs: Request) -> RequestStream:
+        """Hand ``reqs`` (one, or the samples of one prompt) to the engine thread now;
+        iterate the result for their outputs, interleaved.
 
-        The caller must ``close()`` the stream (it aborts the request unless it finished),
-        so a request whose response never starts does not run on.
+        The caller must ``close()`` the stream (it aborts the requests that have not
+        finished), so a request whose response never starts does not run on.
         """
-        stream = RequestStream(self, req.request_id)
-        self.add_request(req, stream.put)
+        stream = RequestStream(self, [req.request_id for req in reqs])
+        try:
+            for req in reqs:
+                self.add_request(req, stream.put)
+        except BaseException:
+            stream.close()
+            raise
         return stream
 
     def add_request(self, req: Request, on_output: OutputSink) -> None:
@@ -250,13 +259,14 @@ class AsyncEngine:
         self._external_ids[req.request_id] = req.external_id
         self._commands.put(_Add(req))
 
-    async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
-        """Yield an output every step the request makes progress, the last one finished.
+    async def stream(self, *reqs: Request) -> AsyncIterator[RequestOutput]:
+        """Yield an output every step a request makes progress, until each one's last
+        (finished) output; ``reqs`` as for ``submit``.
 
-        If the consumer stops early (client gone, task cancelled), the request is aborted
-        in the engine before its next step.
+        If the consumer stops early (client gone, task cancelled), the requests are
+        aborted in the engine before their next step.
         """
-        outputs = self.submit(req)
+        outputs = self.submit(*reqs)
         try:
             async for out in outputs:
                 yield out
@@ -468,22 +478,25 @@ class AsyncEngine:
 
 
 class RequestStream:
-    """One submitted request's outputs, in order; the last one is finished.
+    """The outputs of submitted requests (one, or the samples of one prompt), in order per
+    request and interleaved as they arrive; each request's last output is finished.
 
     ``async for out in stream``; ``ready()`` takes the outputs that have already arrived
-    without waiting (a consumer that fell behind sends them together). ``close()`` is
-    idempotent and aborts the request in the engine unless it finished.
+    without waiting (a consumer that fell behind sends them together). ``finished``: every
+    request has given its last output, or one failed. ``close()`` is idempotent and aborts
+    the requests that have not finished.
 
-    Invariant: at most ``MERGE_AFTER`` outputs wait (and the exception that ends the
-    request). An output that arrives when that many wait absorbs the last one
-    (``RequestOutput.absorb``), so a client that stops reading holds a bounded number of
-    outputs, the last one growing with its text; the write-stall timeout
-    (kvserve.openai.stalls) ends such a client.
+    Invariant: at most ``MERGE_AFTER`` outputs per request of the stream wait, in all (and
+    the exception that ends it). An output that arrives when that many wait absorbs its
+    request's latest waiting one (``RequestOutput.absorb``), so a client that stops
+    reading holds a bounded number of outputs, the last ones growing with their text; the
+    write-stall timeout (kvserve.openai.stalls) ends such a client.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
         self._engine = engine
-        self.request_id = request_id
+        self.request_ids = request_ids
+        self._running = set(request_ids)  # those whose last output has not been taken
         self._waiting: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._arrived = asyncio.Event()
         self.finished = False
@@ -501,13 +514,17 @@ class RequestStream:
         return self._take(self._waiting.popleft())
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """The engine's next output or the exception that ends the request (on the event
-        loop)."""
-        last = self._waiting[-1] if len(self._waiting) >= MERGE_AFTER else None
-        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
-            self._waiting[-1] = item.absorb(last)
-        else:
-            self._waiting.append(item)
+        """A request's next output or the exception that ends it (on the event loop)."""
+        if isinstance(item, RequestOutput) and len(self._waiting) >= MERGE_AFTER * len(
+            self.request_ids
+        ):
+            for i in range(len(self._waiting) - 1, -1, -1):  # its latest waiting output
+                last = self._waiting[i]
+                if isinstance(last, RequestOutput) and last.request_id == item.request_id:
+                    del self._waiting[i]  # (its later outputs are the others')
+                    item = item.absorb(last)
+                    break
+        self._waiting.append(item)
         self._arrived.set()
 
     def ready(self) -> list[RequestOutput]:
@@ -520,10 +537,13 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        self.finished = item.finished
+        if item.finished:
+            self._running.discard(item.request_id)
+            self.finished = not self._running
         return item
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._engine.release(self.request_id, abort=not self.finished)
+            for request_id in self.request_ids:
+                self._engine.release(request_id, abort=request_id in self._running)

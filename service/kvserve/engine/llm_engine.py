@@ -361,6 +361,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        sample_index: int = 0,
     ) -> Request:
         """Queue a request. Raises ValueError (with the numbers) if it can never run."""
         req = self.build_request(
@@ -370,6 +371,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            sample_index=sample_index,
         )
         self.enqueue(req)
         return req
@@ -453,8 +455,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         external_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        sample_index: int = 0,
     ) -> Request:
         """Tokenize and validate a request without touching engine state.
+        ``sample_index``: which of its prompt's samples it is (``SamplingParams.samples``).
 
         Safe to call from another thread than the one stepping the engine (the async
         server validates on its event loop, so bad input is answered before streaming).
@@ -506,6 +510,7 @@ class LLMEngine:
             external_id=external_id,
             cache_salt=cache_salt,
             lora=lora_request,
+            sample_index=sample_index,
             eos_token_ids=frozenset(() if params.ignore_eos else self.eos_token_ids),
         )
         if self.tokenizer is not None:
@@ -744,7 +749,7 @@ class LLMEngine:
             prompt_token_ids=req.prompt_token_ids,
             outputs=[
                 CompletionOutput(
-                    index=0,
+                    index=req.sample_index,
                     text=text,
                     token_ids=Prefix(req.output_token_ids),
                     finish_reason=req.finish_reason,

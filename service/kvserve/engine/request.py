@@ -42,6 +42,8 @@ class Request:
     external_id: str | None = None
     cache_salt: str | None = None
     lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    # Which of its prompt's n samples it is (SamplingParams.samples): its output's index.
+    sample_index: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
