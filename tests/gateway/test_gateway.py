@@ -115,6 +115,46 @@ def error_of(r: httpx.Response) -> dict[str, Any]:
     return dict(body["error"])
 
 
+def test_n_samples_match_the_replica_stream_and_whole(
+    gateway: Gateway, replicas: list[Replica]
+) -> None:
+    """A request for ``n`` samples runs them on one replica: the choices are those the
+    replica gives (sample i with seed + i), streamed and whole; the usage counts the
+    prompt once and every sample's output."""
+    body = {"model": MODEL, "prompt": "the cache keeps keys", "max_tokens": 6, "n": 3,
+            "seed": 5, "ignore_eos": True}  # fmt: skip
+    direct = httpx.post(f"{replicas[0].http}/v1/completions", json=body, timeout=60).json()
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY_A, max_retries=0)
+    args: dict[str, Any] = {k: v for k, v in body.items() if k != "ignore_eos"}
+    args["extra_body"] = {"ignore_eos": True}
+    whole = client.completions.create(**args)
+    assert [c.model_dump() for c in whole.choices] == direct["choices"]
+    assert whole.usage is not None and whole.usage.completion_tokens == 18
+    assert whole.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
+    texts, finishes, usage = ["", "", ""], ["", "", ""], None
+    for chunk in client.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    ):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] += c.finish_reason or ""
+    assert texts == [c["text"] for c in direct["choices"]]
+    assert finishes == ["length"] * 3
+    assert usage is not None and usage.completion_tokens == 18
+
+    chat = chat_body("hello", 5, n=2, temperature=1, seed=9)
+    direct_chat = httpx.post(f"{replicas[0].http}/v1/chat/completions", json=chat).json()
+    with gateway.client() as c:
+        _, chunks = stream_text(c, "/v1/chat/completions", chat)
+    contents, roles = ["", ""], [0, 0]
+    for d in (d for chunk in chunks for d in chunk["choices"]):
+        contents[d["index"]] += d["delta"].get("content", "")
+        roles[d["index"]] += d["delta"].get("role") == "assistant"
+    assert contents == [c["message"]["content"] for c in direct_chat["choices"]]
+    assert roles == [1, 1]
+
+
 def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> None:
     body = {**GREEDY, "prompt": "hi", "max_tokens": 2}
     with gateway.client(key=None) as anonymous:
@@ -237,13 +277,15 @@ def test_a_hot_prefix_spills_over_the_load_bound(replicas: list[Replica]) -> Non
 
 
 # ---- cancellation and overload ---------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 3])
 def test_client_disconnect_mid_stream_aborts_on_the_replica(
-    gateway: Gateway, replicas: list[Replica]
+    gateway: Gateway, replicas: list[Replica], n: int
 ) -> None:
+    """... every sample of it, when it asked for several."""
     before = [
         r.metric("kvserve_requests_finished_total", finished_reason="abort") for r in replicas
     ]
-    body = {**GREEDY, "prompt": "long answer", "max_tokens": 256, "stream": True}
+    body = {**GREEDY, "prompt": "long answer", "max_tokens": 256, "stream": True, "n": n}
     request = (
         f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY_A}\r\n"
         f"content-type: application/json\r\ncontent-length: {len(json.dumps(body))}\r\n\r\n"
@@ -263,7 +305,7 @@ def test_client_disconnect_mid_stream_aborts_on_the_replica(
         now = [
             r.metric("kvserve_requests_finished_total", finished_reason="abort") for r in replicas
         ]
-        return sum(now) == sum(before) + 1
+        return sum(now) == sum(before) + n
 
     wait_until(aborted, timeout=30)
     wait_until(lambda: all(r.metric("kvserve_num_requests_running") == 0 for r in replicas))

@@ -120,13 +120,66 @@ def test_request_id_is_used_and_echoed(server: RunningServer) -> None:
     assert unknown.status_code == 404 and unknown.json()["error"]["request_id"] == "err-7"
 
 
+def test_n_samples_with_the_openai_sdk(server: RunningServer) -> None:
+    """``n`` answers to one prompt: choice i is what the same request alone with seed
+    ``seed + i`` answers; streamed, each choice's deltas join to its whole answer and end
+    with its own finish reason; the usage counts the prompt once and every sample."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    args: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "seed": 11,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.completions.create(prompt="the cache keeps keys", n=3, **args)
+    alone = [
+        client.completions.create(prompt="the cache keeps keys", **{**args, "seed": 11 + i})
+        for i in range(3)
+    ]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in whole.choices}) > 1  # the samples differ
+    assert whole.usage is not None and alone[0].usage is not None
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == 24
+
+    stream = client.completions.create(
+        prompt="the cache keeps keys", n=3, stream=True,
+        stream_options={"include_usage": True}, **args,
+    )  # fmt: skip
+    texts, finishes, usage = ["", "", ""], [[], [], []], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] += [c.finish_reason] if c.finish_reason else []
+    assert texts == [c.text for c in whole.choices]
+    assert finishes == [["length"]] * 3
+    assert usage is not None and usage.completion_tokens == 24
+
+    messages: Any = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(messages=messages, n=2, **args)
+    chat_alone = client.chat.completions.create(messages=messages, **{**args, "seed": 12})
+    assert chat.choices[1].message.content == chat_alone.choices[0].message.content
+    chat_stream = client.chat.completions.create(messages=messages, n=2, stream=True, **args)
+    contents, roles = ["", ""], [0, 0]
+    for chunk in chat_stream:
+        for d in chunk.choices:
+            contents[d.index] += d.delta.content or ""
+            roles[d.index] += d.delta.role == "assistant"
+    assert contents == [c.message.content for c in chat.choices]
+    assert roles == [1, 1]  # each choice's first delta carries the role
+
+
 @pytest.mark.parametrize(
     ("payload", "status", "param", "fragment"),
     [
         ({"model": "nope", "prompt": "hi"}, 404, "model", "not served here"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "≥ 1"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "integer"),
-        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "n=2"),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
+        ({"model": MODEL, "prompt": "hi", "n": 129}, 400, "n", "less than or equal to 128"),
+        ({"model": MODEL, "prompt": "hi", "n": 2, "seed": 2**63 - 1}, 400, "seed", "seed + n"),
         (
             {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
             400,

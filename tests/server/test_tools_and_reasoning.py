@@ -337,6 +337,35 @@ def test_streaming_and_whole_answers_agree(tools_server: RunningServer, tool_cho
     assert streamed == (whole.message.content or "", calls, whole.finish_reason)
 
 
+def test_n_answers_are_each_read_by_a_parser_of_their_own(tools_server: RunningServer) -> None:
+    """With ``n``, every choice's calls are read from its own text: choice i is the answer
+    the same request alone with seed + i gets, whole and streamed."""
+    client = sdk(tools_server)
+    request: dict[str, Any] = dict(
+        model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=1.0,
+        max_tokens=120,
+    )  # fmt: skip
+
+    def calls(choice: Any) -> tuple[list[tuple[str, str]], str]:
+        found = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        return found, choice.finish_reason
+
+    whole = client.chat.completions.create(**request, n=3, seed=11)
+    alone = [client.chat.completions.create(**request, seed=11 + i) for i in range(3)]
+    assert [calls(c) for c in whole.choices] == [calls(a.choices[0]) for a in alone]
+    streamed: list[dict[int, list[str]]] = [{}, {}, {}]
+    finishes = ["", "", ""]
+    for chunk in client.chat.completions.create(**request, n=3, seed=11, stream=True):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or ():
+                call = streamed[choice.index].setdefault(d.index, ["", ""])
+                call[0] += (d.function and d.function.name) or ""
+                call[1] += (d.function and d.function.arguments) or ""
+            finishes[choice.index] += choice.finish_reason or ""
+    joined = [([(n, a) for n, a in s.values()], f) for s, f in zip(streamed, finishes, strict=True)]
+    assert joined == [calls(c) for c in whole.choices]
+
+
 def test_forced_calls_stream_argument_by_argument(tools_server: RunningServer) -> None:
     """OpenAI's streaming shape: a call's first delta carries index, id, type and name;
     later ones append to its arguments, which arrive in pieces as they are generated.

@@ -1,6 +1,9 @@
 """One request's trip to the replicas: a slot, the upstream call, retries, and cleanup.
 
 Before the first output the request may be retried on another replica; after it, never.
+A request for ``n`` samples is ``n`` upstream requests to one replica, started together
+(the response starts once each has its first output, so a retry moves them all) and
+ended together.
 A request for a LoRA adapter routed to a replica that does not serve it has the replica
 load it first (``kvserve.gateway.adapters``).
 ``UpstreamCall.close`` runs exactly once, whatever ended the request, and settles its
@@ -10,6 +13,7 @@ into the client's response is ``kvserve.gateway.relay``'s job.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from typing import Any
@@ -52,19 +56,21 @@ class UpstreamCall:
         self.prompt_estimate = prompt_estimate
         self.output_tokens = 0  # seen so far (charged if the request never finishes)
         self.slot: Slot | None = None
-        self.grpc_call: Any = None
+        self.grpc_calls: list[Any] = []  # one per sample
         self.replica: Replica | None = None
         self.f: float | None = None  # first chunk with text handed to the client
         self.e: float | None = None  # last one
         self.usage_tokens = 0
+        self.finals: dict[int, Any] = {}  # each finished sample's Final
         self.status = 200
-        self.done = False
+        self.done = False  # every sample has finished
         self.closed = False
 
     # ---- before the first token: route, queue, call, retry --------------------------
-    async def start(self, key: str, request: Any, metadata: dict[str, str]) -> Any:
-        """The replica's first response message; retries on other replicas until one
-        answers (or raises the OpenAIError the client gets)."""
+    async def start(self, key: str, requests: list[Any], metadata: dict[str, str]) -> list[Any]:
+        """The replica's first response message for each of ``requests`` (the samples);
+        retries on other replicas until one answers them all (or raises the OpenAIError
+        the client gets)."""
         st = self.state
         cfg = st.config
         exclude: set[str] = set()
@@ -108,16 +114,17 @@ class UpstreamCall:
                     exclude.add(self.replica.address)
                     last_error = str(exc)
                     continue
-            self.grpc_call = self.replica.client.generate(
-                request, cfg.request_timeout_seconds, metadata
-            )
-            try:
-                first = await self.grpc_call.read()
-            except grpc.aio.AioRpcError as exc:
-                first = exc
-            if not isinstance(first, grpc.aio.AioRpcError) and first is not grpc.aio.EOF:
+            client = self.replica.client
+            timeout = cfg.request_timeout_seconds
+            self.grpc_calls = [client.generate(r, timeout, metadata) for r in requests]
+            firsts = await asyncio.gather(*map(_first_message, self.grpc_calls))
+            failed = [m for m in firsts if isinstance(m, grpc.aio.AioRpcError) or m is grpc.aio.EOF]
+            if not failed:
                 st.fleet.mark_ok(self.replica)
-                return first
+                return firsts
+            for upstream in self.grpc_calls:  # the samples move together
+                upstream.cancel()
+            first = failed[0]
             code = first.code() if isinstance(first, grpc.aio.AioRpcError) else None
             detail = first.details() if isinstance(first, grpc.aio.AioRpcError) else "empty"
             st.metrics.upstream_errors.labels(self.model, code.name if code else "EOF").inc()
@@ -215,21 +222,30 @@ class UpstreamCall:
         if self.f is None:
             self.f = self.e
 
-    def finished(self, final: Any) -> None:
+    def finished(self, index: int, final: Any) -> None:
+        """Sample ``index`` ended with ``final``; after the last one, the request is done."""
+        self.finals[index] = final
+        if len(self.finals) < len(self.grpc_calls):
+            return
         self.done = True
-        self.usage_tokens = final.usage.prompt_tokens + final.usage.completion_tokens
-        self.span.set_attribute("gen_ai.response.finish_reasons", [final.finish_reason])
-        self.span.set_attribute("gen_ai.usage.input_tokens", final.usage.prompt_tokens)
-        self.span.set_attribute("gen_ai.usage.output_tokens", final.usage.completion_tokens)
-        self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", final.usage.cached_tokens)
+        finals = [self.finals[i] for i in range(len(self.grpc_calls))]
+        usage = finals[0].usage  # the prompt is counted once
+        output_tokens = sum(f.usage.completion_tokens for f in finals)
+        self.usage_tokens = usage.prompt_tokens + output_tokens
+        reasons = [f.finish_reason for f in finals]
+        self.span.set_attribute("gen_ai.response.finish_reasons", reasons)
+        self.span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+        self.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+        self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cached_tokens)
 
     def failed_upstream(self, exc: grpc.aio.AioRpcError) -> None:
         """The replica failed after the first output (never retried: output was sent)."""
         self.status = 502
         self.state.metrics.upstream_errors.labels(self.model, exc.code().name).inc()
 
-    async def read(self) -> Any:
-        return await self.grpc_call.read()
+    async def read(self, index: int) -> Any:
+        """Sample ``index``'s next message."""
+        return await self.grpc_calls[index].read()
 
     # ---- cleanup (exactly once) ----------------------------------------------------------
     def _release_slot(self) -> None:
@@ -241,13 +257,14 @@ class UpstreamCall:
         if self.closed:
             return
         self.closed = True
-        if self.grpc_call is not None and not self.done:
-            self.grpc_call.cancel()  # aborts the request in the engine
+        if not self.done:
+            for upstream in self.grpc_calls:  # aborts the samples still running in the engine
+                upstream.cancel()
         self._release_slot()
         # Settle the token reservation to what was used: the replica's usage when it
         # finished, else the prompt estimate and the tokens produced before the end.
         used = self.usage_tokens if self.done else self.prompt_estimate + self.output_tokens
-        self.admission.finish(used if self.grpc_call is not None else 0)
+        self.admission.finish(used if self.grpc_calls else 0)
         m = self.state.metrics
         if disconnected:
             m.disconnects.labels(self.model).inc()
@@ -261,3 +278,11 @@ class UpstreamCall:
             m.observe_timeline(self.model, self.s, self.f, self.e)
         self.span.set_attribute("http.response.status_code", self.status)
         self.span.end()
+
+
+async def _first_message(upstream: Any) -> Any:
+    """An upstream request's first message, or the error it failed with."""
+    try:
+        return await upstream.read()
+    except grpc.aio.AioRpcError as exc:
+        return exc

@@ -1,11 +1,14 @@
 """The replica's messages as the client's response: SSE events, or one JSON body.
 
-Both read an ``UpstreamCall`` that has its first message, and report to it what reached
-the client (tokens counted, first and last text handed over, the final usage).
+Both read an ``UpstreamCall`` that has every sample's first message, and report to it
+what reached the client (tokens counted, first and last text handed over, each sample's
+final usage). A request for ``n`` samples is ``n`` upstream requests, read together: each
+one's messages become choice ``index`` of the response.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,49 +24,37 @@ from kvserve.rpc.codec import DeltaLogprobs, decode_chat_delta, decode_delta_log
 
 
 async def sse(
-    call: UpstreamCall, first: Any, ids: dict[str, Any], chat: bool, include_usage: bool
+    call: UpstreamCall, firsts: list[Any], ids: dict[str, Any], chat: bool, include_usage: bool
 ) -> AsyncIterator[bytes]:
     """The response's events (the response's ``on_close`` closes the call)."""
-    plain = TextEvents(ids, chat)
-    streamed = fmt.StreamedCompletionLogprobs()  # a completion's text offsets so far
-    opening = True  # a chat's first delta carries the role
-    read = call.grpc_call.read
-    msg = first
+    choices = [_StreamedChoice(ids, chat, i) for i in range(len(firsts))]
+    finals: dict[int, Any] = {}
     try:
-        # The hot loop of the gateway (one pass per streamed token): one generator,
-        # the common case (text, no logprobs, not the first chat delta) first.
-        while msg is not grpc.aio.EOF:
-            if msg.WhichOneof("kind") != "delta":  # the end: one write with [DONE]
-                final = msg.final
-                chunk = _chunk(ids, chat, "", None, final.finish_reason, opening, streamed)
-                ending = [encode_event(chunk)]
+        # The hot loop of the gateway (one pass per streamed token).
+        async for i, msg in messages(call, firsts):
+            if msg is grpc.aio.EOF:  # a stream ended without a final (the replica went away)
+                yield SSE_DONE
+                return
+            choice = choices[i]
+            if msg.WhichOneof("kind") != "delta":  # the sample's end
+                final = finals[i] = msg.final
+                call.finished(i, final)
+                end = encode_event(choice.chunk("", None, final.finish_reason))
+                if len(finals) < len(choices):
+                    yield end
+                    continue
+                ending = [end]  # the last sample's end: one write with [DONE]
                 if include_usage:
-                    ending.append(encode_event(fmt.usage_chunk(ids, chat, _usage(final))))
-                call.finished(final)
+                    ending.append(encode_event(fmt.usage_chunk(ids, chat, _usage(finals))))
                 yield b"".join([*ending, SSE_DONE])
                 return
             delta = msg.delta
             call.count(delta)
-            text = delta.text
-            lp = decode_delta_logprobs(delta)
-            if delta.reasoning or delta.tool_calls:  # a chat the replica's parsers read
-                logprobs = fmt.chat_logprobs(lp.entries, lp.token_text) if lp else None
-                events = delta_chunks(ids, decode_chat_delta(delta), logprobs, None, opening)
-                if events:
-                    yield b"".join(encode_event(e) for e in events)
-                    opening = False
-                    call.handed_over()
-            elif lp is None and not opening:
-                if text:
-                    yield plain.text(text)
-                    call.handed_over()
-            elif text or lp is not None:
-                yield encode_event(_chunk(ids, chat, text, lp, None, opening, streamed))
-                opening = False
-                if text:
-                    call.handed_over()
-            msg = await read()
-        yield SSE_DONE  # the stream ended without a final (the replica went away)
+            event, text = choice.delta(delta)
+            if event:
+                yield event
+            if text:
+                call.handed_over()
     except grpc.aio.AioRpcError as exc:  # the replica failed mid-stream: never retried
         call.failed_upstream(exc)
         error = encode_event(error_body(502, f"the replica failed: {exc.details()}"))
@@ -71,81 +62,150 @@ async def sse(
 
 
 async def collect(
-    call: UpstreamCall, first: Any, ids: dict[str, Any], chat: bool
+    call: UpstreamCall, firsts: list[Any], ids: dict[str, Any], chat: bool
 ) -> dict[str, Any]:
     """The whole answer as one response body."""
-    text: list[str] = []
-    reasoning: list[str] = []
-    tool_calls: list[ToolCallDelta] = []
-    entries: list[Any] = []
-    texts: dict[int, str] = {}
-    final: Any = None
-    msg = first
+    choices = [_WholeChoice() for _ in firsts]
+    finals: dict[int, Any] = {}
     try:
-        while msg is not grpc.aio.EOF:
+        async for i, msg in messages(call, firsts):
+            if msg is grpc.aio.EOF:
+                break
             if msg.WhichOneof("kind") == "delta":
-                delta = msg.delta
-                call.count(delta)
-                text.append(delta.text)
-                if delta.reasoning or delta.tool_calls:
-                    parsed = decode_chat_delta(delta)
-                    reasoning.append(parsed.reasoning)
-                    tool_calls += parsed.tool_calls
-                if delta.text or delta.reasoning or delta.tool_calls:
+                call.count(msg.delta)
+                if choices[i].add(msg.delta):
                     call.handed_over()
-                lp = decode_delta_logprobs(delta)
-                if lp is not None:
-                    entries += lp.entries
-                    texts.update(lp.texts)
             else:
-                final = msg.final
-                call.finished(final)
-            msg = await call.read()
+                finals[i] = msg.final
+                call.finished(i, msg.final)
     except grpc.aio.AioRpcError as exc:
         call.failed_upstream(exc)
         raise OpenAIError(502, f"the replica failed: {exc.details()}") from None
-    if final is None:
+    if len(finals) < len(choices):
         call.status = 502
         raise OpenAIError(502, "the replica's stream ended without a final message")
-    token_text = DeltaLogprobs(entries, texts).token_text
-    logprobs: dict[str, Any] | None = None
-    if entries:
-        logprobs = (
-            fmt.chat_logprobs(entries, token_text)
-            if chat
-            else fmt.completion_logprobs(entries, token_text)
-        )
-    if not chat:
-        return fmt.completion_response(
-            ids, "".join(text), logprobs, final.finish_reason, _usage(final)
-        )
-    return fmt.chat_response(
-        ids,
-        "".join(text),
-        logprobs,
-        final.finish_reason,
-        _usage(final),
-        reasoning="".join(reasoning) or None,
-        tool_calls=tool_calls,
-    )
-
-
-def _chunk(
-    ids: dict[str, Any],
-    chat: bool,
-    text: str,
-    lp: DeltaLogprobs | None,
-    finish: str | None,
-    opening: bool,
-    streamed: fmt.StreamedCompletionLogprobs,
-) -> dict[str, Any]:
+    bodies = [c.body(i, chat, finals[i]) for i, c in enumerate(choices)]
     if chat:
-        logprobs = fmt.chat_logprobs(lp.entries, lp.token_text) if lp else None
-        return fmt.chat_chunk(ids, text, logprobs, finish, opening)
-    logprobs = streamed.chunk(lp.entries, lp.token_text) if lp else None
-    return fmt.completion_chunk(ids, text, logprobs, finish)
+        return fmt.chat_response(ids, bodies, _usage(finals))
+    return fmt.completion_response(ids, bodies, _usage(finals))
 
 
-def _usage(final: Any) -> dict[str, Any]:
-    u = final.usage
-    return fmt.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+async def messages(call: UpstreamCall, firsts: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """Each sample's messages as ``(index, message)``, from its first (in ``firsts``) to
+    its final (or ``grpc.aio.EOF``), the samples' interleaved as they arrive; raises the
+    ``AioRpcError`` of a sample that fails."""
+    if len(firsts) == 1:  # the common case, without a task per message
+        msg = firsts[0]
+        yield 0, msg
+        while _open(msg):
+            msg = await call.read(0)
+            yield 0, msg
+        return
+    pending: dict[asyncio.Future[Any], int] = {}
+    try:
+        for i, msg in enumerate(firsts):
+            yield i, msg
+            if _open(msg):
+                pending[asyncio.ensure_future(call.read(i))] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                i = pending.pop(future)
+                msg = future.result()
+                yield i, msg
+                if _open(msg):
+                    pending[asyncio.ensure_future(call.read(i))] = i
+    finally:
+        for future in pending:
+            if future.done() and not future.cancelled():
+                future.exception()  # retrieved: the first failure is the one raised
+            future.cancel()
+
+
+def _open(msg: Any) -> bool:
+    """Whether the sample goes on after ``msg`` (a delta)."""
+    return msg is not grpc.aio.EOF and msg.WhichOneof("kind") == "delta"
+
+
+class _StreamedChoice:
+    """One sample's SSE events: choice ``index`` of the response."""
+
+    def __init__(self, ids: dict[str, Any], chat: bool, index: int) -> None:
+        self.ids, self.chat, self.index = ids, chat, index
+        self.plain = TextEvents(ids, chat, index)
+        self.streamed = fmt.StreamedCompletionLogprobs()  # a completion's text offsets so far
+        self.opening = True  # a chat's first delta carries the role
+
+    def delta(self, delta: Any) -> tuple[bytes, bool]:
+        """A delta's events (maybe none), and whether they hand text to the client. The
+        common case (text, no logprobs, not the first chat delta) first."""
+        text = delta.text
+        lp = decode_delta_logprobs(delta)
+        if delta.reasoning or delta.tool_calls:  # a chat the replica's parsers read
+            logprobs = fmt.chat_logprobs(lp.entries, lp.token_text) if lp else None
+            parsed = decode_chat_delta(delta)
+            events = delta_chunks(self.ids, parsed, logprobs, None, self.opening, self.index)
+            if not events:
+                return b"", False
+            self.opening = False
+            return b"".join(encode_event(e) for e in events), True
+        if lp is None and not self.opening:
+            return (self.plain.text(text), True) if text else (b"", False)
+        if text or lp is not None:
+            event = encode_event(self.chunk(text, lp, None))
+            self.opening = False
+            return event, bool(text)
+        return b"", False
+
+    def chunk(self, text: str, lp: DeltaLogprobs | None, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            logprobs = fmt.chat_logprobs(lp.entries, lp.token_text) if lp else None
+            return fmt.chat_chunk(self.ids, text, logprobs, finish, self.opening, index=self.index)
+        logprobs = self.streamed.chunk(lp.entries, lp.token_text) if lp else None
+        return fmt.completion_chunk(self.ids, text, logprobs, finish, self.index)
+
+
+class _WholeChoice:
+    """One sample's answer, gathered: choice ``index`` of the response body."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[ToolCallDelta] = []
+        self.entries: list[Any] = []
+        self.texts: dict[int, str] = {}
+
+    def add(self, delta: Any) -> bool:
+        """Take a delta; whether it added to the answer."""
+        self.text.append(delta.text)
+        if delta.reasoning or delta.tool_calls:
+            parsed = decode_chat_delta(delta)
+            self.reasoning.append(parsed.reasoning)
+            self.tool_calls += parsed.tool_calls
+        lp = decode_delta_logprobs(delta)
+        if lp is not None:
+            self.entries += lp.entries
+            self.texts.update(lp.texts)
+        return bool(delta.text or delta.reasoning or delta.tool_calls)
+
+    def body(self, index: int, chat: bool, final: Any) -> dict[str, Any]:
+        token_text = DeltaLogprobs(self.entries, self.texts).token_text
+        text = "".join(self.text)
+        if not chat:
+            logprobs = fmt.completion_logprobs(self.entries, token_text) if self.entries else None
+            return fmt.completion_choice(index, text, logprobs, final.finish_reason)
+        return fmt.chat_choice(
+            index,
+            text,
+            fmt.chat_logprobs(self.entries, token_text) if self.entries else None,
+            final.finish_reason,
+            reasoning="".join(self.reasoning) or None,
+            tool_calls=self.tool_calls,
+        )
+
+
+def _usage(finals: dict[int, Any]) -> dict[str, Any]:
+    """The prompt once (the first sample's cached share of it), every sample's output."""
+    first = finals[0].usage
+    completion_tokens = sum(f.usage.completion_tokens for f in finals.values())
+    return fmt.usage(first.prompt_tokens, completion_tokens, first.cached_tokens)

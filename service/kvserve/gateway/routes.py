@@ -48,7 +48,7 @@ from kvserve.openai.sse import EventStreamResponse
 from kvserve.openai.structured import Constraint, requested_constraint
 from kvserve.openai.tools import ChatTools, chat_tools
 from kvserve.rpc.codec import Prompt, encode_request
-from kvserve.sampling_params import INT32_MAX
+from kvserve.sampling_params import INT32_MAX, SamplingParams
 
 CHARS_PER_TOKEN = 4  # admission estimate of prompt tokens; settled to the real count later
 
@@ -246,11 +246,13 @@ async def _serve(
     )
     if adapter is not None:
         upstream.lora_adapter = adapter
+    upstreams = _samples(upstream, params)
 
-    # Token reservation: the prompt estimate + the most the request may generate; settled
-    # to the real usage at the end, an overrun charged as debt (kvserve.gateway.ratelimit).
+    # Token reservation: the prompt estimate + the most the request may generate (every
+    # sample); settled to the real usage at the end, an overrun charged as debt
+    # (kvserve.gateway.ratelimit).
     prompt_estimate = _prompt_estimate(prompt, tools)
-    most = _most_output_tokens(state, model, limit, ceiling, prompt_estimate)
+    most = _most_output_tokens(state, model, limit, ceiling, prompt_estimate) * len(upstreams)
     reserve = prompt_estimate + most
     try:
         admission = state.limiter.admit(tenant, reserve)
@@ -283,28 +285,44 @@ async def _serve(
         routed: dict[str, Any] = {"messages": prompt} if chat else {"prompt": prompt}
         routed |= {"cache_salt": cache_salt, "lora_adapter": adapter}
         key = prefix_key(routed, state.config.routing.prefix_chars)
-        first = await until_disconnected(request, call.start(key, upstream, metadata))
+        firsts = await until_disconnected(request, call.start(key, upstreams, metadata))
     except BaseException as exc:
         call.close(exc)
         raise
-    if first is None:  # the client left while queued or before the first token
+    if firsts is None:  # the client left while queued or before the first token
         call.close(None, disconnected=True)
         raise OpenAIError(499, "client disconnected")
     ids = fmt.response_ids(rid, body.model, chat, int(time.time()))
     if body.stream:
         return EventStreamResponse(
-            relay.sse(call, first, ids, chat, body.include_usage),
+            relay.sse(call, firsts, ids, chat, body.include_usage),
             headers=admission.headers,
             on_close=lambda: call.close(None, disconnected=not call.done and call.status == 200),
             write_timeout=state.config.write_stall_timeout_seconds,
         )
     try:
-        result = await until_disconnected(request, relay.collect(call, first, ids, chat))
+        result = await until_disconnected(request, relay.collect(call, firsts, ids, chat))
     finally:
         call.close(None, disconnected=not call.done)
     if result is None:
         raise OpenAIError(499, "client disconnected")
     return JSONResponse(result, headers=admission.headers)
+
+
+def _samples(upstream: Any, params: SamplingParams) -> list[Any]:
+    """The upstream request of each of ``params``'s samples (``n``): ``upstream``, or
+    copies of it whose seeds are those of ``SamplingParams.samples``."""
+    samples = params.samples()
+    if len(samples) == 1:
+        return [upstream]
+    copies = []
+    for sample in samples:
+        copy = type(upstream)()
+        copy.CopyFrom(upstream)
+        if sample.seed is not None:
+            copy.seed = sample.seed
+        copies.append(copy)
+    return copies
 
 
 def _most_output_tokens(

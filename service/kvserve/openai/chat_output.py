@@ -236,10 +236,12 @@ def delta_chunks(
     logprobs: dict[str, Any] | None,
     finish_reason: str | None,
     first: bool,
+    index: int = 0,
 ) -> list[dict[str, Any]]:
-    """The SSE chunks of one step of a parsed answer (engine server and gateway alike):
-    its text and reasoning, then its call deltas, the finish reason on the last chunk.
-    Empty when the step added nothing visible and is neither the first nor the last."""
+    """The SSE chunks of one step of a parsed answer, choice ``index`` (engine server and
+    gateway alike): its text and reasoning, then its call deltas, the finish reason on
+    the last chunk. Empty when the step added nothing visible and is neither the first
+    nor the last."""
     chunks = []
     text_or_end = delta.content or delta.reasoning or logprobs is not None
     if (
@@ -248,10 +250,12 @@ def delta_chunks(
         or (finish_reason is not None and not delta.tool_calls)
     ):
         ends = None if delta.tool_calls else finish_reason
-        chunks.append(fmt.chat_chunk(ids, delta.content, logprobs, ends, first, delta.reasoning))
+        chunks.append(
+            fmt.chat_chunk(ids, delta.content, logprobs, ends, first, delta.reasoning, index)
+        )
         first = False
     if delta.tool_calls:
-        chunks += fmt.tool_call_chunks(ids, delta.tool_calls, first)
+        chunks += fmt.tool_call_chunks(ids, delta.tool_calls, first, index)
         if finish_reason is not None:
             chunks[-1]["choices"][0]["finish_reason"] = finish_reason
     return chunks

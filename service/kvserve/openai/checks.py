@@ -31,10 +31,8 @@ class TokenLimit:
 
 
 def check_options(body: CommonRequest) -> None:
-    """Options that do not go with this server or with each other: ``n`` > 1, and
-    ``stream_options`` without ``stream`` (refused, as OpenAI's API does)."""
-    if body.n != 1:
-        raise OpenAIError(400, f"n={body.n} is not supported (only n=1)", param="n")
+    """Options that do not go with each other: ``stream_options`` without ``stream``
+    (refused, as OpenAI's API does)."""
     if body.stream_options is not None and not body.stream:
         raise OpenAIError(
             400, "stream_options is only allowed with stream: true", param="stream_options"

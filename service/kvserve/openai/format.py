@@ -110,15 +110,24 @@ def response_ids(request_id: str, model: str, chat: bool, created: int) -> dict[
 
 
 def completion_chunk(
-    ids: dict[str, Any], text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    ids: dict[str, Any],
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    index: int = 0,
 ) -> dict[str, Any]:
+    """A piece of choice ``index`` of a completion (every choice's piece is its own chunk)."""
     return {
         **ids,
         "object": "text_completion",
-        "choices": [
-            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
+        "choices": [completion_choice(index, text, logprobs, finish_reason)],
     }
+
+
+def completion_choice(
+    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 @dataclass(frozen=True)
@@ -151,9 +160,10 @@ def chat_chunk(
     finish_reason: str | None,
     first: bool,
     reasoning: str = "",
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A chat delta with text (``content``) and/or ``reasoning_content``; a delta with
-    reasoning only has no ``content``."""
+    """A chat delta of choice ``index`` with text (``content``) and/or
+    ``reasoning_content``; a delta with reasoning only has no ``content``."""
     delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
@@ -161,11 +171,11 @@ def chat_chunk(
         delta["content"] = text
     if reasoning:
         delta["reasoning_content"] = reasoning
-    return _chat_chunk(ids, delta, logprobs, finish_reason)
+    return _chat_chunk(ids, delta, logprobs, finish_reason, index)
 
 
 def tool_call_chunks(
-    ids: dict[str, Any], calls: Sequence[ToolCallDelta], first: bool
+    ids: dict[str, Any], calls: Sequence[ToolCallDelta], first: bool, index: int = 0
 ) -> list[dict[str, Any]]:
     """OpenAI's streaming shape of call deltas: a header opens a call (index, id, type,
     name, empty arguments); its arguments, and those of later pieces, are appended."""
@@ -180,12 +190,12 @@ def tool_call_chunks(
                 "type": "function",
                 "function": {"name": call.name, "arguments": ""},
             }
-            chunks.append(_chat_chunk(ids, {**delta, "tool_calls": [opening]}, None, None))
+            chunks.append(_chat_chunk(ids, {**delta, "tool_calls": [opening]}, None, None, index))
             delta = {}
             if not call.arguments:
                 continue
         appended = {"index": call.index, "function": {"arguments": call.arguments}}
-        chunks.append(_chat_chunk(ids, {**delta, "tool_calls": [appended]}, None, None))
+        chunks.append(_chat_chunk(ids, {**delta, "tool_calls": [appended]}, None, None, index))
     return chunks
 
 
@@ -194,12 +204,13 @@ def _chat_chunk(
     delta: dict[str, Any],
     logprobs: dict[str, Any] | None,
     finish_reason: str | None,
+    index: int,
 ) -> dict[str, Any]:
     return {
         **ids,
         "object": "chat.completion.chunk",
         "choices": [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
     }
 
@@ -211,28 +222,23 @@ def usage_chunk(ids: dict[str, Any], chat: bool, usage_: dict[str, Any]) -> dict
 
 
 def completion_response(
-    ids: dict[str, Any],
-    text: str,
-    logprobs: dict[str, Any] | None,
-    finish_reason: str | None,
-    usage_: dict[str, Any],
+    ids: dict[str, Any], choices: list[dict[str, Any]], usage_: dict[str, Any]
 ) -> dict[str, Any]:
-    body = completion_chunk(ids, text, logprobs, finish_reason)
-    return {**body, "usage": usage_}
+    """The whole answer: ``choices`` from ``completion_choice``, one per sample."""
+    return {**ids, "object": "text_completion", "choices": choices, "usage": usage_}
 
 
-def chat_response(
-    ids: dict[str, Any],
+def chat_choice(
+    index: int,
     text: str,
     logprobs: dict[str, Any] | None,
     finish_reason: str | None,
-    usage_: dict[str, Any],
     reasoning: str | None = None,
     tool_calls: Sequence[ToolCallDelta] = (),
 ) -> dict[str, Any]:
-    """The whole answer (``tool_calls``: its call deltas, joined). With tool calls and no
-    text, ``content`` is null (OpenAI's); ``reasoning_content`` is there when a reasoning
-    parser is on."""
+    """One whole answer of a chat (``tool_calls``: its call deltas, joined). With tool
+    calls and no text, ``content`` is null (OpenAI's); ``reasoning_content`` is there when
+    a reasoning parser is on."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
@@ -240,15 +246,15 @@ def chat_response(
         message["content"] = text or None
         message["tool_calls"] = joined_calls(tool_calls)
     return {
-        **ids,
-        "object": "chat.completion",
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage_,
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
     }
+
+
+def chat_response(
+    ids: dict[str, Any], choices: list[dict[str, Any]], usage_: dict[str, Any]
+) -> dict[str, Any]:
+    """The whole chat answer: ``choices`` from ``chat_choice``, one per sample."""
+    return {**ids, "object": "chat.completion", "choices": choices, "usage": usage_}

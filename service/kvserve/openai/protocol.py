@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from kvserve.sampling_params import INT32_MAX, SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import INT32_MAX, MAX_N, SamplingParams, StructuredOutputsParams
 
 # OpenAI request fields this server does not implement whose ``null`` asks for nothing:
 # clients that serialise every field of their request model send them so. Any other
@@ -78,7 +78,7 @@ class CommonRequest(OpenAIObject):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -154,6 +154,7 @@ class CommonRequest(OpenAIObject):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             structured_outputs=structured,
+            n=self.n,
         )
 
     @property

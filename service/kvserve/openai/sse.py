@@ -46,12 +46,13 @@ SSE_DONE = fmt.SSE_DONE.encode()
 class TextEvents:
     """Fast encoding of one response's plain text deltas (see the module docstring)."""
 
-    def __init__(self, ids: dict[str, Any], chat: bool) -> None:
+    def __init__(self, ids: dict[str, Any], chat: bool, index: int = 0) -> None:
+        """``index``: the choice whose deltas these are."""
         if chat:
             # The first chat delta carries the role; the later ones have this shape.
-            template = fmt.chat_chunk(ids, _SENTINEL, None, None, first=False)
+            template = fmt.chat_chunk(ids, _SENTINEL, None, None, first=False, index=index)
         else:
-            template = fmt.completion_chunk(ids, _SENTINEL, None, None)
+            template = fmt.completion_chunk(ids, _SENTINEL, None, None, index)
         prefix, suffix = fmt.sse(template).split(json.dumps(_SENTINEL, ensure_ascii=False))
         self._prefix, self._suffix = prefix.encode(), suffix.encode()
 

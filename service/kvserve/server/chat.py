@@ -9,6 +9,8 @@ front end turns them into its own 400.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -26,7 +28,8 @@ from kvserve.sampling_params import StructuredOutputsParams
 class PreparedChat:
     prompt_ids: list[int]
     constraint: StructuredOutputsParams | None
-    parser: ChatOutputParser | None  # None: the answer is plain content
+    # A new reader of one answer (one per sample); None: the answer is plain content.
+    new_parser: Callable[[], ChatOutputParser | None]
     constraint_param: str | None = None  # the field the constraint came in
 
 
@@ -81,7 +84,7 @@ async def prepare_chat(
     return PreparedChat(
         prompt_ids,
         chosen.params if chosen else None,
-        parsing.parser(tools),
+        functools.partial(parsing.parser, tools),
         chosen.param if chosen else None,
     )
 

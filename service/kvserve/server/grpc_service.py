@@ -149,7 +149,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                     constraint,
                     codec.decode_template_kwargs(request),
                 )
-                prompt, structured, parser = chat.prompt_ids, chat.constraint, chat.parser
+                prompt, structured, parser = chat.prompt_ids, chat.constraint, chat.new_parser()
                 grammar_param = chat.constraint_param
                 # A chat without max_tokens gets as much as the context allows, or the
                 # gateway's cap if that is less.

@@ -65,7 +65,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
             await validate_constraint(state.engine, constraint)
         except InvalidRequestError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from exc
-    req = await _make_request(
+    reqs = await _make_requests(
         state,
         request,
         body,
@@ -78,32 +78,34 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     ids = fmt.response_ids(request.state.request_id, body.model, False, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
 
-    if body.stream:
-        plain = TextEvents(ids, chat=False)
-        streamed = fmt.StreamedCompletionLogprobs()
+    if body.stream:  # each sample's state by its index (its output's ``index``)
+        plain = [TextEvents(ids, chat=False, index=i) for i in range(len(reqs))]
+        streamed = [fmt.StreamedCompletionLogprobs() for _ in reqs]
 
         def chunk(out: RequestOutput) -> bytes:
             c = out.outputs[0]
             logprobs = _delta_logprobs(c)
             if logprobs is None and c.finish_reason is None:
-                return plain.text(c.delta_text)
+                return plain[c.index].text(c.delta_text)
             return encode_event(
                 fmt.completion_chunk(
                     ids,
                     c.delta_text,
-                    streamed.chunk(logprobs, text_of) if logprobs is not None else None,
+                    streamed[c.index].chunk(logprobs, text_of) if logprobs is not None else None,
                     c.finish_reason,
+                    c.index,
                 )
             )
 
-        return _sse(state, req, chunk, ids, False, body.include_usage, grammar_param=param)
+        return _sse(state, reqs, chunk, ids, False, body.include_usage, grammar_param=param)
 
-    out = await _run_to_end(request, state.engine, req, grammar_param=param)
-    c = out.outputs[0]
-    logprobs = fmt.completion_logprobs(c.logprobs, text_of) if c.logprobs else None
-    return JSONResponse(
-        fmt.completion_response(ids, c.text, logprobs, c.finish_reason, _usage(out))
-    )
+    outs = await _run_to_end(request, state.engine, reqs, grammar_param=param)
+    choices = []
+    for out in outs:
+        c = out.outputs[0]
+        logprobs = fmt.completion_logprobs(c.logprobs, text_of) if c.logprobs else None
+        choices.append(fmt.completion_choice(c.index, c.text, logprobs, c.finish_reason))
+    return JSONResponse(fmt.completion_response(ids, choices, _usage(outs)))
 
 
 @router.post(
@@ -133,66 +135,74 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
         ) from exc
     if limit is None:  # as much as the context allows
         limit = state.engine.engine.context_left(len(chat.prompt_ids))
-    req = await _make_request(
+    reqs = await _make_requests(
         state, request, body, chat.prompt_ids, limit, arrival, chat.constraint, lora
     )
     ids = fmt.response_ids(request.state.request_id, body.model, True, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
-    parser = chat.parser
+    # Each sample's state by its index (its output's ``index``): its answer's reader.
+    parsers = [chat.new_parser() for _ in reqs]
 
     if body.stream:
-        first = True
-        plain = TextEvents(ids, chat=True)
+        first = [True] * len(reqs)  # a sample's first delta carries the role
+        plain = [TextEvents(ids, chat=True, index=i) for i in range(len(reqs))]
 
         def chunk(out: RequestOutput) -> bytes:
-            nonlocal first
             c = out.outputs[0]
+            i, parser = c.index, parsers[c.index]
             entries = _delta_logprobs(c)
             logprobs = fmt.chat_logprobs(entries, text_of) if entries is not None else None
             if parser is not None:  # reasoning and tool calls read out of the text
                 delta, finish = parser.step(c.delta_text, c.finish_reason, c.delta_token_ids)
-                events = delta_chunks(ids, delta, logprobs, finish, first)
-                first = first and not events
+                events = delta_chunks(ids, delta, logprobs, finish, first[i], i)
+                first[i] = first[i] and not events
                 return b"".join(encode_event(e) for e in events)
-            if not first and logprobs is None and c.finish_reason is None:
-                return plain.text(c.delta_text)
-            event = fmt.chat_chunk(ids, c.delta_text, logprobs, c.finish_reason, first)
-            first = False
+            if not first[i] and logprobs is None and c.finish_reason is None:
+                return plain[i].text(c.delta_text)
+            event = fmt.chat_chunk(ids, c.delta_text, logprobs, c.finish_reason, first[i], index=i)
+            first[i] = False
             return encode_event(event)
 
-        markers = parser is not None and bool(parser.markers)
+        markers = parsers[0] is not None and bool(parsers[0].markers)
         return _sse(
-            state, req, chunk, ids, True, body.include_usage, markers, chat.constraint_param
+            state, reqs, chunk, ids, True, body.include_usage, markers, chat.constraint_param
         )
 
-    if parser is None:
-        out = await _run_to_end(request, state.engine, req, grammar_param=chat.constraint_param)
-        c = out.outputs[0]
-        logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
-        return JSONResponse(fmt.chat_response(ids, c.text, logprobs, c.finish_reason, _usage(out)))
+    if parsers[0] is None:
+        outs = await _run_to_end(request, state.engine, reqs, grammar_param=chat.constraint_param)
+        choices = []
+        for out in outs:
+            c = out.outputs[0]
+            logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
+            choices.append(fmt.chat_choice(c.index, c.text, logprobs, c.finish_reason))
+        return JSONResponse(fmt.chat_response(ids, choices, _usage(outs)))
     # Read step by step, as a stream is: a marker token is put back where it was.
-    answer, finish = ChatDelta(), None
+    answers = [ChatDelta() for _ in reqs]
+    finishes: list[str | None] = [None] * len(reqs)
 
     def read(out: RequestOutput) -> None:
-        nonlocal answer, finish
         c = out.outputs[0]
-        delta, finish = parser.step(c.delta_text, c.finish_reason, c.delta_token_ids)
-        answer = answer.extend(delta)
+        parser = parsers[c.index]
+        assert parser is not None
+        delta, finishes[c.index] = parser.step(c.delta_text, c.finish_reason, c.delta_token_ids)
+        answers[c.index] = answers[c.index].extend(delta)
 
-    out = await _run_to_end(request, state.engine, req, read, chat.constraint_param)
-    c = out.outputs[0]
-    logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
-    return JSONResponse(
-        fmt.chat_response(
-            ids,
-            answer.content,
-            logprobs,
-            finish,
-            _usage(out),
-            reasoning=answer.reasoning or None,
-            tool_calls=answer.tool_calls,
+    outs = await _run_to_end(request, state.engine, reqs, read, chat.constraint_param)
+    choices = []
+    for out in outs:
+        c = out.outputs[0]
+        answer = answers[c.index]
+        choices.append(
+            fmt.chat_choice(
+                c.index,
+                answer.content,
+                fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None,
+                finishes[c.index],
+                reasoning=answer.reasoning or None,
+                tool_calls=answer.tool_calls,
+            )
         )
-    )
+    return JSONResponse(fmt.chat_response(ids, choices, _usage(outs)))
 
 
 # ---- shared pieces -------------------------------------------------------------------
@@ -206,7 +216,7 @@ def _check_common(body: CommonRequest, state: ServerState) -> LoRARequest | None
     return lora
 
 
-async def _make_request(
+async def _make_requests(
     state: ServerState,
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
@@ -215,30 +225,37 @@ async def _make_request(
     arrival: float,
     constraint: StructuredOutputsParams | None,
     lora: LoRARequest | None = None,
-) -> EngineRequest:
-    """The engine request (the engine names it; ``x-request-id`` is kept as the client's)."""
+) -> list[EngineRequest]:
+    """The engine requests, one per sample (``n``; each is its own engine request, named
+    by the engine; ``x-request-id`` is kept as the client's on every one)."""
     rid: str = request.state.request_id
     try:
         params = body.sampling_params(max_tokens, checks.logprobs_count(body), constraint)
-        req = state.engine.make_request(
-            await state.engine.prepare(prompt),
-            params,
-            rid,
-            arrival_time=arrival,
-            cache_salt=body.cache_salt,
-            lora_request=lora,
-        )
+        prompt = await state.engine.prepare(prompt)
+        reqs = [
+            state.engine.make_request(
+                prompt,
+                sample,
+                rid,
+                arrival_time=arrival,
+                cache_salt=body.cache_salt,
+                lora_request=lora,
+                sample_index=i,
+            )
+            for i, sample in enumerate(params.samples())
+        ]
         operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
-        state.telemetry.begin(
-            req.request_id,
-            operation,
-            params,
-            request.headers,
-            arrival,
-            rid,
-            lora.lora_name if lora is not None else None,
-        )
-        return req
+        for req in reqs:
+            state.telemetry.begin(
+                req.request_id,
+                operation,
+                req.params,
+                request.headers,
+                arrival,
+                rid,
+                lora.lora_name if lora is not None else None,
+            )
+        return reqs
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
     except InvalidRequestError as exc:
@@ -252,15 +269,17 @@ def _delta_logprobs(c: CompletionOutput) -> Sequence[TokenLogprob] | None:
     return c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    return fmt.usage(
-        len(out.prompt_token_ids), len(out.outputs[0].token_ids), out.num_cached_tokens
-    )
+def _usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """A response's usage: its prompt once (and the first sample's cached share of it),
+    the output tokens of every sample."""
+    first = outs[0]
+    output_tokens = sum(len(out.outputs[0].token_ids) for out in outs)
+    return fmt.usage(len(first.prompt_token_ids), output_tokens, first.num_cached_tokens)
 
 
 def _sse(
     state: ServerState,
-    req: EngineRequest,
+    reqs: list[EngineRequest],
     chunk: Callable[[RequestOutput], bytes],
     ids: dict[str, Any],
     chat: bool,
@@ -271,15 +290,16 @@ def _sse(
     """``every_token``: ``chunk`` also sees outputs that added no text (a marker token
     that the text leaves out, which the parser puts back). ``grammar_param``: the field
     the request's constraint came in (see ``_failure``)."""
-    # The request enters the engine now, before the response starts; the response's
-    # close (end, client gone, or never started) aborts it unless it finished.
+    # The requests enter the engine now, before the response starts; the response's
+    # close (end, client gone, or never started) aborts those that have not finished.
     try:
-        outputs = state.engine.submit(req)
+        outputs = state.engine.submit(*reqs)
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
 
     async def events() -> AsyncIterator[bytes]:
         last: RequestOutput | None = None
+        lasts: dict[int, RequestOutput] = {}  # each sample's latest output
         parts: list[bytes] = []
         try:
             async for out in outputs:
@@ -287,6 +307,7 @@ def _sse(
                 # the last ones wait to leave with the usage and [DONE] in one write.
                 for last in (out, *outputs.ready()):
                     c = last.outputs[0]
+                    lasts[c.index] = last
                     if (
                         c.delta_text
                         or c.finish_reason is not None
@@ -300,11 +321,14 @@ def _sse(
                     yield b"".join(parts)
                     parts = []
         except (RequestFailedError, EngineDeadError) as exc:
-            error = _failure(exc, req, grammar_param)
-            body = error_body(error.status, error.message, error.param, request_id=req.external_id)
+            error = _failure(exc, reqs[0], grammar_param)
+            body = error_body(
+                error.status, error.message, error.param, request_id=reqs[0].external_id
+            )
             parts.append(encode_event(body))
-        if include_usage and last is not None:
-            parts.append(encode_event(fmt.usage_chunk(ids, chat, _usage(last))))
+        if include_usage and lasts:
+            usage = _usage([lasts[i] for i in sorted(lasts)])
+            parts.append(encode_event(fmt.usage_chunk(ids, chat, usage)))
         yield b"".join([*parts, SSE_DONE])
 
     return EventStreamResponse(
@@ -315,29 +339,29 @@ def _sse(
 async def _run_to_end(
     request: Request,
     engine: AsyncEngine,
-    req: EngineRequest,
+    reqs: list[EngineRequest],
     each: Callable[[RequestOutput], None] | None = None,
     grammar_param: str | None = None,
-) -> RequestOutput:
-    """Run a non-streaming request, aborting it if the client disconnects meanwhile;
-    ``each`` sees every output. ``grammar_param``: see ``_failure``."""
+) -> list[RequestOutput]:
+    """Run a non-streaming request's samples, aborting them if the client disconnects
+    meanwhile; ``each`` sees every output. Returns each sample's last output, in index
+    order. ``grammar_param``: see ``_failure``."""
 
-    async def last_output() -> RequestOutput:
-        last = None
-        async for out in engine.stream(req):
+    async def last_outputs() -> list[RequestOutput]:
+        last: dict[int, RequestOutput] = {}
+        async for out in engine.stream(*reqs):
             if each is not None:
                 each(out)
-            last = out
-        assert last is not None
-        return last
+            last[out.outputs[0].index] = out
+        return [last[i] for i in range(len(reqs))]
 
     try:
-        last = await until_disconnected(request, last_output())
+        outs = await until_disconnected(request, last_outputs())
     except (EngineDeadError, RequestFailedError) as exc:
-        raise _failure(exc, req, grammar_param) from exc
-    if last is None:
+        raise _failure(exc, reqs[0], grammar_param) from exc
+    if outs is None:
         raise OpenAIError(499, "client disconnected")
-    return last
+    return outs
 
 
 def _failure(
