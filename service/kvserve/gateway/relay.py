@@ -28,29 +28,42 @@ async def sse(
 ) -> AsyncIterator[bytes]:
     """The response's events (the response's ``on_close`` closes the call)."""
     choices = [_StreamedChoice(ids, chat, i) for i in range(len(firsts))]
-    finals: dict[int, Any] = {}
+    ending = _Ending(call, choices, ids, chat, include_usage)
     try:
-        # The hot loop of the gateway (one pass per streamed token).
+        if len(firsts) == 1:
+            # The hot loop of the gateway (one pass per streamed token): one generator,
+            # the common case (text only, not the first chat delta) inline.
+            choice, read, msg = choices[0], call.grpc_calls[0].read, firsts[0]
+            plain = choice.plain
+            while msg is not grpc.aio.EOF:
+                if msg.WhichOneof("kind") != "delta":
+                    yield ending.event(0, msg.final)
+                    return
+                delta = msg.delta
+                call.count(delta)
+                if choice.opening or delta.logprobs or delta.reasoning or delta.tool_calls:
+                    event, text = choice.delta(delta)
+                    if event:
+                        yield event
+                    if text:
+                        call.handed_over()
+                elif delta.text:
+                    yield plain.text(delta.text)
+                    call.handed_over()
+                msg = await read()
+            yield SSE_DONE  # the stream ended without a final (the replica went away)
+            return
         async for i, msg in messages(call, firsts):
             if msg is grpc.aio.EOF:  # a stream ended without a final (the replica went away)
                 yield SSE_DONE
                 return
-            choice = choices[i]
-            if msg.WhichOneof("kind") != "delta":  # the sample's end
-                final = finals[i] = msg.final
-                call.finished(i, final)
-                end = encode_event(choice.chunk("", None, final.finish_reason))
-                if len(finals) < len(choices):
-                    yield end
-                    continue
-                ending = [end]  # the last sample's end: one write with [DONE]
-                if include_usage:
-                    ending.append(encode_event(fmt.usage_chunk(ids, chat, _usage(finals))))
-                yield b"".join([*ending, SSE_DONE])
-                return
-            delta = msg.delta
-            call.count(delta)
-            event, text = choice.delta(delta)
+            if msg.WhichOneof("kind") != "delta":
+                yield ending.event(i, msg.final)
+                if ending.done:
+                    return
+                continue
+            call.count(msg.delta)
+            event, text = choices[i].delta(msg.delta)
             if event:
                 yield event
             if text:
@@ -59,6 +72,37 @@ async def sse(
         call.failed_upstream(exc)
         error = encode_event(error_body(502, f"the replica failed: {exc.details()}"))
         yield error + SSE_DONE
+
+
+class _Ending:
+    """Each sample's last events: its finish reason, and after the last sample's, the
+    usage (if asked for) and ``[DONE]``, in one write."""
+
+    def __init__(
+        self,
+        call: UpstreamCall,
+        choices: list[_StreamedChoice],
+        ids: dict[str, Any],
+        chat: bool,
+        include_usage: bool,
+    ) -> None:
+        self.call, self.choices, self.ids = call, choices, ids
+        self.chat, self.include_usage = chat, include_usage
+        self.finals: dict[int, Any] = {}
+        self.done = False
+
+    def event(self, index: int, final: Any) -> bytes:
+        self.finals[index] = final
+        self.call.finished(index, final)
+        end = encode_event(self.choices[index].chunk("", None, final.finish_reason))
+        if len(self.finals) < len(self.choices):
+            return end
+        self.done = True
+        ending = [end]
+        if self.include_usage:
+            usage = _usage(self.finals)
+            ending.append(encode_event(fmt.usage_chunk(self.ids, self.chat, usage)))
+        return b"".join([*ending, SSE_DONE])
 
 
 async def collect(
