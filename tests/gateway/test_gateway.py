@@ -120,7 +120,7 @@ def test_n_samples_match_the_replica_stream_and_whole(
 ) -> None:
     """A request for ``n`` samples runs them on one replica: the choices are those the
     replica gives (sample i with seed + i), streamed and whole; the usage counts the
-    prompt once and every sample's output."""
+    prompt once and every sample's output. A batch of prompts gets n choices each."""
     body = {"model": MODEL, "prompt": "the cache keeps keys", "max_tokens": 6, "n": 3,
             "seed": 5, "ignore_eos": True}  # fmt: skip
     direct = httpx.post(f"{replicas[0].http}/v1/completions", json=body, timeout=60).json()
@@ -142,6 +142,14 @@ def test_n_samples_match_the_replica_stream_and_whole(
     assert texts == [c["text"] for c in direct["choices"]]
     assert finishes == ["length"] * 3
     assert usage is not None and usage.completion_tokens == 18
+
+    batch = {**body, "prompt": ["the cache keeps keys", "hello"], "n": 2}
+    direct_batch = httpx.post(f"{replicas[1].http}/v1/completions", json=batch).json()
+    with gateway.client() as c:
+        through = c.post("/v1/completions", json=batch).json()
+    assert through["choices"] == direct_batch["choices"] and len(through["choices"]) == 4
+    for field in ("prompt_tokens", "completion_tokens"):  # (cache hits may differ)
+        assert through["usage"][field] == direct_batch["usage"][field]
 
     chat = chat_body("hello", 5, n=2, temperature=1, seed=9)
     direct_chat = httpx.post(f"{replicas[0].http}/v1/chat/completions", json=chat).json()

@@ -171,6 +171,39 @@ def test_n_samples_with_the_openai_sdk(server: RunningServer) -> None:
     assert roles == [1, 1]  # each choice's first delta carries the role
 
 
+def test_a_batch_of_prompts_gets_n_choices_each_in_order(server: RunningServer) -> None:
+    """OpenAI's batch: ``prompt`` as a list of texts or of token-id lists; prompt i's
+    choices are i·n … i·n + n − 1, each what the prompt alone gets; the usage counts every
+    prompt."""
+    body = {**GREEDY, "max_tokens": 4, "n": 2, "seed": 3, "temperature": 1}
+    texts = ["the cache keeps keys", "hello"]
+    tokens = [server.engine.tokenize(t) for t in texts]
+    with server.client() as c:
+        batch = c.post("/v1/completions", json={**body, "prompt": tokens}).json()
+        alone = [c.post("/v1/completions", json={**body, "prompt": t}).json() for t in texts]
+        _, *events, done = sse_events(
+            c.post("/v1/completions", json={**body, "prompt": texts[::-1], "stream": True})
+        )
+        too_many = c.post("/v1/completions", json={**body, "prompt": ["a"] * 513})
+        mixed = c.post("/v1/completions", json={**body, "prompt": ["a", [1, 2]]})
+    assert [ch["index"] for ch in batch["choices"]] == [0, 1, 2, 3]
+    assert [ch["text"] for ch in batch["choices"]] == [
+        ch["text"] for one in alone for ch in one["choices"]
+    ]
+    usage = batch["usage"]
+    assert usage["prompt_tokens"] == sum(one["usage"]["prompt_tokens"] for one in alone)
+    assert usage["completion_tokens"] == 16
+    streamed = ["", "", "", ""]
+    for event in events:
+        assert isinstance(event, dict)
+        for ch in event["choices"]:
+            streamed[ch["index"]] += ch["text"]
+    assert streamed[:2] == [ch["text"] for ch in alone[1]["choices"]] and done == "[DONE]"
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
+    assert "1026 choices" in too_many.json()["error"]["message"]
+    assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "prompt"
+
+
 @pytest.mark.parametrize(
     ("payload", "status", "param", "fragment"),
     [

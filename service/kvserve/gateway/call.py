@@ -47,6 +47,7 @@ class UpstreamCall:
         s: float,
         prompt_estimate: int,
         adapter: str | None = None,
+        samples: int = 1,
     ) -> None:
         # ``model`` is the served model (whose replicas and metrics these are); ``adapter``
         # the LoRA adapter of it that the request named, if any.
@@ -54,6 +55,7 @@ class UpstreamCall:
         self.adapter = adapter
         self.admission, self.span, self.s = admission, span, s
         self.prompt_estimate = prompt_estimate
+        self.samples = samples  # per prompt (n): the upstream requests are prompts × n
         self.output_tokens = 0  # seen so far (charged if the request never finishes)
         self.slot: Slot | None = None
         self.grpc_calls: list[Any] = []  # one per sample
@@ -228,15 +230,21 @@ class UpstreamCall:
         if len(self.finals) < len(self.grpc_calls):
             return
         self.done = True
-        finals = [self.finals[i] for i in range(len(self.grpc_calls))]
-        usage = finals[0].usage  # the prompt is counted once
-        output_tokens = sum(f.usage.completion_tokens for f in finals)
-        self.usage_tokens = usage.prompt_tokens + output_tokens
-        reasons = [f.finish_reason for f in finals]
+        prompt_tokens, output_tokens, cached_tokens = self.usage()
+        self.usage_tokens = prompt_tokens + output_tokens
+        reasons = [self.finals[i].finish_reason for i in range(len(self.finals))]
         self.span.set_attribute("gen_ai.response.finish_reasons", reasons)
-        self.span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+        self.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         self.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
-        self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cached_tokens)
+        self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached_tokens)
+
+    def usage(self) -> tuple[int, int, int]:
+        """Prompt, output and cached prompt tokens of the finished samples: each prompt
+        once (its first sample's figures), every sample's output."""
+        firsts = [f.usage for i, f in self.finals.items() if i % self.samples == 0]
+        output_tokens = sum(f.usage.completion_tokens for f in self.finals.values())
+        prompt_tokens = sum(u.prompt_tokens for u in firsts)
+        return prompt_tokens, output_tokens, sum(u.cached_tokens for u in firsts)
 
     def failed_upstream(self, exc: grpc.aio.AioRpcError) -> None:
         """The replica failed after the first output (never retried: output was sent)."""

@@ -100,7 +100,7 @@ class _Ending:
         self.done = True
         ending = [end]
         if self.include_usage:
-            usage = _usage(self.finals)
+            usage = fmt.usage(*self.call.usage())
             ending.append(encode_event(fmt.usage_chunk(self.ids, self.chat, usage)))
         return b"".join([*ending, SSE_DONE])
 
@@ -129,9 +129,10 @@ async def collect(
         call.status = 502
         raise OpenAIError(502, "the replica's stream ended without a final message")
     bodies = [c.body(i, chat, finals[i]) for i, c in enumerate(choices)]
+    usage = fmt.usage(*call.usage())
     if chat:
-        return fmt.chat_response(ids, bodies, _usage(finals))
-    return fmt.completion_response(ids, bodies, _usage(finals))
+        return fmt.chat_response(ids, bodies, usage)
+    return fmt.completion_response(ids, bodies, usage)
 
 
 async def messages(call: UpstreamCall, firsts: list[Any]) -> AsyncIterator[tuple[int, Any]]:
@@ -246,10 +247,3 @@ class _WholeChoice:
             reasoning="".join(self.reasoning) or None,
             tool_calls=self.tool_calls,
         )
-
-
-def _usage(finals: dict[int, Any]) -> dict[str, Any]:
-    """The prompt once (the first sample's cached share of it), every sample's output."""
-    first = finals[0].usage
-    completion_tokens = sum(f.usage.completion_tokens for f in finals.values())
-    return fmt.usage(first.prompt_tokens, completion_tokens, first.cached_tokens)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -117,12 +118,12 @@ def gateway_router(state: GatewayState) -> APIRouter:
         tenant = _authenticate(state, request)
         try:
             body = await parse_body(request, CompletionRequest)
-            prompt = checks.completion_prompt(body)
+            prompts = checks.completion_prompts(body)
             constraint = requested_constraint(body)
         except OpenAIError:
             state.metrics.rejections.labels("invalid").inc()
             raise
-        return await _serve(state, request, tenant, body, prompt, constraint=constraint)
+        return await _serve(state, request, tenant, body, prompts, constraint=constraint)
 
     @router.post(
         "/v1/chat/completions",
@@ -140,7 +141,7 @@ def gateway_router(state: GatewayState) -> APIRouter:
             state.metrics.rejections.labels("invalid").inc()
             raise
         return await _serve(
-            state, request, tenant, body, messages, tools=tools, constraint=constraint
+            state, request, tenant, body, [messages], tools=tools, constraint=constraint
         )
 
     return router
@@ -197,11 +198,12 @@ async def _serve(
     request: Request,
     tenant: Tenant,
     body: CompletionRequest | ChatCompletionRequest,
-    prompt: Prompt,
+    prompts: Sequence[Prompt],
     *,
     tools: ChatTools | None = None,
     constraint: Constraint | None = None,
 ) -> Response:
+    """``prompts``: a completion's (one, or a batch), or a chat's conversation."""
     s = time.monotonic()
     rid: str = request.state.request_id
     chat = isinstance(body, ChatCompletionRequest)
@@ -231,27 +233,29 @@ async def _serve(
         state.metrics.rejections.labels("invalid").inc()
         raise OpenAIError(400, str(exc), param=exc.param) from None
     cache_salt = state.salts.salt(tenant, body.cache_salt)
-    upstream = encode_request(
-        prompt,
-        params,
-        request_id=rid,
-        max_tokens_set=limit.value is not None,
-        max_tokens_cap=ceiling,  # a chat without max_tokens gets no more than the ceiling
-        cache_salt=cache_salt,
-        tools=tools,
-        constraint=constraint,
-        template_kwargs=(
-            body.template_kwargs() if isinstance(body, ChatCompletionRequest) else None
-        ),
-    )
-    if adapter is not None:
-        upstream.lora_adapter = adapter
-    upstreams = _samples(upstream, params)
+    upstreams = []  # prompt i's sample j at i·n + j (its choice's index)
+    for prompt in prompts:
+        upstream = encode_request(
+            prompt,
+            params,
+            request_id=rid,
+            max_tokens_set=limit.value is not None,
+            max_tokens_cap=ceiling,  # a chat without max_tokens gets no more than the ceiling
+            cache_salt=cache_salt,
+            tools=tools,
+            constraint=constraint,
+            template_kwargs=(
+                body.template_kwargs() if isinstance(body, ChatCompletionRequest) else None
+            ),
+        )
+        if adapter is not None:
+            upstream.lora_adapter = adapter
+        upstreams += _samples(upstream, params)
 
     # Token reservation: the prompt estimate + the most the request may generate (every
     # sample); settled to the real usage at the end, an overrun charged as debt
     # (kvserve.gateway.ratelimit).
-    prompt_estimate = _prompt_estimate(prompt, tools)
+    prompt_estimate = sum(_prompt_estimate(prompt, tools) for prompt in prompts)
     most = _most_output_tokens(state, model, limit, ceiling, prompt_estimate) * len(upstreams)
     reserve = prompt_estimate + most
     try:
@@ -278,11 +282,13 @@ async def _serve(
     )
     metadata: dict[str, str] = {"x-request-id": rid}
     propagate.inject(metadata, context=trace.set_span_in_context(span))
-    call = UpstreamCall(state, model, tenant, admission, span, s, prompt_estimate, adapter)
+    call = UpstreamCall(
+        state, model, tenant, admission, span, s, prompt_estimate, adapter, samples=body.n
+    )
     try:
         # Routing groups by the tenant's salt and the adapter as well: the engine shares
         # KV blocks across neither.
-        routed: dict[str, Any] = {"messages": prompt} if chat else {"prompt": prompt}
+        routed: dict[str, Any] = {"messages" if chat else "prompt": prompts[0]}
         routed |= {"cache_salt": cache_salt, "lora_adapter": adapter}
         key = prefix_key(routed, state.config.routing.prefix_chars)
         firsts = await until_disconnected(request, call.start(key, upstreams, metadata))

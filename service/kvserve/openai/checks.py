@@ -16,6 +16,8 @@ from kvserve.sampling_params import INT32_MAX, StopLimits
 
 # OpenAI's default for /v1/completions; a chat without a limit gets what the context leaves.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# A completion's choices (prompts × n): each is a request in the engine.
+MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,24 @@ def check_options(body: CommonRequest) -> None:
         )
 
 
-def completion_prompt(body: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion: text or token ids (a list of one text is text)."""
-    if isinstance(body.prompt, list) and any(isinstance(p, str) for p in body.prompt):
-        if len(body.prompt) != 1 or not isinstance(body.prompt[0], str):
-            raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
-        return body.prompt[0]
-    return body.prompt  # type: ignore[return-value]
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion: one text or token-id list, or OpenAI's batch of
+    either. Each gets ``n`` choices: prompt i's are choices i·n to i·n + n − 1. At most
+    MAX_CHOICES choices in all."""
+    prompt = body.prompt
+    prompts: list[str | list[int]]
+    if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
+        prompts = [p for p in prompt if isinstance(p, str | list)]  # a batch: all are
+    else:
+        prompts = [prompt]  # type: ignore[list-item]  # text, or one list of token ids
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise OpenAIError(
+            400,
+            f"{len(prompts)} prompts × n={body.n} is {len(prompts) * body.n} choices; "
+            f"at most {MAX_CHOICES} in one request",
+            param="prompt",
+        )
+    return prompts
 
 
 def token_limit(body: CompletionRequest | ChatCompletionRequest) -> TokenLimit:

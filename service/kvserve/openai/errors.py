@@ -88,7 +88,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
         param = ".".join(loc) or None
         kind = first.get("type", "")
         if kind == "extra_forbidden":
@@ -111,3 +111,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             500, f"internal error while serving request {rid}: {exc}", request=request
         )
+
+
+# pydantic names the member of a union that a value failed in its error's location
+# ("prompt", "list[int]", 0): a type, not a field of the request.
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a location part is a union member's tag (a type name, ``list[int]``, a
+    model's class name), which ``error.param`` leaves out: OpenAI's param is the path."""
+    return isinstance(part, str) and (part in _TYPE_NAMES or "[" in part or part[:1].isupper())

@@ -163,19 +163,22 @@ class CommonRequest(OpenAIObject):
 
 
 class CompletionRequest(CommonRequest):
-    prompt: str | list[int] | list[str]
+    # One prompt (text or token ids), or a batch of them (OpenAI's): n choices each.
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
 
     @field_validator("prompt")
     @classmethod
-    def _token_ids_fit_the_wire(cls, prompt: str | list[int] | list[str]) -> object:
+    def _token_ids_fit_the_wire(
+        cls, prompt: str | list[int] | list[str] | list[list[int]]
+    ) -> object:
         # Token ids travel as int32; the engine then checks them against its vocabulary.
-        if isinstance(prompt, list) and any(
-            isinstance(t, int) and not 0 <= t <= INT32_MAX for t in prompt
-        ):
-            raise ValueError(f"token ids must be in [0, {INT32_MAX}]")
+        if isinstance(prompt, list):
+            for ids in (prompt, *(p for p in prompt if isinstance(p, list))):
+                if any(isinstance(t, int) and not 0 <= t <= INT32_MAX for t in ids):
+                    raise ValueError(f"token ids must be in [0, {INT32_MAX}]")
         return prompt
 
 

@@ -55,7 +55,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     body = await parse_body(request, CompletionRequest)
     state = server_state(request)
     lora = _check_common(body, state)
-    prompt = checks.completion_prompt(body)
+    prompts = checks.completion_prompts(body)
     limit = checks.token_limit(body).value
     assert limit is not None  # a completion's limit defaults to 16
     constraint = requested_constraint(body)
@@ -69,7 +69,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
         state,
         request,
         body,
-        prompt,
+        prompts,
         limit,
         arrival,
         constraint.params if constraint else None,
@@ -97,7 +97,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
                 )
             )
 
-        return _sse(state, reqs, chunk, ids, False, body.include_usage, grammar_param=param)
+        return _sse(state, reqs, chunk, ids, False, body.include_usage, body.n, grammar_param=param)
 
     outs = await _run_to_end(request, state.engine, reqs, grammar_param=param)
     choices = []
@@ -105,7 +105,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
         c = out.outputs[0]
         logprobs = fmt.completion_logprobs(c.logprobs, text_of) if c.logprobs else None
         choices.append(fmt.completion_choice(c.index, c.text, logprobs, c.finish_reason))
-    return JSONResponse(fmt.completion_response(ids, choices, _usage(outs)))
+    return JSONResponse(fmt.completion_response(ids, choices, _usage(outs, body.n)))
 
 
 @router.post(
@@ -136,7 +136,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     if limit is None:  # as much as the context allows
         limit = state.engine.engine.context_left(len(chat.prompt_ids))
     reqs = await _make_requests(
-        state, request, body, chat.prompt_ids, limit, arrival, chat.constraint, lora
+        state, request, body, [chat.prompt_ids], limit, arrival, chat.constraint, lora
     )
     ids = fmt.response_ids(request.state.request_id, body.model, True, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
@@ -165,8 +165,9 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
 
         markers = parsers[0] is not None and bool(parsers[0].markers)
         return _sse(
-            state, reqs, chunk, ids, True, body.include_usage, markers, chat.constraint_param
-        )
+            state, reqs, chunk, ids, True, body.include_usage, body.n, markers,
+            chat.constraint_param,
+        )  # fmt: skip
 
     if parsers[0] is None:
         outs = await _run_to_end(request, state.engine, reqs, grammar_param=chat.constraint_param)
@@ -175,7 +176,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             c = out.outputs[0]
             logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
             choices.append(fmt.chat_choice(c.index, c.text, logprobs, c.finish_reason))
-        return JSONResponse(fmt.chat_response(ids, choices, _usage(outs)))
+        return JSONResponse(fmt.chat_response(ids, choices, _usage(outs, body.n)))
     # Read step by step, as a stream is: a marker token is put back where it was.
     answers = [ChatDelta() for _ in reqs]
     finishes: list[str | None] = [None] * len(reqs)
@@ -202,7 +203,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
                 tool_calls=answer.tool_calls,
             )
         )
-    return JSONResponse(fmt.chat_response(ids, choices, _usage(outs)))
+    return JSONResponse(fmt.chat_response(ids, choices, _usage(outs, body.n)))
 
 
 # ---- shared pieces -------------------------------------------------------------------
@@ -220,30 +221,34 @@ async def _make_requests(
     state: ServerState,
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
-    prompt: str | list[int],
+    prompts: list[str | list[int]],
     max_tokens: int,
     arrival: float,
     constraint: StructuredOutputsParams | None,
     lora: LoRARequest | None = None,
 ) -> list[EngineRequest]:
-    """The engine requests, one per sample (``n``; each is its own engine request, named
-    by the engine; ``x-request-id`` is kept as the client's on every one)."""
+    """The engine requests, one per prompt and sample (``n``), prompt i's sample j at
+    index i·n + j (each is its own engine request, named by the engine; ``x-request-id``
+    is kept as the client's on every one)."""
     rid: str = request.state.request_id
     try:
         params = body.sampling_params(max_tokens, checks.logprobs_count(body), constraint)
-        prompt = await state.engine.prepare(prompt)
-        reqs = [
-            state.engine.make_request(
-                prompt,
-                sample,
-                rid,
-                arrival_time=arrival,
-                cache_salt=body.cache_salt,
-                lora_request=lora,
-                sample_index=i,
-            )
-            for i, sample in enumerate(params.samples())
-        ]
+        samples = params.samples()
+        reqs = []
+        for p, prompt in enumerate(prompts):
+            prepared = await state.engine.prepare(prompt)
+            for j, sample in enumerate(samples):
+                reqs.append(
+                    state.engine.make_request(
+                        prepared,
+                        sample,
+                        rid,
+                        arrival_time=arrival,
+                        cache_salt=body.cache_salt,
+                        lora_request=lora,
+                        sample_index=p * len(samples) + j,
+                    )
+                )
         operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
         for req in reqs:
             state.telemetry.begin(
@@ -269,12 +274,13 @@ def _delta_logprobs(c: CompletionOutput) -> Sequence[TokenLogprob] | None:
     return c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
 
 
-def _usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """A response's usage: its prompt once (and the first sample's cached share of it),
-    the output tokens of every sample."""
-    first = outs[0]
+def _usage(outs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
+    """A response's usage, from its choices' last outputs (``n`` per prompt): each prompt
+    once (and its first sample's cached share of it), every choice's output."""
+    firsts = [out for out in outs if out.outputs[0].index % n == 0]
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in firsts)
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outs)
-    return fmt.usage(len(first.prompt_token_ids), output_tokens, first.num_cached_tokens)
+    return fmt.usage(prompt_tokens, output_tokens, sum(out.num_cached_tokens for out in firsts))
 
 
 def _sse(
@@ -284,6 +290,7 @@ def _sse(
     ids: dict[str, Any],
     chat: bool,
     include_usage: bool,
+    n: int,
     every_token: bool = False,
     grammar_param: str | None = None,
 ) -> EventStreamResponse:
@@ -327,7 +334,7 @@ def _sse(
             )
             parts.append(encode_event(body))
         if include_usage and lasts:
-            usage = _usage([lasts[i] for i in sorted(lasts)])
+            usage = _usage([lasts[i] for i in sorted(lasts)], n)
             parts.append(encode_event(fmt.usage_chunk(ids, chat, usage)))
         yield b"".join([*parts, SSE_DONE])
 
