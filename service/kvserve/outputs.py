@@ -109,6 +109,9 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     external_id: str | None = None  # the client's id for the request (``Request.external_id``)
+    # With SamplingParams.prompt_logprobs: one per prompt token (None for the first), the
+    # prompt's own tokens scored; complete from the request's first output token on.
+    prompt_logprobs: Sequence[TokenLogprob | None] | None = None
     lora_request: LoRARequest | None = None  # the adapter it ran under (None: the base model)
 
     @property

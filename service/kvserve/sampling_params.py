@@ -114,6 +114,10 @@ class SamplingParams:
     this many tokens (it cannot go with ``structured_outputs``, whose grammar may need to
     end sooner).
 
+    ``prompt_logprobs=N`` (vLLM's): each prompt token's log-probability given the tokens
+    before it, and the top N there (the first token has none); such a request computes
+    its whole prompt, whatever the prefix cache holds.
+
     ``n`` (OpenAI's and vLLM's): how many answers to sample for the prompt, at most
     ``MAX_N``. They run as ``n`` requests of one sample each (``samples()``), the i-th
     with seed ``seed + i`` when a seed is set, so each is reproducible and they differ.
@@ -138,6 +142,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     n: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -198,6 +203,11 @@ class SamplingParams:
         if self.seed is not None and self.seed + self.n - 1 > SEED_RANGE[1]:
             raise InvalidRequestError(
                 f"seed + n - 1 must be at most {SEED_RANGE[1]} (sample i uses seed + i)", "seed"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+                "prompt_logprobs",
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(

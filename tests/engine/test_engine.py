@@ -189,6 +189,32 @@ def test_n_samples_are_one_output_each_with_its_own_seed(llm: LLM) -> None:
         SamplingParams(n=129)
 
 
+def test_prompt_logprobs_score_the_whole_prompt_chunk_by_chunk(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """``prompt_logprobs``: each prompt token's logprob (and the top ones) as transformers
+    computes it, through chunked prefill, and again when the prefix cache holds the
+    prompt (such a request computes it all the same)."""
+    path = checkpoint_dir("llama")
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)
+    prompt = list(range(5, 45))
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt], params)[0]  # the cache holds its prompt now
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    for out in (first, again):
+        scores = out.prompt_logprobs
+        assert scores is not None and len(scores) == len(prompt) and scores[0] is None
+        for i, entry in enumerate(scores[1:], start=1):
+            assert entry is not None and entry.token_id == prompt[i]
+            assert entry.logprob == pytest.approx(reference[i - 1, prompt[i]].item(), abs=1e-4)
+            top = reference[i - 1].topk(3)
+            assert list(entry.top) == top.indices.tolist()
+    assert again.num_cached_tokens == 0  # it computed the prompt the cache held
+    plain = llm.generate([prompt], GREEDY)[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens == 36
+
+
 def test_bf16_agrees_with_fp32_teacher_forced(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     path = str(checkpoint_dir("qwen3-trained"))
     fp32 = LLM(path, dtype="float32", device="cpu")

@@ -74,9 +74,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest chain of cached blocks that prefixes the request's tokens.
 
-        At least the last token is always left to compute: its logits are needed.
+        At least the last token is always left to compute: its logits are needed. A request
+        that asks for its prompt's logprobs needs the logits of every prompt position, so
+        it computes them all (its blocks are still cached for others).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
             return []
         hashes = self._update_block_hashes(request)
         limit = (request.num_tokens - 1) // self.block_size

@@ -762,6 +762,7 @@ class LLMEngine:
             finished=req.is_finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             metrics=req.metrics,
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     # ---- evaluation helpers ----------------------------------------------------------

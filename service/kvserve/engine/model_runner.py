@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,8 @@ from kvserve.model.loader import load_model
 from kvserve.model.rope import RotaryEmbedding
 from kvserve.outputs import RequestMetrics
 from kvserve.parallel.group import TensorGroup, to_device
+from kvserve.sample import prompt_logprobs
+from kvserve.sample.prompt_logprobs import PromptScores
 from kvserve.sample.sampler import Sampler, StepTokens
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.bitmask import TokenMasker
@@ -60,6 +62,9 @@ class ModelInput:
     sample_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
     sample_requests: list[Request]
     token_slots: list[int] | None = None  # LoRA slot of each token (-1: base model)
+    # Prompt positions scored for prompt logprobs, and their rows of the hidden states.
+    prompt_scores: list[PromptScores] = field(default_factory=list)
+    prompt_rows: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -160,8 +165,17 @@ class ModelRunner:
         ``lora_slots``: each request's LoRA slot (-1: the base model), with LoRA on."""
         inp = self.prepare(batch, tables, lora_slots)
         reqs = inp.sample_requests
-        self._lead(inp, inp.sample_indices if reqs else None)
+        # The rows whose logits are made, in parts (the same calls on every rank): the
+        # sampled ones, then the prompt positions scored for prompt logprobs.
+        logit_parts = [inp.sample_indices] if reqs else []
+        if inp.prompt_rows is not None:
+            logit_parts += prompt_logprobs.parts(inp.prompt_rows)
+        self._lead(inp, logit_parts)
         hidden = self._forward(inp)
+        if inp.prompt_rows is not None:
+            scored = [self.model.compute_logits(hidden.index_select(0, rows))
+                      for rows in logit_parts[1 if reqs else 0 :]]  # fmt: skip
+            prompt_logprobs.record(torch.cat(scored), inp.prompt_scores)
         if not reqs:
             return [], StepTokens([], [])
         speculative = any(r.spec_token_ids for r in reqs)
@@ -181,26 +195,26 @@ class ModelRunner:
         for the request whose blocks ``tables`` holds under ``request_id``."""
         req = Request(request_id, list(token_ids), _SCORE_PARAMS, RequestMetrics(0.0))
         inp = self.prepare([(req, len(token_ids))], tables, {request_id: -1})
-        self._lead(inp, torch.arange(len(token_ids), device=self.device))
+        self._lead(inp, [torch.arange(len(token_ids), device=self.device)])
         hidden = self._forward(inp)
         return torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
 
-    def _lead(self, inp: ModelInput, logit_rows: torch.Tensor | None) -> None:
+    def _lead(self, inp: ModelInput, logit_parts: list[torch.Tensor]) -> None:
         """With tensor parallelism: send the workers this step (without its requests)
-        and the hidden rows whose logits rank 0 will gather."""
+        and the hidden rows whose logits rank 0 will gather, part by part."""
         if self.group is not None:
             step = ModelInput(inp.input_ids, inp.positions, inp.meta, inp.sample_indices, [])
-            self.group.broadcast((step, logit_rows))
+            self.group.broadcast((step, logit_parts))
 
     @torch.inference_mode()
     def follow(self, message: object) -> None:
         """A worker rank: run one message of rank 0's (``_lead``, or a keepalive)."""
         if message == KEEPALIVE:
             return
-        inp, logit_rows = to_device(message, self.device)
+        inp, logit_parts = to_device(message, self.device)
         hidden = self._forward(inp)
-        if logit_rows is not None:
-            self.model.compute_logits(hidden.index_select(0, logit_rows))
+        for rows in logit_parts:
+            self.model.compute_logits(hidden.index_select(0, rows))
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
         if self.lora is not None:
@@ -229,8 +243,13 @@ class ModelRunner:
         sample_indices: list[int] = []
         sample_requests: list[Request] = []
         token_slots: list[int] | None = [] if lora_slots is not None else None
+        prompt_scores: list[PromptScores] = []
+        prompt_rows: list[int] = []
         for i, (req, n) in enumerate(ordered):
             start = req.num_computed_tokens
+            if scored := prompt_logprobs.scored_positions(req, start, n):
+                prompt_scores.append(PromptScores(req, start, scored))
+                prompt_rows.extend(range(len(tokens), len(tokens) + scored))
             if req.spec_token_ids:  # its last token and the drafts to verify
                 tokens.extend((req.all_token_ids[start:] + req.spec_token_ids)[:n])
             else:
@@ -291,6 +310,8 @@ class ModelRunner:
             sample_indices=self._long(sample_indices),
             sample_requests=sample_requests,
             token_slots=token_slots,
+            prompt_scores=prompt_scores,
+            prompt_rows=self._long(prompt_rows) if prompt_rows else None,
         )
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,9 @@ class Request:
     stop_reason: str | int | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
     logprobs: list[TokenLogprob] | None = None
+    # With params.prompt_logprobs: position p's entry scores prompt token p (None for the
+    # first token, and for those its prefill has not reached yet).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     detokenizer: IncrementalDetokenizer | None = None
     generator: SeededNoise | None = None  # the noise of a seeded request
     logits_state: LogitsState | None = None  # its biases' and penalties' (the sampler's)
@@ -66,6 +69,8 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
