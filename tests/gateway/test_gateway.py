@@ -163,6 +163,39 @@ def test_n_samples_match_the_replica_stream_and_whole(
     assert roles == [1, 1]
 
 
+def test_echo_through_the_gateway_is_the_replicas(
+    gateway: Gateway, replicas: list[Replica]
+) -> None:
+    """``echo`` with ``logprobs`` (lm-evaluation-harness's loglikelihood request): the
+    replica sends the prompt, its text and its tokens scored, in the first delta; the
+    gateway's answer, whole or streamed, is the one the replica gives directly."""
+    body = {**GREEDY, "prompt": [[5, 6, 7, 8, 9], [5, 6, 7]], "max_tokens": 1, "logprobs": 1,
+            "echo": True}  # fmt: skip
+    direct = httpx.post(f"{replicas[0].http}/v1/completions", json=body, timeout=60).json()
+    with gateway.client() as c:
+        whole = c.post("/v1/completions", json=body).json()
+        _, chunks = stream_text(c, "/v1/completions", body)
+        text_only = c.post("/v1/completions", json={**body, "logprobs": None}).json()
+    for ours, theirs in zip(whole["choices"], direct["choices"], strict=True):
+        assert ours["text"] == theirs["text"]
+        assert ours["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+        assert ours["logprobs"]["token_logprobs"][0] is None
+        assert ours["logprobs"]["token_logprobs"] == pytest.approx(
+            theirs["logprobs"]["token_logprobs"], abs=1e-4
+        )
+        assert ours["logprobs"]["text_offset"] == theirs["logprobs"]["text_offset"]
+    assert whole["usage"]["prompt_tokens"] == 8
+    streamed: list[dict[str, list[Any]]] = [{"tokens": [], "text_offset": []} for _ in range(2)]
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            for key, values in streamed[ch["index"]].items():
+                values += (ch["logprobs"] or {}).get(key, [])
+    assert streamed == [
+        {k: ch["logprobs"][k] for k in ("tokens", "text_offset")} for ch in whole["choices"]
+    ]
+    assert [ch["text"] for ch in text_only["choices"]] == [ch["text"] for ch in whole["choices"]]
+
+
 def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> None:
     body = {**GREEDY, "prompt": "hi", "max_tokens": 2}
     with gateway.client(key=None) as anonymous:

@@ -181,7 +181,7 @@ def test_a_batch_of_prompts_gets_n_choices_each_in_order(server: RunningServer) 
     with server.client() as c:
         batch = c.post("/v1/completions", json={**body, "prompt": tokens}).json()
         alone = [c.post("/v1/completions", json={**body, "prompt": t}).json() for t in texts]
-        _, *events, done = sse_events(
+        *events, done = sse_events(
             c.post("/v1/completions", json={**body, "prompt": texts[::-1], "stream": True})
         )
         too_many = c.post("/v1/completions", json={**body, "prompt": ["a"] * 513})
@@ -198,10 +198,45 @@ def test_a_batch_of_prompts_gets_n_choices_each_in_order(server: RunningServer) 
         assert isinstance(event, dict)
         for ch in event["choices"]:
             streamed[ch["index"]] += ch["text"]
-    assert streamed[:2] == [ch["text"] for ch in alone[1]["choices"]] and done == "[DONE]"
+    assert streamed == [ch["text"] for one in alone[::-1] for ch in one["choices"]]
+    assert done == "[DONE]"
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
     assert "1026 choices" in too_many.json()["error"]["message"]
     assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "prompt"
+
+
+def test_echo_returns_the_prompt_scored_as_lm_eval_reads_it(server: RunningServer) -> None:
+    """``echo`` with ``logprobs`` (lm-evaluation-harness's loglikelihood request): the
+    text and the logprobs start with the prompt's, its first token unscored, the rest
+    scored by the model; streamed, the first chunk carries them and the offsets go on.
+    The scores are the model's whatever the prefix cache holds."""
+    ids = server.engine.tokenize("the cache keeps keys and values")
+    body = {**GREEDY, "prompt": ids, "max_tokens": 2, "logprobs": 2, "echo": True}
+    with server.client() as c:
+        whole = c.post("/v1/completions", json=body).json()
+        again = c.post("/v1/completions", json=body).json()  # the prompt is cached now
+        *events, _ = sse_events(c.post("/v1/completions", json={**body, "stream": True}))
+        text_only = c.post("/v1/completions", json={**body, "logprobs": None}).json()
+        plain = c.post("/v1/completions", json={**body, "echo": False}).json()
+    choice, lp = whole["choices"][0], whole["choices"][0]["logprobs"]
+    prompt_text = AutoTokenizer.from_pretrained(server.engine.config.model).decode(ids)
+    assert choice["text"] == prompt_text + plain["choices"][0]["text"]
+    assert len(lp["tokens"]) == len(ids) + 2 and "".join(lp["tokens"]) == choice["text"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
+    # (two ids may have one text, and the legacy format maps texts to logprobs)
+    assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+    answer = plain["choices"][0]["logprobs"]["token_logprobs"]  # (from cached blocks)
+    assert lp["token_logprobs"][len(ids) :] == pytest.approx(answer, abs=1e-4)
+    assert again["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"]
+    streamed: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for event in events:
+        assert isinstance(event, dict)
+        for key in streamed:
+            streamed[key] += event["choices"][0]["logprobs"][key]
+    assert streamed == {key: lp[key] for key in streamed}
+    assert text_only["choices"][0]["text"] == choice["text"]
+    assert text_only["choices"][0]["logprobs"] is None
 
 
 @pytest.mark.parametrize(

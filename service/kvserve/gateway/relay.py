@@ -9,7 +9,7 @@ one's messages become choice ``index`` of the response.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -20,7 +20,7 @@ from kvserve.openai.chat_output import delta_chunks
 from kvserve.openai.errors import OpenAIError, error_body
 from kvserve.openai.format import ToolCallDelta
 from kvserve.openai.sse import SSE_DONE, TextEvents, encode_event
-from kvserve.rpc.codec import DeltaLogprobs, decode_chat_delta, decode_delta_logprobs
+from kvserve.rpc.codec import DeltaLogprobs, decode_chat_delta, decode_delta_logprobs, decode_echo
 
 
 async def sse(
@@ -196,16 +196,30 @@ class _StreamedChoice:
             return b"".join(encode_event(e) for e in events), True
         if lp is None and not self.opening:
             return (self.plain.text(text), True) if text else (b"", False)
-        if text or lp is not None:
-            event = encode_event(self.chunk(text, lp, None))
+        echo = decode_echo(delta) if self.opening else None  # a completion's prompt
+        if text or lp is not None or echo is not None:
+            event = encode_event(self.chunk(text, lp, None, echo))
             self.opening = False
             return event, bool(text)
         return b"", False
 
-    def chunk(self, text: str, lp: DeltaLogprobs | None, finish: str | None) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str,
+        lp: DeltaLogprobs | None,
+        finish: str | None,
+        echo: tuple[fmt.Echo, DeltaLogprobs] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             logprobs = fmt.chat_logprobs(lp.entries, lp.token_text) if lp else None
             return fmt.chat_chunk(self.ids, text, logprobs, finish, self.opening, index=self.index)
+        if echo is not None:  # the first chunk starts with the prompt
+            prompt, scores = echo
+            text = prompt.text + text
+            if lp is not None:
+                texts = DeltaLogprobs(lp.entries, scores.texts | lp.texts)
+                logprobs = prompt.logprobs(lp.entries, texts.token_text, self.streamed)
+                return fmt.completion_chunk(self.ids, text, logprobs, finish, self.index)
         logprobs = self.streamed.chunk(lp.entries, lp.token_text) if lp else None
         return fmt.completion_chunk(self.ids, text, logprobs, finish, self.index)
 
@@ -219,9 +233,17 @@ class _WholeChoice:
         self.tool_calls: list[ToolCallDelta] = []
         self.entries: list[Any] = []
         self.texts: dict[int, str] = {}
+        self.unscored: Sequence[int] = ()  # an echoed prompt's first token
 
     def add(self, delta: Any) -> bool:
         """Take a delta; whether it added to the answer."""
+        echo = decode_echo(delta)
+        if echo is not None:  # the first delta: the answer starts with the prompt
+            prompt, scores = echo
+            self.text.append(prompt.text)
+            self.entries += prompt.entries
+            self.texts.update(scores.texts)
+            self.unscored = prompt.unscored
         self.text.append(delta.text)
         if delta.reasoning or delta.tool_calls:
             parsed = decode_chat_delta(delta)
@@ -237,7 +259,9 @@ class _WholeChoice:
         token_text = DeltaLogprobs(self.entries, self.texts).token_text
         text = "".join(self.text)
         if not chat:
-            logprobs = fmt.completion_logprobs(self.entries, token_text) if self.entries else None
+            logprobs = None
+            if self.entries or self.unscored:
+                logprobs = fmt.completion_logprobs(self.entries, token_text, 0, self.unscored)
             return fmt.completion_choice(index, text, logprobs, final.finish_reason)
         return fmt.chat_choice(
             index,

@@ -247,6 +247,7 @@ async def _serve(
             template_kwargs=(
                 body.template_kwargs() if isinstance(body, ChatCompletionRequest) else None
             ),
+            echo=isinstance(body, CompletionRequest) and body.echo,
         )
         if adapter is not None:
             upstream.lora_adapter = adapter

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.openai.errors import OpenAIError
-from kvserve.outputs import TokenLogprob
+from kvserve.outputs import RequestOutput, TokenLogprob
 
 TokenText = Callable[[int], str]
 SSE_DONE = "data: [DONE]\n\n"
@@ -28,6 +28,11 @@ def tokenizer_text(tokenizer: Any) -> TokenText:
     if tokenizer is None:
         return str
     return lambda token_id: str(tokenizer.decode([token_id]))
+
+
+def decoded(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """The text of a token-id prompt, special tokens included (what ``echo`` returns)."""
+    return "" if tokenizer is None else str(tokenizer.decode(list(token_ids)))
 
 
 # ---- logprobs ----------------------------------------------------------------------------
@@ -50,20 +55,59 @@ def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText) -> dic
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], token_text: TokenText, text_offset: int = 0
+    entries: Sequence[TokenLogprob],
+    token_text: TokenText,
+    text_offset: int = 0,
+    unscored: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """``choices[].logprobs`` of /v1/completions (legacy format)."""
-    tokens = [token_text(e.token_id) for e in entries]
+    """``choices[].logprobs`` of /v1/completions (legacy format). ``unscored``: tokens
+    before ``entries`` that have no logprob (an echoed prompt's first): null in
+    ``token_logprobs`` and ``top_logprobs``, as OpenAI's API gives them."""
+    tokens = [token_text(t) for t in unscored] + [token_text(e.token_id) for e in entries]
     offsets = []
     for tok in tokens:
         offsets.append(text_offset)
         text_offset += len(tok)
+    nulls: list[Any] = [None] * len(unscored)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(t): lp for t, lp in e.top.items()} for e in entries],
+        "token_logprobs": nulls + [e.logprob for e in entries],
+        "top_logprobs": nulls + [{token_text(t): lp for t, lp in e.top.items()} for e in entries],
         "text_offset": offsets,
     }
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What ``echo`` puts before a completion's answer: the prompt's text and, when the
+    request asks for logprobs, its tokens: ``unscored`` (the first, which nothing
+    predicts) and then ``entries``, each scored from the tokens before it."""
+
+    text: str
+    unscored: Sequence[int] = ()
+    entries: Sequence[TokenLogprob] = ()
+
+    @classmethod
+    def of(cls, text: str, out: RequestOutput) -> Echo:
+        """The echo of ``out``'s prompt, whose text is ``text``: with its scores when the
+        request asked for prompt logprobs."""
+        scores = out.prompt_logprobs
+        if scores is None:
+            return cls(text)
+        return cls(text, out.prompt_token_ids[:1], [e for e in scores[1:] if e is not None])
+
+    def logprobs(
+        self,
+        entries: Sequence[TokenLogprob],
+        token_text: TokenText,
+        streamed: StreamedCompletionLogprobs | None = None,
+    ) -> dict[str, Any]:
+        """The legacy logprobs of the prompt followed by ``entries`` (the answer's, or
+        its first chunk's)."""
+        joined = [*self.entries, *entries]
+        if streamed is not None:
+            return streamed.chunk(joined, token_text, self.unscored)
+        return completion_logprobs(joined, token_text, 0, self.unscored)
 
 
 class StreamedCompletionLogprobs:
@@ -73,8 +117,10 @@ class StreamedCompletionLogprobs:
     def __init__(self) -> None:
         self.offset = 0
 
-    def chunk(self, entries: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
-        logprobs = completion_logprobs(entries, token_text, self.offset)
+    def chunk(
+        self, entries: Sequence[TokenLogprob], token_text: TokenText, unscored: Sequence[int] = ()
+    ) -> dict[str, Any]:
+        logprobs = completion_logprobs(entries, token_text, self.offset, unscored)
         self.offset += sum(map(len, logprobs["tokens"]))
         return logprobs
 

@@ -155,6 +155,10 @@ class CommonRequest(OpenAIObject):
             logprobs=logprobs,
             structured_outputs=structured,
             n=self.n,
+            # echo with logprobs: the prompt's tokens are scored as well.
+            prompt_logprobs=(
+                self.logprobs if isinstance(self, CompletionRequest) and self.echo else None
+            ),
         )
 
     @property
@@ -167,7 +171,8 @@ class CompletionRequest(CommonRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    # OpenAI's: the answer's text (and logprobs) start with the prompt's (scored by the model).
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod

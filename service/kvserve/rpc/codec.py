@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatDelta
-from kvserve.openai.format import TokenText, ToolCallDelta
+from kvserve.openai.format import Echo, TokenText, ToolCallDelta
 from kvserve.openai.middleware import MAX_REQUEST_ID_LEN, valid_request_id
 from kvserve.openai.protocol import CHAT_ROLES, FUNCTION_NAME_PATTERN, MAX_CACHE_SALT_CHARS
 from kvserve.openai.structured import Constraint
@@ -63,6 +63,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "min_tokens",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
 )
 
@@ -79,8 +80,11 @@ def encode_request(
     tools: ChatTools | None = None,
     constraint: Constraint | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    echo: bool = False,
 ) -> pb.GenerateRequest:
     """``GenerateRequest`` for ``prompt`` (text, token ids, or chat messages).
+
+    ``echo``: the replica sends the prompt back in the first delta (OpenAI's ``echo``).
 
     ``request_id`` is the client's id (not a key; the engine mints its own).
     ``max_tokens_set=False`` leaves ``max_tokens`` unset, so the engine gives a chat as many
@@ -113,6 +117,9 @@ def encode_request(
         req.min_tokens = params.min_tokens
     if params.logprobs is not None:
         req.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        req.prompt_logprobs = params.prompt_logprobs
+    req.echo = echo
     if cache_salt is not None:
         req.cache_salt = cache_salt
     if max_tokens_cap is not None and not max_tokens_set:
@@ -383,6 +390,26 @@ def _logprobs_to_proto(
     ]
 
 
+def encode_echo(echo: Echo, token_text: TokenText) -> pb.Echo:
+    message = pb.Echo(text=echo.text, logprobs=_logprobs_to_proto(echo.entries, token_text))
+    if echo.unscored:
+        message.first_token_id = echo.unscored[0]
+        message.first_token = token_text(echo.unscored[0])
+    return message
+
+
+def decode_echo(delta: pb.Delta) -> tuple[Echo, DeltaLogprobs] | None:
+    """The prompt a first ``Delta`` echoes (None if it has none), and its tokens' texts."""
+    if not delta.HasField("echo"):
+        return None
+    echo = delta.echo
+    scores = _decode_logprobs(echo.logprobs)
+    if not echo.HasField("first_token_id"):
+        return Echo(echo.text), scores
+    scores.texts[echo.first_token_id] = echo.first_token
+    return Echo(echo.text, [echo.first_token_id], scores.entries), scores
+
+
 def encode_delta(
     completion: CompletionOutput,
     num_sent: int,
@@ -465,9 +492,13 @@ def decode_delta_logprobs(delta: pb.Delta) -> DeltaLogprobs | None:
     """The logprobs carried by a ``Delta`` (None when the request asked for none)."""
     if not delta.logprobs:
         return None
+    return _decode_logprobs(delta.logprobs)
+
+
+def _decode_logprobs(logprobs: Iterable[pb.TokenLogprob]) -> DeltaLogprobs:
     entries: list[TokenLogprob] = []
     texts: dict[int, str] = {}
-    for lp in delta.logprobs:
+    for lp in logprobs:
         # A protobuf map has no order: most likely first, as the engine lists them.
         top = dict(sorted(lp.top.items(), key=lambda item: -item[1]))
         entries.append(TokenLogprob(lp.token_id, lp.logprob, top))

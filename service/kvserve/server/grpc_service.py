@@ -39,7 +39,7 @@ from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatOutputParser, ChatParsing, JoinedPieces
 from kvserve.openai.errors import OpenAIError
-from kvserve.openai.format import tokenizer_text
+from kvserve.openai.format import Echo, decoded, tokenizer_text
 from kvserve.outputs import RequestOutput
 from kvserve.rpc import codec
 from kvserve.rpc import engine_pb2 as pb
@@ -140,7 +140,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             grammar_param = constraint.param if constraint is not None else None
             parser = None
             default_max_tokens = None
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            chat_prompt = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+            echo: str | None = None  # the prompt's text, when the request echoes it
+            if request.echo and chat_prompt:
+                raise InvalidRequestError("echo needs a prompt of text or token ids", "echo")
+            if request.echo:
+                echo = prompt if isinstance(prompt, str) else decoded(engine.tokenizer, prompt)  # type: ignore[arg-type]
+            if chat_prompt:
                 chat = await prepare_chat(
                     self.engine,
                     self.chat_parsing,
@@ -186,6 +192,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             parser=parser,
             whole_calls=_whole_calls(request),
             grammar_param=grammar_param,
+            echo=echo,
         )
         return req, started
 
@@ -320,6 +327,7 @@ class _Started:
     # Without the request's tool_call_pieces: each call leaves whole (older gateways).
     whole_calls: JoinedPieces | None = None
     grammar_param: str | None = None  # the field the request's constraint came in
+    echo: str | None = None  # the prompt's text, until the first delta has echoed it
 
     def encode(
         self, out: RequestOutput, token_text: Callable[[int], str]
@@ -338,6 +346,9 @@ class _Started:
         delta = codec.encode_delta(completion, self.num_sent, token_text, parsed)
         if delta is not None:
             self.num_sent += len(delta.token_ids)
+            if self.echo is not None:
+                delta.echo.CopyFrom(codec.encode_echo(Echo.of(self.echo, out), token_text))
+                self.echo = None
         final = codec.encode_final(out, finish_reason) if out.finished else None
         return delta, final
 

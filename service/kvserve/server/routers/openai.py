@@ -78,24 +78,33 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     ids = fmt.response_ids(request.state.request_id, body.model, False, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
 
+    def echo_of(out: RequestOutput) -> fmt.Echo:
+        """``echo``: the prompt of ``out``'s choice, and its scores if logprobs are on."""
+        prompt = prompts[out.outputs[0].index // body.n]
+        return fmt.Echo.of(
+            prompt if isinstance(prompt, str) else fmt.decoded(state.tokenizer, prompt), out
+        )
+
     if body.stream:  # each sample's state by its index (its output's ``index``)
         plain = [TextEvents(ids, chat=False, index=i) for i in range(len(reqs))]
         streamed = [fmt.StreamedCompletionLogprobs() for _ in reqs]
+        echoed = [not body.echo] * len(reqs)  # the prompt has gone out (or was not asked for)
 
         def chunk(out: RequestOutput) -> bytes:
             c = out.outputs[0]
             logprobs = _delta_logprobs(c)
-            if logprobs is None and c.finish_reason is None:
+            if logprobs is None and c.finish_reason is None and echoed[c.index]:
                 return plain[c.index].text(c.delta_text)
-            return encode_event(
-                fmt.completion_chunk(
-                    ids,
-                    c.delta_text,
-                    streamed[c.index].chunk(logprobs, text_of) if logprobs is not None else None,
-                    c.finish_reason,
-                    c.index,
-                )
-            )
+            text, lp = c.delta_text, None
+            if not echoed[c.index]:  # the choice's first chunk starts with the prompt
+                echoed[c.index] = True
+                echo = echo_of(out)
+                text = echo.text + text
+                if logprobs is not None:
+                    lp = echo.logprobs(logprobs, text_of, streamed[c.index])
+            elif logprobs is not None:
+                lp = streamed[c.index].chunk(logprobs, text_of)
+            return encode_event(fmt.completion_chunk(ids, text, lp, c.finish_reason, c.index))
 
         return _sse(state, reqs, chunk, ids, False, body.include_usage, body.n, grammar_param=param)
 
@@ -103,8 +112,13 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     choices = []
     for out in outs:
         c = out.outputs[0]
+        text = c.text
         logprobs = fmt.completion_logprobs(c.logprobs, text_of) if c.logprobs else None
-        choices.append(fmt.completion_choice(c.index, c.text, logprobs, c.finish_reason))
+        if body.echo:
+            echo = echo_of(out)
+            text = echo.text + text
+            logprobs = echo.logprobs(c.logprobs, text_of) if c.logprobs is not None else None
+        choices.append(fmt.completion_choice(c.index, text, logprobs, c.finish_reason))
     return JSONResponse(fmt.completion_response(ids, choices, _usage(outs, body.n)))
 
 
