@@ -15,6 +15,7 @@ from kvserve.gateway.ratelimit import (
     RateLimited,
     RateLimiter,
     RequestTooLarge,
+    TooManySequences,
 )
 from kvserve.gateway.token_bucket import format_duration, retry_after_header
 
@@ -50,9 +51,9 @@ def limiter(clock: FakeClock) -> RateLimiter:
     return RateLimiter(clock)
 
 
-def rejected(limiter: RateLimiter, who: Tenant, tokens: int = 0) -> RateLimited:
+def rejected(limiter: RateLimiter, who: Tenant, tokens: int = 0, sequences: int = 1) -> RateLimited:
     with pytest.raises(RateLimited) as info:
-        limiter.admit(who, tokens)
+        limiter.admit(who, tokens, sequences)
     return info.value
 
 
@@ -219,6 +220,24 @@ def test_concurrency_slots_and_idempotent_finish(limiter: RateLimiter) -> None:
     rejected(limiter, who)
     b.finish(0)
     c.finish(0)
+    assert limiter.usage("t").in_flight == 0  # type: ignore[union-attr]
+
+
+def test_each_sequence_of_a_request_holds_a_concurrency_slot(limiter: RateLimiter) -> None:
+    """A request for n answers (or a batch of prompts) runs that many engine requests: it
+    holds as many slots, waits while they are not free, and is refused outright (no
+    retry-after) when it needs more than the limit."""
+    who = tenant(concurrent=4)
+    three = limiter.admit(who, 0, sequences=3)
+    assert rejected(limiter, who, 0, sequences=2).reason == "concurrency"
+    one = limiter.admit(who, 0)
+    assert limiter.usage("t").in_flight == 4  # type: ignore[union-attr]
+    three.finish(0)
+    assert limiter.usage("t").in_flight == 1  # type: ignore[union-attr]
+    with pytest.raises(TooManySequences, match="5 sequences") as never:
+        limiter.admit(who, 0, sequences=5)
+    assert "retry-after" not in never.value.headers
+    one.finish(0)
     assert limiter.usage("t").in_flight == 0  # type: ignore[union-attr]
 
 

@@ -15,7 +15,9 @@ up to a minute's allowance at once, then continues at the sustained rate.
   ``RequestTooLarge`` (not ``RateLimited``): retrying cannot help. The gateway may answer
   it 400 (rejection reason ``invalid``) or, like OpenAI, 429 without ``Retry-After``
   (reason ``rate_limited_tokens``); both exceptions share the base ``LimitExceeded``.
-- Concurrency: a counter, taken at admission and given back by ``finish``.
+- Concurrency: a counter of sequences (a request's choices, prompts × n: each is an
+  engine request), taken at admission and given back by ``finish``; a request with more
+  sequences than the limit raises ``TooManySequences``.
 
 Admission is all or nothing: every limit is checked before anything is taken, so a
 rejected request consumes nothing. A tenant with no limit configured is not limited by
@@ -113,6 +115,19 @@ class RateLimited(LimitExceeded):
         self.retry_after_seconds = retry_after_seconds
 
 
+class TooManySequences(LimitExceeded):
+    """The request runs more sequences (prompts × n) than the tenant may have in flight,
+    so it could never be admitted; no ``retry-after``."""
+
+    def __init__(self, requested: int, limit: int, headers: dict[str, str]) -> None:
+        super().__init__(
+            "concurrency",
+            f"request runs {requested} sequences (prompts × n) but the limit is {limit} "
+            "concurrent; lower n or send fewer prompts",
+            headers,
+        )
+
+
 class RequestTooLarge(LimitExceeded):
     """The token reservation exceeds the tenant's whole tokens-per-minute limit, so it
     could never be admitted; no ``retry-after``. Lower ``max_tokens`` or raise the limit."""
@@ -128,7 +143,8 @@ class RequestTooLarge(LimitExceeded):
 
 
 class Admission:
-    """What an admitted request holds: one request, a token reservation, a concurrency slot.
+    """What an admitted request holds: one request, a token reservation, and a concurrency
+    slot per sequence it runs (its choices: prompts × n).
 
     ``finish(actual_tokens)`` settles the reservation and frees the slot, exactly once.
     """
@@ -141,9 +157,11 @@ class Admission:
         state: _TenantState,
         tokens: TokenBucket | None,
         clock: Callable[[], float],
+        sequences: int = 1,
     ) -> None:
         self.tenant = tenant
         self.reserved_tokens = reserved_tokens
+        self.sequences = sequences
         self.headers = headers  # for the successful response
         self._state = state
         self._tokens = tokens  # the bucket reserved from (survives a limits reload)
@@ -158,7 +176,7 @@ class Admission:
         if self.finished:
             return False
         self.finished = True
-        self._state.in_flight -= 1
+        self._state.in_flight -= self.sequences
         if self._tokens is not None:
             self._tokens.refill(self._clock())
             difference = self.reserved_tokens - actual_tokens
@@ -206,9 +224,11 @@ class RateLimiter:
         state.refill(now)
         return state
 
-    def admit(self, tenant: Tenant, estimated_tokens: int) -> Admission:
-        """Admits one request reserving ``estimated_tokens`` (prompt + max_tokens), or
-        raises ``RateLimited`` / ``RequestTooLarge`` having taken nothing."""
+    def admit(self, tenant: Tenant, estimated_tokens: int, sequences: int = 1) -> Admission:
+        """Admits one request reserving ``estimated_tokens`` (prompt + max_tokens) that
+        runs ``sequences`` engine requests (its choices), or raises ``RateLimited`` /
+        ``RequestTooLarge`` / ``TooManySequences`` having taken nothing. Each sequence
+        holds a concurrency slot: what the limit protects is the replicas' work."""
         if estimated_tokens < 0:
             raise ValueError(f"estimated_tokens must be >= 0, got {estimated_tokens}")
         now = self._clock()
@@ -216,6 +236,8 @@ class RateLimiter:
         limits = state.limits
         if state.tokens is not None and estimated_tokens > state.tokens.capacity:
             raise RequestTooLarge(estimated_tokens, state.tokens.capacity, state.headers())
+        if limits.max_concurrent is not None and sequences > limits.max_concurrent:
+            raise TooManySequences(sequences, limits.max_concurrent, state.headers())
 
         waits: list[tuple[float, Reason, str]] = []
         if state.requests is not None and not state.requests.has(1):
@@ -235,7 +257,10 @@ class RateLimiter:
                     f"(this request reserves {estimated_tokens})",
                 )
             )
-        if limits.max_concurrent is not None and state.in_flight >= limits.max_concurrent:
+        if (
+            limits.max_concurrent is not None
+            and state.in_flight + sequences > limits.max_concurrent
+        ):
             waits.append(
                 (
                     CONCURRENCY_RETRY_SECONDS,
@@ -257,9 +282,11 @@ class RateLimiter:
             state.requests.take(1)
         if state.tokens is not None:
             state.tokens.take(estimated_tokens)
-        state.in_flight += 1
+        state.in_flight += sequences
         reserved = estimated_tokens if state.tokens is not None else 0
-        return Admission(tenant.name, reserved, state.headers(), state, state.tokens, self._clock)
+        return Admission(
+            tenant.name, reserved, state.headers(), state, state.tokens, self._clock, sequences
+        )
 
     def update(self, tenants: Iterable[Tenant]) -> None:
         """Hot reload: applies new limits now, keeping each remaining tenant's usage.

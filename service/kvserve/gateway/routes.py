@@ -260,7 +260,7 @@ async def _serve(
     most = _most_output_tokens(state, model, limit, ceiling, prompt_estimate) * len(upstreams)
     reserve = prompt_estimate + most
     try:
-        admission = state.limiter.admit(tenant, reserve)
+        admission = state.limiter.admit(tenant, reserve, len(upstreams))
     except RateLimited as exc:
         state.metrics.rejections.labels(exc.reason).inc()
         raise OpenAIError(429, exc.message, code=exc.code, headers=exc.headers) from None
