@@ -213,6 +213,10 @@ def test_prompt_logprobs_score_the_whole_prompt_chunk_by_chunk(checkpoint_dir) -
     assert again.num_cached_tokens == 0  # it computed the prompt the cache held
     plain = llm.generate([prompt], GREEDY)[0]
     assert plain.prompt_logprobs is None and plain.num_cached_tokens == 36
+    # Held per token until the request ends (and sent to a gateway in one message): bounded.
+    with pytest.raises(InvalidRequestError, match="12500 prompt tokens") as refused:
+        llm.generate([[5] * 12_500], SamplingParams(prompt_logprobs=20))
+    assert refused.value.param == "prompt_logprobs"
 
 
 def test_bf16_agrees_with_fp32_teacher_forced(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]

@@ -71,6 +71,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Prompt logprobs are held per prompt token, with their alternatives, until the request
+# ends, and travel to a gateway in one message: bounded (prompt tokens × (1 + N)).
+MAX_PROMPT_LOGPROB_ENTRIES = 2**18
+
 
 @dataclass
 class EngineStats:
@@ -479,6 +483,16 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt"
             )
+        if params.prompt_logprobs is not None:
+            entries = len(token_ids) * (1 + params.prompt_logprobs)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise InvalidRequestError(
+                    f"prompt_logprobs (echo with logprobs) for {len(token_ids)} prompt tokens "
+                    f"with {params.prompt_logprobs} alternatives each is {entries:,} entries; "
+                    f"at most {MAX_PROMPT_LOGPROB_ENTRIES:,}: ask for fewer alternatives or "
+                    "send a shorter prompt",
+                    "prompt_logprobs",
+                )
         if params.logit_bias and (bad := [t for t in params.logit_bias if t >= vocab]):
             raise InvalidRequestError(
                 f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}", "logit_bias"

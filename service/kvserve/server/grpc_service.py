@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 # A GenerateMany batch is split above this many outputs (a client that fell far behind
 # must not get one message over its receive limit).
 MAX_OUTPUTS_PER_MESSAGE = 1024
+# ... and after its first echo (the one large output: a prompt's text and scores, at most
+# MAX_PROMPT_LOGPROB_ENTRIES of them), at most this many bytes of echoes: a gateway
+# receives messages of up to 16 MiB (gateway/upstream.py).
+MAX_ECHO_BYTES_PER_MESSAGE = 4 * 1024 * 1024
 
 
 class _Refused(Exception):
@@ -373,6 +377,7 @@ class _ManyCall:
         self.token_text = tokenizer_text(servicer.engine.engine.tokenizer)
         self.started: dict[int, _Started] = {}
         self.ready: list[pb.TaggedOutput] = []
+        self.echo_bytes: list[int] = []  # per ready output: its size if it echoes, else 0
         self.wake = asyncio.Event()
 
     async def run(self, commands: AsyncIterator[pb.GenerateManyRequest]) -> None:
@@ -383,9 +388,7 @@ class _ManyCall:
                 await self.wake.wait()
                 self.wake.clear()
                 while self.ready:
-                    batch = self.ready[:MAX_OUTPUTS_PER_MESSAGE]
-                    del self.ready[:MAX_OUTPUTS_PER_MESSAGE]
-                    await self.context.write(pb.GenerateManyResponse(outputs=batch))
+                    await self.context.write(pb.GenerateManyResponse(outputs=self._batch()))
                 if reader.done() and (not self.started or reader.exception() is not None):
                     break  # the client half-closed and everything it started has ended
         finally:
@@ -438,8 +441,23 @@ class _ManyCall:
             self._push(_error_output(tag, _refusal(exc, started.grammar_param)))
             self._end(tag, started, abort=True)
 
+    def _batch(self) -> list[pb.TaggedOutput]:
+        """The next message's outputs, from the ready ones: at most MAX_OUTPUTS_PER_MESSAGE,
+        and no more echoes after the first than MAX_ECHO_BYTES_PER_MESSAGE."""
+        n, size = 0, 0
+        while n < min(len(self.ready), MAX_OUTPUTS_PER_MESSAGE):
+            size += self.echo_bytes[n]
+            if n and size > MAX_ECHO_BYTES_PER_MESSAGE:
+                break
+            n += 1
+        batch = self.ready[:n]
+        del self.ready[:n], self.echo_bytes[:n]
+        return batch
+
     def _push(self, output: pb.TaggedOutput) -> None:
         self.ready.append(output)
+        echoes = output.WhichOneof("kind") == "delta" and output.delta.HasField("echo")
+        self.echo_bytes.append(output.ByteSize() if echoes else 0)
         self.wake.set()
 
     def _end(self, tag: int, started: _Started, abort: bool) -> None:
