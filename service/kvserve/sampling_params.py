@@ -116,7 +116,8 @@ class SamplingParams:
 
     ``prompt_logprobs=N`` (vLLM's): each prompt token's log-probability given the tokens
     before it, and the top N there (the first token has none); such a request computes
-    its whole prompt, whatever the prefix cache holds.
+    its whole prompt, whatever the prefix cache holds. With ``max_tokens=0`` it only
+    scores the prompt: it ends after its prefill with no token, finish reason "length".
 
     ``n`` (OpenAI's and vLLM's): how many answers to sample for the prompt, at most
     ``MAX_N``. They run as ``n`` requests of one sample each (``samples()``), the i-th
@@ -149,9 +150,12 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        scoring = self.prompt_logprobs is not None and self.max_tokens == 0
+        if not isinstance(self.max_tokens, int) or (self.max_tokens < 1 and not scoring):
             raise InvalidRequestError(
-                f"max_tokens must be an integer ≥ 1, got {self.max_tokens!r}", "max_tokens"
+                f"max_tokens must be an integer ≥ 1 (0 only to score the prompt, with "
+                f"prompt_logprobs), got {self.max_tokens!r}",
+                "max_tokens",
             )
         if self.max_tokens > INT32_MAX:
             raise InvalidRequestError(

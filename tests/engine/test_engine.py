@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers
@@ -213,6 +215,14 @@ def test_prompt_logprobs_score_the_whole_prompt_chunk_by_chunk(checkpoint_dir) -
     assert again.num_cached_tokens == 0  # it computed the prompt the cache held
     plain = llm.generate([prompt], GREEDY)[0]
     assert plain.prompt_logprobs is None and plain.num_cached_tokens == 36
+    # max_tokens=0: only the prompt scored (OpenAI's legacy echo with max_tokens 0).
+    scored = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert scored.outputs[0].token_ids == [] and scored.outputs[0].finish_reason == "length"
+    assert scored.prompt_logprobs is not None and scored.prompt_logprobs[1:] == [
+        replace(e, top={}) for e in first.prompt_logprobs[1:] if e is not None
+    ]
+    with pytest.raises(InvalidRequestError, match="0 only to score the prompt"):
+        SamplingParams(max_tokens=0)
     # Held per token until the request ends (and sent to a gateway in one message): bounded.
     with pytest.raises(InvalidRequestError, match="12500 prompt tokens") as refused:
         llm.generate([[5] * 12_500], SamplingParams(prompt_logprobs=20))

@@ -194,6 +194,19 @@ def test_echo_through_the_gateway_is_the_replicas(
         {k: ch["logprobs"][k] for k in ("tokens", "text_offset")} for ch in whole["choices"]
     ]
     assert [ch["text"] for ch in text_only["choices"]] == [ch["text"] for ch in whole["choices"]]
+    zero = {**body, "max_tokens": 0}  # the prompts alone, scored
+    direct_zero = httpx.post(f"{replicas[0].http}/v1/completions", json=zero, timeout=60).json()
+    with gateway.client() as c:
+        through = c.post("/v1/completions", json=zero).json()
+        _, zero_chunks = stream_text(c, "/v1/completions", zero)
+    assert [ch["logprobs"]["tokens"] for ch in through["choices"]] == [
+        ch["logprobs"]["tokens"] for ch in direct_zero["choices"]
+    ]
+    assert through["usage"]["completion_tokens"] == 0
+    zero_texts = ["", ""]
+    for ch in (ch for chunk in zero_chunks for ch in chunk["choices"]):
+        zero_texts[ch["index"]] += ch["text"]
+    assert zero_texts == [ch["text"] for ch in direct_zero["choices"]]
 
 
 def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> None:

@@ -237,6 +237,18 @@ def test_echo_returns_the_prompt_scored_as_lm_eval_reads_it(server: RunningServe
     assert streamed == {key: lp[key] for key in streamed}
     assert text_only["choices"][0]["text"] == choice["text"]
     assert text_only["choices"][0]["logprobs"] is None
+    with server.client() as c:  # max_tokens 0: the prompt alone, scored (OpenAI's legacy)
+        only = c.post("/v1/completions", json={**body, "max_tokens": 0}).json()["choices"][0]
+        *events, _ = sse_events(
+            c.post("/v1/completions", json={**body, "max_tokens": 0, "stream": True})
+        )
+        zero = c.post("/v1/completions", json={**body, "max_tokens": 0, "echo": False})
+    assert only["text"] == prompt_text and only["finish_reason"] == "length"
+    assert only["logprobs"]["token_logprobs"] == pytest.approx(
+        lp["token_logprobs"][: len(ids)], abs=1e-4
+    )
+    assert [e["choices"][0]["text"] for e in events if isinstance(e, dict)] == [prompt_text]
+    assert zero.status_code == 400 and "0 only with echo" in zero.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -672,6 +672,10 @@ class LLMEngine:
         for req, tokens, logprobs in zip(
             sampled_reqs, sampled.token_ids, sampled.logprobs, strict=True
         ):
+            if req.params.max_tokens == 0:  # it scored its prompt and asks for no token
+                self._finish(req, "length")
+                outputs.append(self._output(req, "", []))
+                continue
             num_drafts = len(req.spec_token_ids)
             if num_drafts:
                 # Rejected drafts' KV is past the new token: uncompute it, and give back

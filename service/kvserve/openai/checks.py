@@ -72,8 +72,14 @@ def token_limit(body: CompletionRequest | ChatCompletionRequest) -> TokenLimit:
     else:
         value = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         limit = TokenLimit(value, "max_tokens")
-    if limit.value is not None and limit.value < 1:
-        raise OpenAIError(400, f"{limit.param} must be ≥ 1, got {limit.value}", param=limit.param)
+    # OpenAI's legacy API takes 0 with echo: the prompt scored, nothing generated.
+    scoring = isinstance(body, CompletionRequest) and body.echo and limit.value == 0
+    if limit.value is not None and limit.value < 1 and not scoring:
+        raise OpenAIError(
+            400,
+            f"{limit.param} must be ≥ 1 (0 only with echo), got {limit.value}",
+            param=limit.param,
+        )
     if limit.value is not None and limit.value > INT32_MAX:
         raise OpenAIError(
             400, f"{limit.param} must be at most {INT32_MAX}, got {limit.value}", param=limit.param

@@ -155,11 +155,17 @@ class CommonRequest(OpenAIObject):
             logprobs=logprobs,
             structured_outputs=structured,
             n=self.n,
-            # echo with logprobs: the prompt's tokens are scored as well.
-            prompt_logprobs=(
-                self.logprobs if isinstance(self, CompletionRequest) and self.echo else None
-            ),
+            prompt_logprobs=self._prompt_logprobs(max_tokens),
         )
+
+    def _prompt_logprobs(self, max_tokens: int) -> int | None:
+        """echo with logprobs: the prompt's tokens are scored as well; echo with
+        max_tokens 0 (only the prompt) has the engine score it."""
+        if not isinstance(self, CompletionRequest) or not self.echo:
+            return None
+        if self.logprobs is None and max_tokens == 0:
+            return 0
+        return self.logprobs
 
     @property
     def include_usage(self) -> bool:

@@ -350,9 +350,12 @@ class _Started:
         delta = codec.encode_delta(completion, self.num_sent, token_text, parsed)
         if delta is not None:
             self.num_sent += len(delta.token_ids)
-            if self.echo is not None:
-                delta.echo.CopyFrom(codec.encode_echo(Echo.of(self.echo, out), token_text))
-                self.echo = None
+        # The echo goes with the first delta, or alone when the request ends with none
+        # (max_tokens 0: the prompt scored, nothing generated), unless it was aborted.
+        if self.echo is not None and (delta is not None or completion.finish_reason == "length"):
+            delta = delta or pb.Delta()
+            delta.echo.CopyFrom(codec.encode_echo(Echo.of(self.echo, out), token_text))
+            self.echo = None
         final = codec.encode_final(out, finish_reason) if out.finished else None
         return delta, final
 
