@@ -203,10 +203,15 @@ def test_echo_through_the_gateway_is_the_replicas(
         ch["logprobs"]["tokens"] for ch in direct_zero["choices"]
     ]
     assert through["usage"]["completion_tokens"] == 0
-    zero_texts = ["", ""]
+    zero_texts, zero_tokens = ["", ""], [[], []]
     for ch in (ch for chunk in zero_chunks for ch in chunk["choices"]):
         zero_texts[ch["index"]] += ch["text"]
+        zero_tokens[ch["index"]] += (ch["logprobs"] or {}).get("tokens", [])
     assert zero_texts == [ch["text"] for ch in direct_zero["choices"]]
+    assert zero_tokens == [ch["logprobs"]["tokens"] for ch in direct_zero["choices"]]
+    with gateway.client() as c:  # no logprobs asked: none shown, though the replica scored
+        unscored = c.post("/v1/completions", json={**zero, "logprobs": None}).json()
+    assert [ch["logprobs"] for ch in unscored["choices"]] == [None, None]
 
 
 def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> None:

@@ -24,10 +24,16 @@ from kvserve.rpc.codec import DeltaLogprobs, decode_chat_delta, decode_delta_log
 
 
 async def sse(
-    call: UpstreamCall, firsts: list[Any], ids: dict[str, Any], chat: bool, include_usage: bool
+    call: UpstreamCall,
+    firsts: list[Any],
+    ids: dict[str, Any],
+    chat: bool,
+    include_usage: bool,
+    logprobs: bool = False,
 ) -> AsyncIterator[bytes]:
-    """The response's events (the response's ``on_close`` closes the call)."""
-    choices = [_StreamedChoice(ids, chat, i) for i in range(len(firsts))]
+    """The response's events (the response's ``on_close`` closes the call). ``logprobs``:
+    the request asked for them (an echoed prompt's scores are shown only then)."""
+    choices = [_StreamedChoice(ids, chat, i, logprobs) for i in range(len(firsts))]
     ending = _Ending(call, choices, ids, chat, include_usage)
     try:
         if len(firsts) == 1:
@@ -106,10 +112,10 @@ class _Ending:
 
 
 async def collect(
-    call: UpstreamCall, firsts: list[Any], ids: dict[str, Any], chat: bool
+    call: UpstreamCall, firsts: list[Any], ids: dict[str, Any], chat: bool, logprobs: bool = False
 ) -> dict[str, Any]:
-    """The whole answer as one response body."""
-    choices = [_WholeChoice() for _ in firsts]
+    """The whole answer as one response body (``logprobs``: as for ``sse``)."""
+    choices = [_WholeChoice(logprobs) for _ in firsts]
     finals: dict[int, Any] = {}
     try:
         async for i, msg in messages(call, firsts):
@@ -175,8 +181,8 @@ def _open(msg: Any) -> bool:
 class _StreamedChoice:
     """One sample's SSE events: choice ``index`` of the response."""
 
-    def __init__(self, ids: dict[str, Any], chat: bool, index: int) -> None:
-        self.ids, self.chat, self.index = ids, chat, index
+    def __init__(self, ids: dict[str, Any], chat: bool, index: int, logprobs: bool) -> None:
+        self.ids, self.chat, self.index, self.logprobs = ids, chat, index, logprobs
         self.plain = TextEvents(ids, chat, index)
         self.streamed = fmt.StreamedCompletionLogprobs()  # a completion's text offsets so far
         self.opening = True  # a chat's first delta carries the role
@@ -216,9 +222,10 @@ class _StreamedChoice:
         if echo is not None:  # the first chunk starts with the prompt
             prompt, scores = echo
             text = prompt.text + text
-            if lp is not None:
-                texts = DeltaLogprobs(lp.entries, scores.texts | lp.texts)
-                logprobs = prompt.logprobs(lp.entries, texts.token_text, self.streamed)
+            if self.logprobs:  # (max_tokens 0: the prompt's scores alone, no delta's)
+                entries = lp.entries if lp is not None else []
+                texts = DeltaLogprobs(entries, scores.texts | (lp.texts if lp else {}))
+                logprobs = prompt.logprobs(entries, texts.token_text, self.streamed)
                 return fmt.completion_chunk(self.ids, text, logprobs, finish, self.index)
         logprobs = self.streamed.chunk(lp.entries, lp.token_text) if lp else None
         return fmt.completion_chunk(self.ids, text, logprobs, finish, self.index)
@@ -227,7 +234,8 @@ class _StreamedChoice:
 class _WholeChoice:
     """One sample's answer, gathered: choice ``index`` of the response body."""
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: bool) -> None:
+        self.logprobs = logprobs  # asked for (an echoed prompt may be scored regardless)
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.tool_calls: list[ToolCallDelta] = []
@@ -260,7 +268,7 @@ class _WholeChoice:
         text = "".join(self.text)
         if not chat:
             logprobs = None
-            if self.entries or self.unscored:
+            if self.logprobs and (self.entries or self.unscored):
                 logprobs = fmt.completion_logprobs(self.entries, token_text, 0, self.unscored)
             return fmt.completion_choice(index, text, logprobs, final.finish_reason)
         return fmt.chat_choice(

@@ -300,15 +300,17 @@ async def _serve(
         call.close(None, disconnected=True)
         raise OpenAIError(499, "client disconnected")
     ids = fmt.response_ids(rid, body.model, chat, int(time.time()))
+    logprobs = checks.logprobs_count(body) is not None
     if body.stream:
         return EventStreamResponse(
-            relay.sse(call, firsts, ids, chat, body.include_usage),
+            relay.sse(call, firsts, ids, chat, body.include_usage, logprobs),
             headers=admission.headers,
             on_close=lambda: call.close(None, disconnected=not call.done and call.status == 200),
             write_timeout=state.config.write_stall_timeout_seconds,
         )
     try:
-        result = await until_disconnected(request, relay.collect(call, firsts, ids, chat))
+        collected = relay.collect(call, firsts, ids, chat, logprobs)
+        result = await until_disconnected(request, collected)
     finally:
         call.close(None, disconnected=not call.done)
     if result is None:
