@@ -173,6 +173,9 @@ def _chat(role: str) -> pb.ChatMessages:
         ({"max_tokens_cap": 0}, "max_tokens_cap"),
         ({"chat": _chat("bogus")}, "chat.messages[0].role"),
         ({"tools": [pb.Tool(name="f", parameters_json="{}")]}, "tools"),  # a text prompt
+        ({"chat": _chat("user"), "echo": True}, "echo"),  # echo needs text or token ids
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"max_tokens": 0, "echo": True}, "max_tokens"),  # 0 only when scoring the prompt
         (
             {"chat": _chat("user"), "tools": [pb.Tool(name='a"b', parameters_json="{}")]},
             "tools[0].function.name",
