@@ -187,6 +187,14 @@ def test_n_samples_are_one_output_each_with_its_own_seed(llm: LLM) -> None:
     assert [c.token_ids for c in out.outputs] == [a.outputs[0].token_ids for a in alone]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_kv_blocks
+    # Admitted in one step, the later samples reuse the first one's prompt blocks.
+    prompt = list(range(100, 140))  # (no other test's)
+    for i, sample in enumerate(SamplingParams(max_tokens=2, n=3).samples()):
+        llm.engine.add_request(f"sample-{i}", prompt, sample, sample_index=i)
+    cached = {}
+    while llm.engine.has_unfinished_requests():
+        cached |= {o.request_id: o.num_cached_tokens for o in llm.engine.step() if o.finished}
+    assert cached == {"sample-0": 0, "sample-1": 36, "sample-2": 36}
     with pytest.raises(InvalidRequestError, match="n must be"):
         SamplingParams(n=129)
 
