@@ -235,6 +235,8 @@ class AsyncEngine:
         The caller must ``close()`` the stream (it aborts the requests that have not
         finished), so a request whose response never starts does not run on.
         """
+        if not reqs:
+            raise ValueError("submit needs at least one request")
         stream = RequestStream(self, [req.request_id for req in reqs])
         try:
             for req in reqs:
