@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,27 +15,19 @@ import grpc
 import pytest
 
 from kvserve.bench.gateway_capacity import offer_load
-from kvserve.bench.processes import Proc, free_ports, spawn, stop, wait_listening
 from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.upstream import ReplicaClient
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc.codec import encode_request
 from kvserve.sampling_params import SamplingParams
 from tests.support.gateway import KEY_A, keys_file, serve_gateway
+from tests.support.stub_replica import stub_replica
 
 
 @pytest.fixture(scope="module")
 def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    (port,) = free_ports(1)
-    log = Path(tmp_path_factory.mktemp("stub")) / "stub.log"
-    argv = [sys.executable, "-m", "kvserve.bench.stub_replica", "--port", str(port)]
-    proc: Proc = spawn("stub-replica", argv, log, {}, cpus=None)
-    try:
-        wait_listening(proc, port, time.monotonic() + 60)
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop([proc])
-        assert proc.popen.returncode is not None
+    with stub_replica(tmp_path_factory.mktemp("stub")) as address:
+        yield address
 
 
 async def read_all(call: Any) -> list[pb.TaggedOutput]:

@@ -299,6 +299,13 @@ async def _serve(
     if firsts is None:  # the client left while queued or before the first token
         call.close(None, disconnected=True)
         raise OpenAIError(499, "client disconnected")
+    if isinstance(body, CompletionRequest) and body.echo and not all(map(_echoed, firsts)):
+        # A replica from before echo ignores the field: its answer would lack the prompt.
+        error = OpenAIError(
+            502, "the replica does not support echo (it predates this gateway); upgrade it"
+        )
+        call.close(error)
+        raise error
     ids = fmt.response_ids(rid, body.model, chat, int(time.time()))
     logprobs = checks.logprobs_count(body) is not None
     if body.stream:
@@ -316,6 +323,14 @@ async def _serve(
     if result is None:
         raise OpenAIError(499, "client disconnected")
     return JSONResponse(result, headers=admission.headers)
+
+
+def _echoed(first: Any) -> bool:
+    """Whether a sample's first message carries the echo its request asked for (or ends
+    it before any output)."""
+    if first.WhichOneof("kind") == "delta":
+        return bool(first.delta.HasField("echo"))
+    return bool(first.final.finish_reason == "abort")
 
 
 def _samples(upstream: Any, params: SamplingParams) -> list[Any]:
