@@ -70,14 +70,22 @@ def test_two_ranks_match_transformers_token_for_token(name, setup, reference):  
 def test_logits_match_one_rank_with_a_padded_vocabulary(tmp_path: Path) -> None:
     # 515 tokens over 2 ranks: the second rank's last row is padding, cut from the logits.
     path = build_random_checkpoint(tmp_path / "odd", "qwen2", vocab_size=515)
-    tokens = list(range(3, 60))
+    tokens = list(range(3, 300))
     with LLM(str(path), dtype="float32", device="cpu") as one:
         expected = one.engine.prompt_logprobs(tokens)
     with LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=2) as two:
         got = two.engine.prompt_logprobs(tokens)
+        # Served: a step that samples and scores the prompt (in two parts of rows): every
+        # rank makes the same logits in the same order.
+        params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+        scored = two.generate([tokens], params)[0].prompt_logprobs
         workers = list(two.engine.workers.procs.values())  # type: ignore[union-attr]
     assert got.shape == expected.shape == (len(tokens), 515)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert scored is not None and len(scored) == len(tokens)
+    served = torch.tensor([e.logprob for e in scored[1:] if e is not None])
+    teacher = expected[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+    torch.testing.assert_close(served, teacher, atol=1e-4, rtol=1e-4)
     # close() stopped the worker: it left on rank 0's stop message, with status 0
     assert [w.returncode for w in workers] == [0]
 

@@ -165,27 +165,29 @@ class ModelRunner:
         ``lora_slots``: each request's LoRA slot (-1: the base model), with LoRA on."""
         inp = self.prepare(batch, tables, lora_slots)
         reqs = inp.sample_requests
-        # The rows whose logits are made, in parts (the same calls on every rank): the
-        # sampled ones, then the prompt positions scored for prompt logprobs.
-        logit_parts = [inp.sample_indices] if reqs else []
-        if inp.prompt_rows is not None:
-            logit_parts += prompt_logprobs.parts(inp.prompt_rows)
-        self._lead(inp, logit_parts)
+        # The rows whose logits are made, in this order on every rank (the logits' gather
+        # is a collective): the sampled ones, then the scored prompt positions, in parts.
+        prompt_parts = [] if inp.prompt_rows is None else prompt_logprobs.parts(inp.prompt_rows)
+        self._lead(inp, ([inp.sample_indices] if reqs else []) + prompt_parts)
         hidden = self._forward(inp)
-        if inp.prompt_rows is not None:
-            scored = [self.model.compute_logits(hidden.index_select(0, rows))
-                      for rows in logit_parts[1 if reqs else 0 :]]  # fmt: skip
-            prompt_logprobs.record(torch.cat(scored), inp.prompt_scores)
-        if not reqs:
-            return [], StepTokens([], [])
-        speculative = any(r.spec_token_ids for r in reqs)
-        rows = [r for r in reqs for _ in range(1 + len(r.spec_token_ids))] if speculative else reqs
-        # Filled on the CPU while a GPU still runs the forward pass launched above.
-        mask = self.token_masker.fill([r.grammar for r in rows])
-        logits = self.model.compute_logits(hidden.index_select(0, inp.sample_indices))
-        if speculative:
-            return reqs, self.sampler.verify(logits, reqs, mask)
-        return reqs, StepTokens.single(self.sampler(logits, reqs, mask))
+        tokens = StepTokens([], [])
+        if reqs:
+            speculative = any(r.spec_token_ids for r in reqs)
+            rows = (
+                [r for r in reqs for _ in range(1 + len(r.spec_token_ids))] if speculative else reqs
+            )
+            # Filled on the CPU while a GPU still runs the forward pass launched above.
+            mask = self.token_masker.fill([r.grammar for r in rows])
+            logits = self.model.compute_logits(hidden.index_select(0, inp.sample_indices))
+            if speculative:
+                tokens = self.sampler.verify(logits, reqs, mask)
+            else:
+                tokens = StepTokens.single(self.sampler(logits, reqs, mask))
+        if prompt_parts:
+            logits_parts = (self.model.compute_logits(hidden.index_select(0, rows))
+                            for rows in prompt_parts)  # fmt: skip
+            prompt_logprobs.record(logits_parts, inp.prompt_scores)
+        return reqs, tokens
 
     @torch.inference_mode()
     def prompt_logprobs(
@@ -247,7 +249,8 @@ class ModelRunner:
         prompt_rows: list[int] = []
         for i, (req, n) in enumerate(ordered):
             start = req.num_computed_tokens
-            if scored := prompt_logprobs.scored_positions(req, start, n):
+            scored = req.prompt_logprobs is not None and prompt_logprobs.scored(req, start, n)
+            if scored:
                 prompt_scores.append(PromptScores(req, start, scored))
                 prompt_rows.extend(range(len(tokens), len(tokens) + scored))
             if req.spec_token_ids:  # its last token and the drafts to verify

@@ -5,13 +5,14 @@ logprobs").
 
 They come from the same forward pass as the prompt's prefill, chunk by chunk: the logits
 of every prompt position in a scheduled chunk, not only of the last. The vocabulary-wide
-rows are made ``ROWS_PER_PART`` at a time, so a long chunk of a large-vocabulary model does
-not hold all of its logits at once.
+rows are made ``ROWS_PER_PART`` at a time and each part is reduced to its scores before
+the next is made, so a long chunk of a large-vocabulary model never holds all of its
+logits at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +33,9 @@ class PromptScores:
     count: int
 
 
-def scored_positions(req: Request, start: int, n: int) -> int:
-    """How many of the chunk ``[start, start + n)`` of ``req`` are scored: the positions
-    whose next token is a prompt token (0 unless it asked for prompt logprobs)."""
-    if req.prompt_logprobs is None:
-        return 0
+def scored(req: Request, start: int, n: int) -> int:
+    """How many of the chunk ``[start, start + n)`` of ``req`` (which asked for prompt
+    logprobs) are scored: the positions whose next token is a prompt token."""
     return max(0, min(start + n, req.num_prompt_tokens - 1) - start)
 
 
@@ -45,20 +44,28 @@ def parts(rows: torch.Tensor) -> list[torch.Tensor]:
     return list(rows.split(ROWS_PER_PART))
 
 
-def record(logits: torch.Tensor, scores: Sequence[PromptScores]) -> None:
-    """Score ``scores`` from ``logits`` (their rows, in order) into each request's
-    ``prompt_logprobs``: position p's entry is that of prompt token p + 1."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    offset = 0
+def record(logits_parts: Iterable[torch.Tensor], scores: Sequence[PromptScores]) -> None:
+    """Score ``scores`` into each request's ``prompt_logprobs`` from the logits of their
+    rows, in order, part by part: position p's entry is that of prompt token p + 1."""
+    targets = [
+        t for s in scores for t in s.request.prompt_token_ids[s.start + 1 : s.start + 1 + s.count]
+    ]
+    k = max(s.request.params.prompt_logprobs or 0 for s in scores)
+    chosen: list[float] = []
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    for logits in logits_parts:  # each part reduced before the next is made
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        rows = torch.tensor(targets[len(chosen) : len(chosen) + len(logprobs)])
+        chosen += logprobs.gather(1, rows.to(logprobs.device)[:, None])[:, 0].tolist()
+        values, ids = logprobs.topk(max(k, 1), dim=-1)
+        top_vals += values[:, :k].tolist()
+        top_ids += ids[:, :k].tolist()
+    i = 0
     for s in scores:
-        req, rows = s.request, logprobs[offset : offset + s.count]
-        offset += s.count
-        targets = req.prompt_token_ids[s.start + 1 : s.start + 1 + s.count]
-        chosen = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0]
-        k = req.params.prompt_logprobs or 0
-        top_vals, top_ids = rows.topk(max(k, 1), dim=-1)
-        top_v, top_i = top_vals[:, :k].tolist(), top_ids[:, :k].tolist()
+        req, n = s.request, s.request.params.prompt_logprobs or 0
         assert req.prompt_logprobs is not None
-        for i, (token, value) in enumerate(zip(targets, chosen.tolist(), strict=True)):
-            top = dict(zip(top_i[i], top_v[i], strict=True))
-            req.prompt_logprobs[s.start + 1 + i] = TokenLogprob(token, value, top)
+        for p in range(s.start + 1, s.start + 1 + s.count):
+            top = dict(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
+            req.prompt_logprobs[p] = TokenLogprob(targets[i], chosen[i], top)
+            i += 1
