@@ -107,7 +107,7 @@ class LLM:
                 for i, sample in enumerate(p.samples()):
                     rid = f"offline-{next(self._ids)}"
                     groups[-1].append(rid)
-                    self.engine.add_request(
+                    req = self.engine.add_request(
                         rid,
                         prompt,
                         sample,
@@ -115,6 +115,7 @@ class LLM:
                         lora_request=lora,
                         sample_index=i,
                     )
+                    prompt = req.prompt_token_ids  # tokenized once for all its samples
         except ValueError:
             self.engine.abort_request(rid for group in groups for rid in group)
             raise

@@ -78,12 +78,15 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     ids = fmt.response_ids(request.state.request_id, body.model, False, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
 
+    # ``echo``: each prompt's text (a token-id prompt's decoded once for all its samples).
+    echo_texts = [
+        p if isinstance(p, str) else fmt.decoded(state.tokenizer, p)
+        for p in (prompts if body.echo else [])
+    ]
+
     def echo_of(out: RequestOutput) -> fmt.Echo:
-        """``echo``: the prompt of ``out``'s choice, and its scores if logprobs are on."""
-        prompt = prompts[out.outputs[0].index // body.n]
-        return fmt.Echo.of(
-            prompt if isinstance(prompt, str) else fmt.decoded(state.tokenizer, prompt), out
-        )
+        """The prompt of ``out``'s choice, and its scores if logprobs are on."""
+        return fmt.Echo.of(echo_texts[out.outputs[0].index // body.n], out)
 
     if body.stream:  # each sample's state by its index (its output's ``index``)
         plain = [TextEvents(ids, chat=False, index=i) for i in range(len(reqs))]
@@ -252,17 +255,17 @@ async def _make_requests(
         for p, prompt in enumerate(prompts):
             prepared = await state.engine.prepare(prompt)
             for j, sample in enumerate(samples):
-                reqs.append(
-                    state.engine.make_request(
-                        prepared,
-                        sample,
-                        rid,
-                        arrival_time=arrival,
-                        cache_salt=body.cache_salt,
-                        lora_request=lora,
-                        sample_index=p * len(samples) + j,
-                    )
+                req = state.engine.make_request(
+                    prepared,
+                    sample,
+                    rid,
+                    arrival_time=arrival,
+                    cache_salt=body.cache_salt,
+                    lora_request=lora,
+                    sample_index=p * len(samples) + j,
                 )
+                reqs.append(req)
+                prepared = req.prompt_token_ids  # tokenized once for all its samples
         operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
         for req in reqs:
             state.telemetry.begin(
