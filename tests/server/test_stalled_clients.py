@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvserve.engine.async_engine import MERGE_AFTER, AsyncEngine
+from kvserve.engine.async_engine import MERGE_AFTER, AsyncEngine, RequestStream
 from kvserve.openai.sse import SSE_DONE, EventStreamResponse
 from kvserve.sampling_params import SamplingParams
 from tests.support.engine_server import RunningServer, start_server, stop_server
@@ -84,6 +84,18 @@ def server(checkpoint_dir) -> Iterator[RunningServer]:  # type: ignore[no-untype
     stop_server(srv)
 
 
+async def read_after_the_end(server: RunningServer, stream: RequestStream) -> list[Any]:
+    """The stream's outputs, read only once the engine thread has taken its requests and
+    run them to the end (nobody reading meanwhile); the stream closed."""
+    while not server.engine.requests:
+        await asyncio.sleep(0.01)
+    while server.engine.requests:
+        await asyncio.sleep(0.01)
+    got = [out async for out in stream]
+    stream.close()
+    return got
+
+
 def test_a_consumer_that_falls_behind_holds_a_bounded_number_of_outputs(
     server: RunningServer,
 ) -> None:
@@ -96,13 +108,7 @@ def test_a_consumer_that_falls_behind_holds_a_bounded_number_of_outputs(
         try:
             params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0, logprobs=2)
             stream = engine.submit(engine.make_request("fall behind", params, "slow-reader"))
-            while not server.engine.requests:  # the engine thread takes it
-                await asyncio.sleep(0.01)
-            while server.engine.requests:  # and runs it to the end; nobody reads
-                await asyncio.sleep(0.01)
-            got = [out async for out in stream]
-            stream.close()
-            return got
+            return await read_after_the_end(server, stream)
         finally:
             await engine.stop()
 
@@ -133,13 +139,7 @@ def test_samples_share_one_stream_bounded_per_request_and_closed_together(
                 engine.make_request("fall behind", p, "samples", sample_index=i)
                 for i, p in enumerate(params.samples())
             ]
-            stream = engine.submit(*reqs)
-            while not server.engine.requests:  # the engine thread takes them
-                await asyncio.sleep(0.01)
-            while server.engine.requests:  # and runs them to the end; nobody reads
-                await asyncio.sleep(0.01)
-            got = [out async for out in stream]
-            stream.close()
+            got = await read_after_the_end(server, engine.submit(*reqs))
 
             cut = engine.submit(*(engine.make_request("cut", p) for p in params.samples()))
             await anext(cut)

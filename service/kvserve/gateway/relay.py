@@ -34,7 +34,6 @@ async def sse(
     """The response's events (the response's ``on_close`` closes the call). ``logprobs``:
     the request asked for them (an echoed prompt's scores are shown only then)."""
     choices = [_StreamedChoice(ids, chat, i, logprobs) for i in range(len(firsts))]
-    ending = _Ending(call, choices, ids, chat, include_usage)
     try:
         if len(firsts) == 1:
             # The hot loop of the gateway (one pass per streamed token): one generator,
@@ -43,7 +42,7 @@ async def sse(
             plain = choice.plain
             while msg is not grpc.aio.EOF:
                 if msg.WhichOneof("kind") != "delta":
-                    yield ending.event(0, msg.final)
+                    yield _ending(call, choice, msg.final, ids, chat, include_usage)
                     return
                 delta = msg.delta
                 call.count(delta)
@@ -64,8 +63,8 @@ async def sse(
                 yield SSE_DONE
                 return
             if msg.WhichOneof("kind") != "delta":
-                yield ending.event(i, msg.final)
-                if ending.done:
+                yield _ending(call, choices[i], msg.final, ids, chat, include_usage)
+                if call.done:
                     return
                 continue
             call.count(msg.delta)
@@ -80,35 +79,24 @@ async def sse(
         yield error + SSE_DONE
 
 
-class _Ending:
-    """Each sample's last events: its finish reason, and after the last sample's, the
-    usage (if asked for) and ``[DONE]``, in one write."""
-
-    def __init__(
-        self,
-        call: UpstreamCall,
-        choices: list[_StreamedChoice],
-        ids: dict[str, Any],
-        chat: bool,
-        include_usage: bool,
-    ) -> None:
-        self.call, self.choices, self.ids = call, choices, ids
-        self.chat, self.include_usage = chat, include_usage
-        self.finals: dict[int, Any] = {}
-        self.done = False
-
-    def event(self, index: int, final: Any) -> bytes:
-        self.finals[index] = final
-        self.call.finished(index, final)
-        end = encode_event(self.choices[index].chunk("", None, final.finish_reason))
-        if len(self.finals) < len(self.choices):
-            return end
-        self.done = True
-        ending = [end]
-        if self.include_usage:
-            usage = fmt.usage(*self.call.usage())
-            ending.append(encode_event(fmt.usage_chunk(self.ids, self.chat, usage)))
-        return b"".join([*ending, SSE_DONE])
+def _ending(
+    call: UpstreamCall,
+    choice: _StreamedChoice,
+    final: Any,
+    ids: dict[str, Any],
+    chat: bool,
+    include_usage: bool,
+) -> bytes:
+    """A sample's last events: its finish reason, and after the last sample's (the call
+    is then done), the usage if asked for and ``[DONE]``, in one write."""
+    call.finished(choice.index, final)
+    end = encode_event(choice.chunk("", None, final.finish_reason))
+    if not call.done:
+        return end
+    ending = [end]
+    if include_usage:
+        ending.append(encode_event(fmt.usage_chunk(ids, chat, fmt.usage(*call.usage()))))
+    return b"".join([*ending, SSE_DONE])
 
 
 async def collect(
@@ -116,7 +104,6 @@ async def collect(
 ) -> dict[str, Any]:
     """The whole answer as one response body (``logprobs``: as for ``sse``)."""
     choices = [_WholeChoice(logprobs) for _ in firsts]
-    finals: dict[int, Any] = {}
     try:
         async for i, msg in messages(call, firsts):
             if msg is grpc.aio.EOF:
@@ -126,15 +113,14 @@ async def collect(
                 if choices[i].add(msg.delta):
                     call.handed_over()
             else:
-                finals[i] = msg.final
                 call.finished(i, msg.final)
     except grpc.aio.AioRpcError as exc:
         call.failed_upstream(exc)
         raise OpenAIError(502, f"the replica failed: {exc.details()}") from None
-    if len(finals) < len(choices):
+    if not call.done:
         call.status = 502
         raise OpenAIError(502, "the replica's stream ended without a final message")
-    bodies = [c.body(i, chat, finals[i]) for i, c in enumerate(choices)]
+    bodies = [c.body(i, chat, call.finals[i]) for i, c in enumerate(choices)]
     usage = fmt.usage(*call.usage())
     if chat:
         return fmt.chat_response(ids, bodies, usage)

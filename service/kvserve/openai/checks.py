@@ -8,6 +8,7 @@ knows the tokenizer and the context length, the gateway knows keys, quotas and c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.errors import OpenAIError
@@ -46,11 +47,9 @@ def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
     either. Each gets ``n`` choices: prompt i's are choices i·n to i·n + n − 1. At most
     MAX_CHOICES choices in all."""
     prompt = body.prompt
-    prompts: list[str | list[int]]
-    if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
-        prompts = [p for p in prompt if isinstance(p, str | list)]  # a batch: all are
-    else:
-        prompts = [prompt]  # type: ignore[list-item]  # text, or one list of token ids
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    # (the schema allows a list of texts or of token-id lists, never a mix)
+    prompts = cast(list[str | list[int]], list(prompt) if batch else [prompt])
     if len(prompts) * body.n > MAX_CHOICES:
         raise OpenAIError(
             400,
