@@ -389,7 +389,7 @@ def demo_tools(seed: int = 0) -> LocalTools:
     def run(name: str, arguments: dict[str, Any]) -> str:
         if name != "search_hotels":
             return json.dumps({"error": f"unknown tool {name!r}"})
-        return json.dumps(corpus.search_hotels(arguments, rng), ensure_ascii=False)
+        return corpus.search_hotels(arguments, rng)
 
     return LocalTools([corpus.SEARCH_HOTELS_TOOL], run)
 
@@ -553,7 +553,8 @@ class Repl:
         )
         for call in calls:
             result = self.tools.run(call.name, json.loads(call.arguments))
-            self.out.write(f"[result] {result}\n")
+            shown = result.replace("\n", "\n" + " " * len("[result] "))  # lines aligned
+            self.out.write(f"[result] {shown}\n")
             self.history.append({"role": "tool", "tool_call_id": call.id, "content": result})
         self.out.flush()
 

@@ -20,6 +20,7 @@ from kvserve.demo_model.corpus import (
     check_answer,
     feasible_listings,
     format_answer,
+    format_answer_from_result,
     generate_conversation,
     generate_corpus,
     infeasibility,
@@ -93,7 +94,7 @@ def test_mix_of_system_prompts_follow_ups_and_answer_kinds(corpus: list[Conversa
     with_tools = 1 - len(plain) / N
     follow_ups = sum(len(c.requests) == 2 for c in plain) / len(plain)
     assert 0.4 < with_system < 0.6
-    assert 0.2 < with_tools < 0.3
+    assert TOOL_SHARE - 0.05 < with_tools < TOOL_SHARE + 0.05
     assert 0.18 < follow_ups < 0.3
     reasons = Counter(infeasibility(r) for r, _ in _turns(corpus))
     assert set(reasons) == {None, "over_budget", "no_hot_springs", "ryokan_outside_japan"}
@@ -134,7 +135,8 @@ def test_listings_follow_the_world_rules(corpus: list[Conversation]) -> None:
 def test_answers_are_short_and_name_the_canonical_city(corpus: list[Conversation]) -> None:
     for request, answer in _turns(corpus):
         assert len(answer.split()) <= 80, answer
-        assert request.city in answer.splitlines()[0]
+        # An answer restates the request, except one that copies a search result's list.
+        assert request.city in answer.splitlines()[0] or answer.startswith("I found "), answer
 
 
 def test_user_messages_mention_city_and_budget(corpus: list[Conversation]) -> None:
@@ -189,6 +191,44 @@ def test_feasible_listings_directly() -> None:
             assert len(item.amenities) - len(request.amenities) <= 2
             assert request.kind in (None, item.kind)
             assert item.amenities == tuple(sorted(item.amenities))
+
+
+def test_search_listings_are_three_places_with_the_requested_amenities() -> None:
+    rng = random.Random(6)
+    for _ in range(2000):
+        request = sample_request(rng)
+        listings = feasible_listings(request, rng, search=True)
+        if not is_feasible(request):
+            assert listings == []
+            continue
+        assert len({item.name for item in listings}) == len(listings) == 3
+        assert [item.price for item in listings] == sorted(item.price for item in listings)
+        for item in listings:
+            assert listing_matches(request, item) and item.amenities == request.amenities
+            assert len(item.name.split()) == 2  # one-word parts: lines of one token count
+
+
+def test_answers_from_results_read_back_with_the_shared_amenities() -> None:
+    request = HotelRequest("Kyoto", None, 200, ("free wifi", "onsen"))
+    listings = [
+        Listing("Gion Ryokan", "ryokan", 135, request.amenities),
+        Listing("Kamo Inn", "hotel", 150, request.amenities),
+    ]
+    text = format_answer_from_result(request, listings, random.Random(0))
+    assert text == (
+        "I found 2 places:\n1. Gion Ryokan (ryokan) - $135 a night\n"
+        "2. Kamo Inn (hotel) - $150 a night\nAll of them have free wifi and an onsen."
+    )
+    assert parse_answer(text) == listings and check_answer(request, text)
+    assert not check_answer(request, text.replace(" and an onsen", ""))  # onsen not stated
+    for bad in ("All of them have a pool.", "All of them have an onsen"):
+        assert parse_answer(text.rsplit("\n", 1)[0] + "\n" + bad) == []
+    # A line's own amenities and a shared line do not mix.
+    mixed = text.replace("a night\n2.", "a night - gym\n2.")
+    assert parse_answer(mixed) == []
+    no_amenities = HotelRequest("Kyoto", None, 200)
+    plain = format_answer_from_result(no_amenities, [listings[0]], random.Random(0))
+    assert plain == "I found 1 place:\n1. Gion Ryokan (ryokan) - $135 a night"
 
 
 def test_world_examples() -> None:

@@ -18,10 +18,11 @@ from kvserve.demo_model import DEMO_MODEL_DIR
 
 def demo_model_source() -> str:
     """``file://`` + a directory outside ``/tmp`` holding the demo model."""
-    files = sorted(p for p in DEMO_MODEL_DIR.iterdir() if p.is_file())
-    key = hashlib.sha256(
-        "\n".join(f"{p.name} {p.stat().st_size}" for p in files).encode()
-    ).hexdigest()[:12]
+    # By content: a retrained checkpoint can keep every file's size.
+    digest = hashlib.sha256()
+    for p in sorted(p for p in DEMO_MODEL_DIR.iterdir() if p.is_file()):
+        digest.update(f"{p.name} {hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
+    key = digest.hexdigest()[:12]
     cache = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
     dest = cache / "test-demo-model" / key
     if not dest.is_dir():

@@ -36,8 +36,9 @@ Answer formats (the only ones the assistant uses): the request restated, then th
 
 Tool use (issue 19): with ``tool_share`` > 0, :func:`generate_corpus` also yields
 conversations that offer :data:`SEARCH_HOTELS_TOOL`: the assistant calls it with
-:func:`tool_arguments` of the request, the ``tool`` message holds :func:`search_result` as
-JSON, and the answer (same formats) is built from that result. :func:`search_hotels` is the
+:func:`tool_arguments` of the request, the ``tool`` message holds :func:`search_result`'s
+text (three places, or why there are none), and the answer copies the result's lines
+(:func:`format_answer_from_result`) or says "sorry" as above. :func:`search_hotels` is the
 tool itself, over the same world model (``kvserve chat --tools`` runs it).
 
 Randomness comes only from the ``random.Random`` passed in (or seeded here): training
@@ -50,7 +51,7 @@ usually also occurs in training; what is held out is the phrasing draw and the l
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import random
 import re
 from collections.abc import Mapping, Sequence
@@ -307,17 +308,30 @@ def listing_matches(request: HotelRequest, listing: Listing) -> bool:
     )
 
 
-def _listing_name(city: City, kind: str, rng: random.Random) -> str:
+def _one_word(words: Sequence[str]) -> tuple[str, ...]:
+    return tuple(w for w in words if " " not in w)
+
+
+def _listing_name(city: City, kind: str, rng: random.Random, one_word: bool) -> str:
     words = city.name_words if rng.random() < 0.7 else _GENERIC_NAME_WORDS
-    return f"{rng.choice(words)} {rng.choice(_KIND_NAME_WORDS[kind])}"
+    kind_words = _KIND_NAME_WORDS[kind]
+    if one_word:
+        words = _one_word(words) or _one_word(_GENERIC_NAME_WORDS)
+        kind_words = _one_word(kind_words)
+    return f"{rng.choice(words)} {rng.choice(kind_words)}"
 
 
-def feasible_listings(request: HotelRequest, rng: random.Random) -> list[Listing]:
+def feasible_listings(
+    request: HotelRequest, rng: random.Random, *, search: bool = False
+) -> list[Listing]:
     """Invent 1-3 places matching ``request``; ``[]`` if the world has none (see is_feasible).
 
     Prices are multiples of 5, at least the floor of their kind (and onsen) in the city and at
     most ``max_price``. Each listing has all requested amenities plus 0-2 others possible in the
     city; names are distinct within the list; listings are sorted by price, cheapest first.
+
+    ``search``: what ``search_hotels`` finds instead: three places, each with exactly the
+    requested amenities and a name of two one-word parts (see :func:`search_result`).
     """
     if not is_feasible(request):
         return []
@@ -328,19 +342,21 @@ def feasible_listings(request: HotelRequest, rng: random.Random) -> list[Listing
     extras_pool = [
         a for a in AMENITIES if a not in request.amenities and (a != "onsen" or city.hot_springs)
     ]
-    n = rng.choice((1, 2, 2, 3, 3))
+    n = SEARCH_RESULTS if search else rng.choice((1, 2, 2, 3, 3))
     listings: list[Listing] = []
     names: set[str] = set()
     for _ in range(n):
         kind = rng.choice(kinds)
-        for _attempt in range(10):
-            name = _listing_name(city, kind, rng)
+        # A search must find three (the city's own words can run out before the generic ones
+        # come up); answers invent 1-3 and may settle for fewer.
+        for _attempt in range(100 if search else 10):
+            name = _listing_name(city, kind, rng, one_word=search)
             if name not in names:
                 break
         else:
             continue
         names.add(name)
-        extras = rng.sample(extras_pool, rng.choice((0, 1, 1, 2)))
+        extras = [] if search else rng.sample(extras_pool, rng.choice((0, 1, 1, 2)))
         has_onsen = onsen or "onsen" in extras
         floor = price_floor(city.name, kind, has_onsen)
         if floor > request.max_price:  # an extra onsen would break the budget: drop it
@@ -392,11 +408,11 @@ def _count_phrase(n: int, kind: str | None) -> str:
     return f"{n} {_kinds_word(kind)}"
 
 
-def listing_line(i: int, item: Listing) -> str:
-    """Listing ``i`` (from 1) as answers and the tool's results write it:
-    ``2. Gion Ryokan (ryokan) - $135 a night - onsen``."""
+def listing_line(i: int, item: Listing, amenities: bool = True) -> str:
+    """Listing ``i`` (from 1) as answers write it: ``2. Gion Ryokan (ryokan) - $135 a night -
+    onsen``; without ``amenities``, as the tool's results and the answers from them do."""
     line = f"{i}. {item.name} ({item.kind}) - ${item.price} a night"
-    return line + (" - " + ", ".join(item.amenities) if item.amenities else "")
+    return line + (" - " + ", ".join(item.amenities) if amenities and item.amenities else "")
 
 
 def _subject(request: HotelRequest) -> str:
@@ -440,6 +456,28 @@ def format_answer(request: HotelRequest, listings: Sequence[Listing], rng: rando
     return "\n".join(lines)
 
 
+def format_answer_from_result(
+    request: HotelRequest, listings: Sequence[Listing], rng: random.Random
+) -> str:
+    """The answer after a ``search_hotels`` result that found ``listings``: its lines, copied.
+
+    ``I found 3 ryokans:``, the result's lines word for word, and one line for the requested
+    amenities that every place has (``All of them have an onsen and parking.``). Nothing of
+    varying length stands between the result's lines and the answer's (see
+    :func:`search_result`). An empty result gets :func:`format_answer`'s "sorry".
+    """
+    if not listings:
+        return format_answer(request, [], rng)
+    lines = [f"I found {_count_phrase(len(listings), request.kind)}:"]
+    lines += [listing_line(i, item, amenities=False) for i, item in enumerate(listings, 1)]
+    if request.amenities:
+        phrases = [_AMENITY_ANSWER_PHRASE[a] for a in request.amenities]
+        lines.append(f"{_ALL_HAVE}{_join_and(phrases)}.")
+    return "\n".join(lines)
+
+
+_ALL_HAVE: Final = "All of them have "
+_AMENITY_OF_PHRASE: Final[dict[str, str]] = {v: k for k, v in _AMENITY_ANSWER_PHRASE.items()}
 _SORRY_RE: Final[re.Pattern[str]] = re.compile(r"\bsorry\b", re.IGNORECASE)
 _LISTING_RE: Final[re.Pattern[str]] = re.compile(
     r"^\s*\d+\. (?P<name>\S.*?) \((?P<kind>hotel|ryokan|hostel|guesthouse)\)"
@@ -452,21 +490,38 @@ def parse_answer(text: str) -> list[Listing] | None:
 
     Returns ``None`` for a no-match answer (one line saying "sorry"), otherwise the
     listings. Never raises: text that is neither -- no header line ending in ``:``, no listing
-    line, or any later line that is not a well-formed listing line -- gives ``[]``.
+    line, or any later line that is not a well-formed listing line -- gives ``[]``. A last
+    line ``All of them have ...`` (:func:`format_answer_from_result`) gives every listing
+    those amenities.
     """
     stripped = text.strip()
     lines = [ln for ln in stripped.splitlines() if ln.strip()]
     if len(lines) == 1 and _SORRY_RE.search(lines[0]):
         return None
+    shared: tuple[str, ...] = ()
+    if len(lines) > 2 and lines[-1].startswith(_ALL_HAVE):
+        found = _shared_amenities(lines.pop())
+        if found is None:
+            return []
+        shared = found
     if len(lines) < 2 or not lines[0].rstrip().endswith(":"):
         return []
     listings: list[Listing] = []
     for line in lines[1:]:
         item = parse_listing_line(line)
-        if item is None:
+        if item is None or (shared and item.amenities):
             return []
-        listings.append(item)
+        listings.append(dataclasses.replace(item, amenities=shared) if shared else item)
     return listings
+
+
+def _shared_amenities(line: str) -> tuple[str, ...] | None:
+    """The amenities of an ``All of them have an onsen and parking.`` line, or ``None``."""
+    body = line.strip().removeprefix(_ALL_HAVE).removesuffix(".")
+    phrases = body.replace(" and ", ", ").split(", ")
+    if not line.strip().endswith(".") or any(p not in _AMENITY_OF_PHRASE for p in phrases):
+        return None
+    return tuple(sorted({_AMENITY_OF_PHRASE[p] for p in phrases}))
 
 
 def parse_listing_line(line: str) -> Listing | None:
@@ -779,7 +834,7 @@ SEARCH_HOTELS_TOOL: Final[dict[str, Any]] = {
 }
 #: Of the training conversations of the tool recipe (``train.TOOL_RECIPE``), the share that
 #: offers the tool.
-TOOL_SHARE: Final = 0.25
+TOOL_SHARE: Final = 0.4
 _CITY_BY_ANY_NAME: Final[dict[str, City]] = {
     name.casefold(): c for c in CITIES for name in (c.name, *c.aliases)
 }
@@ -819,40 +874,63 @@ def _request_from_arguments(arguments: Mapping[str, Any]) -> HotelRequest | str:
     return HotelRequest(found.name, kind, price, tuple(sorted(set(amenities))))
 
 
-def search_result(request: HotelRequest, listings: Sequence[Listing]) -> dict[str, Any]:
-    """The tool result for ``request`` that found ``listings`` (what the model reads).
+#: How many places a ``search_hotels`` result lists when the world has any.
+SEARCH_RESULTS: Final = 3
 
-    Each result is the numbered line the answer lists it as (:func:`listing_line`), so
-    answering from the result is copying whole lines, tokenized alike in both places (the
-    bundled model has not learned to, yet: its model card). ``note`` says why the world has
-    no place at all (no ryokans outside Japan, no onsen without hot springs); a budget that
-    is too low just gives no results.
+
+def search_result(request: HotelRequest, listings: Sequence[Listing]) -> str:
+    """The tool result for ``request`` that found ``listings``: the text the model reads.
+
+    A header line (``3 ryokans in Kyoto under $200 a night, all with onsen:``), then one line
+    per place as the answer lists it, without amenities (the header says which every place
+    has). Or one line saying why there is nothing: the world has no such place (no ryokans
+    outside Japan, no onsen without hot springs) or none within the budget.
+
+    Why this shape: a model this small did not learn to find a result line by its content
+    and copy it (the model card). But it learns to copy from a fixed distance back. A result
+    has three lines of 13 tokens each (one-word name parts, no amenities), and the answer
+    puts them right after a header of fixed length (:func:`format_answer_from_result`), so
+    every token of an answer's list sits the same distance after its twin in the result.
     """
-    result: dict[str, Any] = {"results": [listing_line(i, x) for i, x in enumerate(listings, 1)]}
-    reason = infeasibility(request)
-    if reason == "ryokan_outside_japan":
-        result["note"] = "ryokans are only found in Japan"
-    elif reason == "no_hot_springs":
-        result["note"] = f"{request.city} has no hot springs"
-    return result
+    if not listings:
+        reason = infeasibility(request)
+        if reason == "ryokan_outside_japan":
+            return "No results: ryokans are only found in Japan."
+        if reason == "no_hot_springs":
+            return f"No results: {request.city} has no hot springs."
+        return f"No results in {request.city} under ${request.max_price} a night."
+    amenities = f", all with {', '.join(request.amenities)}" if request.amenities else ""
+    head = (
+        f"{_count_phrase(len(listings), request.kind)} in {request.city} under "
+        f"${request.max_price} a night{amenities}:"
+    )
+    lines = [listing_line(i, item, amenities=False) for i, item in enumerate(listings, 1)]
+    return "\n".join([head, *lines])
 
 
-def result_listings(result: Mapping[str, Any]) -> list[Listing]:
-    """The places in a :func:`search_result` (its lines read back)."""
-    items = [parse_listing_line(line) for line in result["results"]]
-    return [item for item in items if item is not None]
+_RESULT_AMENITIES_RE: Final[re.Pattern[str]] = re.compile(r", all with (?P<amenities>.+):$")
 
 
-def search_hotels(arguments: Mapping[str, Any], rng: random.Random) -> dict[str, Any]:
+def result_listings(result: str) -> list[Listing]:
+    """The places in a :func:`search_result` (its lines read back, with the header's
+    amenities)."""
+    lines = result.splitlines()
+    m = _RESULT_AMENITIES_RE.search(lines[0]) if lines else None
+    amenities = tuple(sorted(m.group("amenities").split(", "))) if m else ()
+    items = [parse_listing_line(line) for line in lines[1:]]
+    return [dataclasses.replace(x, amenities=amenities) for x in items if x is not None]
+
+
+def search_hotels(arguments: Mapping[str, Any], rng: random.Random) -> str:
     """Run ``search_hotels`` over the world model: what ``kvserve chat --tools`` answers.
 
     Accepts any city name users type (aliases too, case-insensitively); invalid arguments
-    give ``{"error": ...}`` instead of raising.
+    give ``Error: ...`` text instead of raising.
     """
     request = _request_from_arguments(arguments)
     if isinstance(request, str):
-        return {"error": request}
-    return search_result(request, feasible_listings(request, rng))
+        return f"Error: {request}"
+    return search_result(request, feasible_listings(request, rng, search=True))
 
 
 def _call_id(rng: random.Random) -> str:
@@ -870,10 +948,11 @@ def _tool_round(conv: Conversation, request: HotelRequest, rng: random.Random) -
             "tool_calls": [{"id": call_id, "type": "function", "function": call}],
         }
     )
-    listings = feasible_listings(request, rng)
-    result = json.dumps(search_result(request, listings), ensure_ascii=False)
+    listings = feasible_listings(request, rng, search=True)
+    result = search_result(request, listings)
     conv.messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
-    conv.messages.append({"role": "assistant", "content": format_answer(request, listings, rng)})
+    answer = format_answer_from_result(request, listings, rng)
+    conv.messages.append({"role": "assistant", "content": answer})
     conv.requests.append(request)
     return listings
 
@@ -940,7 +1019,7 @@ def sample_tool_eval_prompts(n: int, seed: int = 0) -> list[ToolEvalPrompt]:
 
 
 def _listings_of(tool_message: Mapping[str, Any]) -> list[Listing]:
-    return result_listings(json.loads(tool_message["content"]))
+    return result_listings(str(tool_message["content"]))
 
 
 def train_rng(seed: int) -> random.Random:

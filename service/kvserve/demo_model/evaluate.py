@@ -16,8 +16,9 @@ And, with the ``search_hotels`` tool offered (``corpus.SEARCH_HOTELS_TOOL``):
   ``<tool_call>`` (parsed strictly: ``tool_call.parse_tool_call``) of ``search_hotels``
   with arguments that ask for exactly the request (``tool_call.call_satisfies``);
 * **answer-from-result accuracy**: given the reference call and its result (from the world
-  model), the share of answers that pass ``corpus.check_answer``; and **faithful**, the
-  share that pass and list only places from the result.
+  model), the share of answers that pass ``corpus.check_answer``; **faithful**, the
+  share that pass and list only places from the result; and **complete**, the share that
+  pass and list exactly the result's places, in its order (or say "sorry" for an empty one).
 
 And, for the demo LoRA adapter (``--adapter travel-table``), on the same held-out prompts
 answered with the adapter and without it in one batch:
@@ -87,6 +88,7 @@ class ToolEvalReport:
     calls_correct: int  # ... of search_hotels, asking for exactly the request
     answers_correct: int  # answers from the reference result that pass check_answer
     answers_faithful: int  # ... and list only places from the result
+    answers_complete: int  # ... and list every place of the result, in its order
     seconds: float
     samples: list[Sample] = field(default_factory=list)
 
@@ -205,7 +207,7 @@ def evaluate_tools(
     answer_prompts = [p.messages + p.call_and_result for p in prompts]
     calls = llm.chat(call_prompts, fitting(call_prompts), use_tqdm=False, tools=tools)
     answers = llm.chat(answer_prompts, fitting(answer_prompts), use_tqdm=False, tools=tools)
-    parsed = correct = answered = faithful = 0
+    parsed = correct = answered = faithful = complete = 0
     samples: list[Sample] = []
     for p, call_out, answer_out in zip(prompts, calls, answers, strict=True):
         text = call_out.outputs[0].text
@@ -217,6 +219,7 @@ def evaluate_tools(
         good = corpus.check_answer(p.request, answer)
         answered += good
         faithful += good and _faithful(answer, p.listings)
+        complete += good and corpus.parse_answer(answer) == (p.listings or None)
         if len(samples) < num_samples:
             samples.append(Sample(p.messages, text, ok))
             samples.append(Sample(p.messages + p.call_and_result, answer, good))
@@ -226,6 +229,7 @@ def evaluate_tools(
         calls_correct=correct,
         answers_correct=answered,
         answers_faithful=faithful,
+        answers_complete=complete,
         seconds=time.perf_counter() - start,
         samples=samples,
     )
@@ -465,7 +469,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"answer-from-result accuracy: {tools.answers_correct}/{n} = "
             f"{tools.answer_accuracy:.1%}; listing only places from the result: "
-            f"{tools.answers_faithful}/{n}; {tools.seconds:.0f} s"
+            f"{tools.answers_faithful}/{n}; listing exactly the result's places: "
+            f"{tools.answers_complete}/{n}; {tools.seconds:.0f} s"
         )
     print(
         f"held-out perplexity (assistant tokens): {rep.perplexity:.3f} over "
