@@ -23,6 +23,7 @@ from kvserve.demo_model.corpus import (
     result_listings,
     sample_eval_prompts,
     sample_tool_eval_prompts,
+    sample_tool_follow_up_prompts,
     search_hotels,
     tool_arguments,
 )
@@ -202,6 +203,23 @@ def test_rendered_reference_call_parses_and_satisfies_its_request() -> None:
         call_text = text.split("<|assistant|>\n")[-1].split("<|end|>")[0]
         call = parse_tool_call(call_text)
         assert call is not None and call_satisfies(p.request, call), call_text
+
+
+def test_second_request_prompts_follow_a_whole_round() -> None:
+    prompts = sample_tool_follow_up_prompts(100, seed=0)
+    assert prompts == sample_tool_follow_up_prompts(100, seed=0)
+    first_round = sample_tool_eval_prompts(100, seed=0)
+    assert [p.messages for p in prompts] != [p.messages for p in first_round]  # own stream
+    naming_a_city = 0
+    for p in prompts:
+        roles = [m["role"] for m in p.messages if m["role"] != "system"]
+        assert roles == ["user", "assistant", "tool", "assistant", "user"]
+        assert [m["role"] for m in p.call_and_result] == ["assistant", "tool"]
+        (call,) = p.call_and_result[0]["tool_calls"]
+        assert call["function"]["arguments"] == tool_arguments(p.request)
+        assert all(listing_matches(p.request, item) for item in p.listings)
+        naming_a_city += p.request.city in p.messages[-1]["content"]
+    assert naming_a_city < len(prompts)  # some second requests only refine the first
 
 
 def test_tool_eval_prompts_are_deterministic_and_use_their_own_stream() -> None:

@@ -19,6 +19,8 @@ And, with the ``search_hotels`` tool offered (``corpus.SEARCH_HOTELS_TOOL``):
   model), the share of answers that pass ``corpus.check_answer``; **faithful**, the
   share that pass and list only places from the result; and **complete**, the share that
   pass and list exactly the result's places, in its order (or say "sorry" for an empty one).
+  The same figures for a second request in the same chat, after a whole first round
+  (``corpus.sample_tool_follow_up_prompts``).
 
 And, for the demo LoRA adapter (``--adapter travel-table``), on the same held-out prompts
 answered with the adapter and without it in one batch:
@@ -152,24 +154,34 @@ def eval_prompts(n: int, seed: int, exclude: set[str]) -> list[corpus.EvalPrompt
     return _new_prompts(corpus.sample_eval_prompts, n, seed, exclude)
 
 
-def tool_eval_prompts(n: int, seed: int, exclude: set[str]) -> list[corpus.ToolEvalPrompt]:
-    """``n`` tool evaluation prompts whose user message is not in ``exclude``."""
+def tool_eval_prompts(
+    n: int, seed: int, exclude: set[str], second_request: bool = False
+) -> list[corpus.ToolEvalPrompt]:
+    """``n`` tool evaluation prompts whose first user message is not in ``exclude``; with
+    ``second_request``, prompts that ask a second request after a first whole round."""
+    if second_request:
+        return _new_prompts(corpus.sample_tool_follow_up_prompts, n, seed, exclude)
     return _new_prompts(corpus.sample_tool_eval_prompts, n, seed, exclude)
 
 
 def _new_prompts(
     sample: Callable[[int, int], Sequence[PromptT]], n: int, seed: int, exclude: set[str]
 ) -> list[PromptT]:
-    """The first ``n`` of ``sample``'s prompts (drawing more as needed) whose user message
-    is not in ``exclude``."""
+    """The first ``n`` of ``sample``'s prompts (drawing more as needed) whose first user
+    message is not in ``exclude`` (a second one may be a follow-up such as "Anything cheaper,
+    under $100?", which training has too: the conversation is new by its first)."""
     out: list[PromptT] = []
     pool = 0
     while len(out) < n:
         pool = max(2 * n, 2 * pool)
-        out = [p for p in sample(pool, seed) if p.messages[-1]["content"] not in exclude][:n]
+        out = [p for p in sample(pool, seed) if _first_user(p.messages) not in exclude][:n]
         if pool > 64 * n:
             raise RuntimeError("too few evaluation prompts are new to the training corpus")
     return out
+
+
+def _first_user(messages: Sequence[dict[str, Any]]) -> str:
+    return str(next(m["content"] for m in messages if m["role"] == "user"))
 
 
 def _faithful(text: str, listings: list[corpus.Listing]) -> bool:
@@ -187,12 +199,14 @@ def evaluate_tools(
     num_samples: int = 3,
     exclude: set[str] | None = None,
     max_tokens: int = 200,
+    second_request: bool = False,
 ) -> ToolEvalReport:
-    """Generate (greedy) calls for held-out tool prompts, and answers from their results."""
+    """Generate (greedy) calls for held-out tool prompts, and answers from their results;
+    ``second_request``: for the second request of a chat (:func:`tool_eval_prompts`)."""
     from kvserve import SamplingParams
 
     start = time.perf_counter()
-    prompts = tool_eval_prompts(num_prompts, seed, exclude or set())
+    prompts = tool_eval_prompts(num_prompts, seed, exclude or set(), second_request)
     tools = [corpus.SEARCH_HOTELS_TOOL]
 
     def fitting(conversations: list[list[dict[str, Any]]]) -> list[SamplingParams]:
@@ -368,7 +382,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the evaluation streams")
     p.add_argument(
-        "--num-tool-prompts", type=int, default=200, help="held-out requests with the tool"
+        "--num-tool-prompts",
+        type=int,
+        default=200,
+        help="held-out requests with the tool, and as many second requests in a chat",
     )
     p.add_argument("--samples", type=int, default=5, help="conversations to print")
     p.add_argument("--dtype", default="float32", help="float32 (the reference) or bfloat16")
@@ -426,29 +443,37 @@ def run(args: argparse.Namespace) -> int:
         exclude=exclude,
     )
     tools: ToolEvalReport | None = None
+    second: ToolEvalReport | None = None
     if args.num_tool_prompts:
         print(
-            f"calling the tool for {args.num_tool_prompts} held-out requests ...",
+            f"calling the tool for {args.num_tool_prompts} held-out requests, and for "
+            f"{args.num_tool_prompts} second requests in a chat ...",
             file=sys.stderr,
             flush=True,
         )
-        tools = evaluate_tools(
-            llm,
-            num_prompts=args.num_tool_prompts,
-            seed=args.seed,
-            num_samples=min(args.samples, 2),
-            exclude=exclude,
+        tools, second = (
+            evaluate_tools(
+                llm,
+                num_prompts=args.num_tool_prompts,
+                seed=args.seed,
+                num_samples=min(args.samples, 2),
+                exclude=exclude,
+                second_request=second_request,
+            )
+            for second_request in (False, True)
         )
     if args.json:
         out: dict[str, Any] = {**asdict(rep), "accuracy": rep.accuracy}
-        if tools is not None:
-            out["tools"] = {
-                **asdict(tools),
-                "call_accuracy": tools.call_accuracy,
-                "answer_accuracy": tools.answer_accuracy,
-            }
+        for key, report in (("tools", tools), ("tools_second_request", second)):
+            if report is not None:
+                out[key] = {
+                    **asdict(report),
+                    "call_accuracy": report.call_accuracy,
+                    "answer_accuracy": report.answer_accuracy,
+                }
         print(json.dumps(out))
         return 0
+    # (no samples of the second requests: their prompts are long)
     for i, s in enumerate(rep.samples + (tools.samples if tools else []), 1):
         print(f"--- sample {i} ({'correct' if s.correct else 'WRONG'})")
         for m in s.messages:
@@ -471,6 +496,13 @@ def run(args: argparse.Namespace) -> int:
             f"{tools.answer_accuracy:.1%}; listing only places from the result: "
             f"{tools.answers_faithful}/{n}; listing exactly the result's places: "
             f"{tools.answers_complete}/{n}; {tools.seconds:.0f} s"
+        )
+    if second is not None:
+        n = second.num_prompts
+        print(
+            f"second request in the same chat: tool-call accuracy {second.calls_correct}/{n} = "
+            f"{second.call_accuracy:.1%}; answers listing exactly the result's places: "
+            f"{second.answers_complete}/{n}"
         )
     print(
         f"held-out perplexity (assistant tokens): {rep.perplexity:.3f} over "
