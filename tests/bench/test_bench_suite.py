@@ -3,6 +3,7 @@ checkpoints, and their tables are checked for consistency (never for speed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import ModuleType
@@ -67,6 +68,25 @@ def test_engine_vs_transformers(sections: dict[str, Section]) -> None:
         "throughput vs transformers continuous batching",
     ]
     assert all(t.measured is not None and t.measured > 0 for t in s.targets)
+
+
+def test_engine_vs_transformers_runs_kvserve_in_the_suites_dtype(
+    ctx: SuiteContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --dtype bfloat16 (scripts/cuda-check.sh) ran transformers in bf16 and kvserve in fp32.
+    from kvserve.bench import engine_vs_transformers
+
+    bf16 = dataclasses.replace(ctx, dtype="bfloat16")
+    dtypes: list[str] = []
+    build = bf16.llm
+
+    def llm(model_dir: Path, **settings: Any) -> Any:
+        dtypes.append(settings["dtype"])
+        return build(model_dir, **settings)
+
+    monkeypatch.setattr(bf16, "llm", llm)
+    section = engine_vs_transformers.run(bf16)
+    assert dtypes == ["bfloat16"] and section.setup["dtype"] == "bfloat16"
 
 
 def test_batching(sections: dict[str, Section]) -> None:

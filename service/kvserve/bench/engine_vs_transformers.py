@@ -32,7 +32,7 @@ Runner = Callable[[], Run]
 
 
 def kvserve_runner(
-    ctx: SuiteContext, model_dir: Path, work: Workload, concurrency: int, dtype: str = "float32"
+    ctx: SuiteContext, model_dir: Path, work: Workload, concurrency: int, dtype: str
 ) -> Runner:
     llm = ctx.llm(model_dir, dtype=dtype, max_num_seqs=concurrency, max_model_len=work.max_len)
     timed_generate(llm, Workload(work.prompts[:2], work.output_lens[:2]))  # warm-up
@@ -181,7 +181,7 @@ def run(ctx: SuiteContext) -> Section:
         f"output tokens, concurrency {concurrency}, {dtype}"
     )
     runners = {
-        KVSERVE: kvserve_runner(ctx, model_dir, work, concurrency),
+        KVSERVE: kvserve_runner(ctx, model_dir, work, concurrency, dtype),
         STATIC: hf_static_runner(model_dir, work, concurrency, dtype, ctx.device),
     }
     notes = []
