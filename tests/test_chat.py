@@ -331,8 +331,9 @@ def test_tools_run_a_local_agent_loop_with_the_demo_model() -> None:
     assert lines[0] == "assistant> " + call + '"amenities": ["onsen"]})', lines
     # The result (run here over the world model), its lines aligned under the first ...
     assert lines[1] == "[result] 3 ryokans in Kyoto under $200 a night, all with onsen:", lines
-    places = [line.removeprefix(" " * len("[result] ")) for line in lines[2:5]]
-    assert [p[:3] for p in places] == ["1. ", "2. ", "3. "], lines
+    indent = " " * len("[result] ")
+    assert all(line.startswith(indent + f"{i}. ") for i, line in enumerate(lines[2:5], 1)), lines
+    places = [line.removeprefix(indent) for line in lines[2:5]]
     # ... and the answer from it: the result's places, copied.
     assert lines[5:] == ["assistant> I found 3 ryokans:", *places, "All of them have an onsen."]
 

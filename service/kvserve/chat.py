@@ -388,7 +388,7 @@ def demo_tools(seed: int = 0) -> LocalTools:
 
     def run(name: str, arguments: dict[str, Any]) -> str:
         if name != "search_hotels":
-            return json.dumps({"error": f"unknown tool {name!r}"})
+            return f"Error: unknown tool {name!r}"
         return corpus.search_hotels(arguments, rng)
 
     return LocalTools([corpus.SEARCH_HOTELS_TOOL], run)

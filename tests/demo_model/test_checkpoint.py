@@ -195,4 +195,9 @@ def test_tool_eval_scores_real_generations(llm: LLM) -> None:
     assert report.answer_accuracy >= 0.5
     assert report.answers_complete <= report.answers_faithful <= report.answers_correct
     assert report.answers_complete >= 8  # a low bar, as above: the answers copy the result
+    # Second requests in a chat: scored on their own prompts (the bundled model does not
+    # call the tool again: its model card), and their answers from a result still copy it.
+    second = evaluate_tools(llm, num_prompts=8, seed=5, second_request=True)
+    assert second.num_prompts == 8 and second.calls_correct <= second.calls_parsed
+    assert second.answers_complete >= 2
     assert report.samples[0].answer == outs[0].outputs[0].text

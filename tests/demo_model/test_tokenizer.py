@@ -182,7 +182,7 @@ OPENAI_SHAPED: list[dict[str, object]] = [
             }
         ],
     },
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"results": []}'},
+    {"role": "tool", "tool_call_id": "call_1", "content": "No results in Kyoto under $50 a night."},
     {
         "role": "assistant",
         "content": "Let me look twice.",
@@ -199,7 +199,7 @@ OPENAI_SHAPED: list[dict[str, object]] = [
             },
         ],
     },
-    {"role": "tool", "tool_call_id": "c2", "content": '{"results": []}'},
+    {"role": "tool", "tool_call_id": "c2", "content": "No results: Paris has no hot springs."},
     {"role": "tool", "tool_call_id": "c3", "content": None},
     {"role": "user", "content": "ok"},
 ]

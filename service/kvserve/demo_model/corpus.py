@@ -31,7 +31,16 @@ Answer formats (the only ones the assistant uses): the request restated, then th
     Ryokans in Paris under $200 a night - sorry, ryokans are only found in Japan, so there are
     none in Paris. Would a hotel do?
 
-(each answer is a single line for the sorry forms). :func:`parse_answer` reads them back and
+(each answer is a single line for the sorry forms). After a ``search_hotels`` result the
+answer copies the result's lines instead (:func:`format_answer_from_result`)::
+
+    I found 3 ryokans:
+    1. Gion Ryokan (ryokan) - $135 a night
+    2. Sakura Ryokan (ryokan) - $150 a night
+    3. Kamo Ryokan (ryokan) - $185 a night
+    All of them have an onsen.
+
+:func:`parse_answer` reads them all back and
 :func:`check_answer` grades any text -- e.g. a model's completion -- against a request.
 
 Tool use (issue 19): with ``tool_share`` > 0, :func:`generate_corpus` also yields
@@ -869,7 +878,9 @@ def _request_from_arguments(arguments: Mapping[str, Any]) -> HotelRequest | str:
     if kind is not None and kind not in KINDS:
         return f"kind must be one of {', '.join(KINDS)}"
     amenities = arguments.get("amenities") or []
-    if not isinstance(amenities, list) or any(a not in _AMENITY_SET for a in amenities):
+    if not isinstance(amenities, list) or any(
+        not isinstance(a, str) or a not in _AMENITY_SET for a in amenities
+    ):
         return f"amenities must be a list of: {', '.join(AMENITIES)}"
     return HotelRequest(found.name, kind, price, tuple(sorted(set(amenities))))
 
@@ -912,8 +923,8 @@ _RESULT_AMENITIES_RE: Final[re.Pattern[str]] = re.compile(r", all with (?P<ameni
 
 
 def result_listings(result: str) -> list[Listing]:
-    """The places in a :func:`search_result` (its lines read back, with the header's
-    amenities)."""
+    """The places in a :func:`search_result`: its lines read back, each with the header's
+    amenities (a result's lines carry none of their own)."""
     lines = result.splitlines()
     m = _RESULT_AMENITIES_RE.search(lines[0]) if lines else None
     amenities = tuple(sorted(m.group("amenities").split(", "))) if m else ()

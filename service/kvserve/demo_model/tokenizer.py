@@ -175,8 +175,8 @@ def _json(value: Any) -> str:
 
 def _signature(tool: Mapping[str, Any]) -> str:
     """A tool as the template lists it: ``name(param, ...)``, its parameters' names in
-    their schema's order (the JSON schema itself would be ~140 of a tool conversation's
-    ~340 tokens, paid in every training step: the tiny model knows its one tool's types
+    their schema's order (the JSON schema itself would add ~140 tokens to a tool
+    conversation of ~230, paid in every training step: the tiny model knows its one tool's types
     from the conversations)."""
     fn = tool.get("function", tool)
     properties = (fn.get("parameters") or {}).get("properties") or {}

@@ -10,7 +10,7 @@ Reproducibility: the same seed, the same library versions and the same CPU kind 
 same bytes. Training runs on a fixed number of threads (``TrainConfig.threads``) because
 OpenMP reductions split work by thread count, and floating-point sums depend on the split.
 
-The bundled checkpoint's recipe is :data:`TOOL_RECIPE` (the default): a quarter of the
+The bundled checkpoint's recipe is :data:`TOOL_RECIPE` (the default): two in five of the
 conversations offer the ``search_hotels`` tool, the tokenizer gets the tool tokens and
 the tool-aware template. ``--no-tools`` trains the first recipe (``TrainConfig()``),
 without them. Both run on two threads: on a busy machine two OpenMP threads stall whenever
