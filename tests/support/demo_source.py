@@ -8,6 +8,7 @@ once per content of the checkpoint.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 from kvserve.demo_model import DEMO_MODEL_DIR
 
 
+@functools.cache  # (hashing the checkpoint once per test process)
 def demo_model_source() -> str:
     """``file://`` + a directory outside ``/tmp`` holding the demo model."""
     # By content: a retrained checkpoint can keep every file's size.

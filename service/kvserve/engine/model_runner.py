@@ -184,8 +184,8 @@ class ModelRunner:
             else:
                 tokens = StepTokens.single(self.sampler(logits, reqs, mask))
         if prompt_parts:
-            logits_parts = (self.model.compute_logits(hidden.index_select(0, rows))
-                            for rows in prompt_parts)  # fmt: skip
+            logits_parts = (self.model.compute_logits(hidden.index_select(0, part))
+                            for part in prompt_parts)  # fmt: skip
             prompt_logprobs.record(logits_parts, inp.prompt_scores)
         return reqs, tokens
 
