@@ -183,6 +183,14 @@ def test_bad_input_is_refused_by_field(tools_gateway: Gateway) -> None:
                         "function": {"name": "f", "parameters": {"type": "nope"}}}]},
             "tools[0].function.parameters",  # by the replica
         ),
+        (  # an integer llguidance cannot read: it was a 400 without its field
+            {"tools": [{"type": "function",
+                        "function": {"name": "f", "parameters": {"const": 2**70}}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"const": 2**70}}}},
+         "response_format.json_schema.schema"),
     ]  # fmt: skip
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as refused:

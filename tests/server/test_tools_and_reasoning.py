@@ -550,6 +550,62 @@ def test_mistral_calls_through_its_grammar_parse_and_validate(
         assert _streamed(client, **request) == ("", whole, choice.finish_reason)
 
 
+class Budget(BaseModel):
+    amount: int = Field(ge=1, le=99)
+    currency: Literal["EUR", "USD"]
+
+
+class SearchHotels(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    budget: Budget  # a nested model: pydantic writes it as a "$ref" into "$defs"
+
+
+# Another tool whose "$defs" reuse the name "Budget" for another schema: in one grammar
+# document (mistral's), each tool's references must keep to its own definitions.
+BOOK_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"nights": {"$ref": "#/$defs/Budget"}},
+            "required": ["nights"],
+            "additionalProperties": False,
+            "$defs": {"Budget": {"type": "integer", "minimum": 1, "maximum": 9}},
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("server_name", ["tools_server", "mistral_server"])
+def test_tools_with_nested_models_are_called_through_their_grammar(
+    server_name: str, request: pytest.FixtureRequest
+) -> None:
+    """``openai.pydantic_function_tool`` of a model with a nested model sends a strict
+    tool whose schema refers to its "$defs": a forced call's grammar nests that schema,
+    and the references must still resolve (they pointed at nothing: a 400)."""
+    client = sdk(request.getfixturevalue(server_name))
+    tools = [openai.pydantic_function_tool(SearchHotels), BOOK_TOOL]
+    for seed in range(3):
+        answer = client.chat.completions.parse(
+            model=MODEL,
+            messages=QUESTION,  # type: ignore[arg-type]
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=300,
+        )
+        (call,) = answer.choices[0].message.tool_calls or []
+        if call.function.name == "SearchHotels":
+            assert isinstance(call.function.parsed_arguments, SearchHotels)
+        else:
+            nights = json.loads(call.function.arguments)["nights"]
+            assert isinstance(nights, int) and 1 <= nights <= 9, call
+
+
 # ---- structured outputs ----------------------------------------------------------------
 class Forecast(BaseModel):
     # Bounded values: a random-weight model's answer always fits in max_tokens.
@@ -584,6 +640,46 @@ def test_bad_constraints_name_their_field(tools_server: RunningServer) -> None:
             json={"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "(x"}},
         )
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+
+
+@pytest.mark.parametrize(
+    ("schema", "what", "where"),
+    [
+        ('{"const": 1180591620717411303424}', "does not fit in 64 bits", "const"),
+        ('{"type": "integer", "maximum": 1e999}', "not finite", "maximum"),
+        ('{"properties": {"a": {"enum": [1, 18446744073709551616]}}}', "64 bits", "a.enum[1]"),
+    ],
+)
+def test_numbers_llguidance_cannot_take_are_refused_by_field(
+    tools_server: RunningServer, schema: str, what: str, where: str
+) -> None:
+    """An integer beyond 64 bits was a 500 (llguidance cannot read it), an infinite number
+    (1e999) forced a null; each is now a 400 naming where the schema came in."""
+    places = {
+        "response_format.json_schema.schema": (
+            "/v1/chat/completions",
+            f'"messages": [{{"role": "user", "content": "hi"}}], "response_format": '
+            f'{{"type": "json_schema", "json_schema": {{"name": "x", "schema": {schema}}}}}',
+        ),
+        "tools[0].function.parameters": (
+            "/v1/chat/completions",
+            '"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", '
+            f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": '
+            f'{{"type": "object", "properties": {{"x": {schema}}}}}}}}}]',
+        ),
+        "structured_outputs": (
+            "/v1/completions",
+            f'"prompt": "hi", "structured_outputs": {{"json": {schema}}}',
+        ),
+    }
+    with tools_server.client() as c:
+        for param, (path, fields) in places.items():
+            body = f'{{"model": "{MODEL}", "max_tokens": 4, {fields}}}'
+            r = c.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (param, r.text)
+            assert r.json()["error"]["param"] == param, r.text
+            message = r.json()["error"]["message"]
+            assert what in message and f"{where} " in f"{message} ", message
 
 
 # Compiles, then grows past llguidance's limits on its first "a": the client's grammar.

@@ -71,7 +71,7 @@ def tool_call_grammar(
         text = r"/[^\[][\s\S]*/"
     else:
         args_key = "parameters" if parser == "llama3_json" else "arguments"
-        functions = [_call_schema(t, args_key, exact) for t in offered]
+        functions = [_call_schema(t, args_key, exact, i) for i, t in enumerate(offered)]
         alternatives = " | ".join(f"fn_{i}" for i in range(len(functions)))
         if parser == "hermes":
             one = f"call: {literal('<tool_call>', NL)} fn {literal(NL, '</tool_call>')}"
@@ -96,29 +96,63 @@ def _arguments_schema(tool: ToolSpec, exact: bool) -> dict[str, Any]:
     return tool.parameters if exact or tool.strict else ANY_OBJECT
 
 
-def _call_schema(tool: ToolSpec, args_key: str, exact: bool) -> dict[str, Any]:
+def _call_schema(tool: ToolSpec, args_key: str, exact: bool, index: int) -> dict[str, Any]:
+    """The JSON schema of one call of ``tool``. Its arguments' schema is nested inside the
+    call's, so a ``$ref`` of it ("#/$defs/Budget", as pydantic and the OpenAI SDK write
+    them) would resolve against the call's root: such a schema moves to the root's
+    ``$defs`` under ``tool_{index}`` and its references are rewritten to point there."""
+    arguments = _arguments_schema(tool, exact)
+    defs: dict[str, Any] = {}
+    if _has_local_ref(arguments):
+        name = f"tool_{index}"
+        defs[name] = _rebase_refs(arguments, f"#/$defs/{name}")
+        arguments = {"$ref": f"#/$defs/{name}"}
     return {
         "type": "object",
-        "properties": {
-            "name": {"const": tool.name},
-            args_key: _arguments_schema(tool, exact),
-        },
+        "properties": {"name": {"const": tool.name}, args_key: arguments},
         "required": ["name", args_key],
         "additionalProperties": False,
         "x-guidance": COMPACT_JSON,
-    }
+    } | ({"$defs": defs} if defs else {})
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _has_local_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
+            return True
+        return any(_has_local_ref(v) for k, v in schema.items() if k not in DATA_KEYWORDS)
+    return isinstance(schema, list) and any(_has_local_ref(v) for v in schema)
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with every document-local ``$ref`` ("#..." ) made relative to ``base``."""
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in DATA_KEYWORDS else _rebase_refs(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def _mistral(offered: list[ToolSpec], exact: bool, parallel: bool, marker: str) -> str:
-    items = [_call_schema(t, "arguments", exact) for t in offered]
+    items = [_call_schema(t, "arguments", exact, i) for i, t in enumerate(offered)]
+    defs: dict[str, Any] = {}
     for item in items:
         del item["x-guidance"]  # the array's own applies to the whole
+        defs |= item.pop("$defs", {})  # one document: its references go from its root
     array: dict[str, Any] = {
         "type": "array",
         "items": items[0] if len(items) == 1 else {"anyOf": items},
         "minItems": 1,
         "x-guidance": COMPACT_JSON,
-    }
+    } | ({"$defs": defs} if defs else {})
     if not parallel:
         array["maxItems"] = 1
     return f"calls: {marker} %json {json.dumps(array)}"
