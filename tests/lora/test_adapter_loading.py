@@ -112,6 +112,20 @@ def test_missing_files_and_pickles_are_refused(good: Path, base: Path, tmp_path:
         load(path, base)
 
 
+@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated"])
+def test_an_unreadable_weights_file_is_refused(
+    good: Path, base: Path, tmp_path: Path, damage: str
+) -> None:
+    """A LoRAError (a 400 from /v1/load_lora_adapter), not safetensors' own error (a 500)."""
+    path = copy(good, tmp_path)
+    weights = path / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    damaged = {"empty": b"", "garbage": b"\xff" * 64, "truncated": data[: len(data) // 2]}
+    weights.write_bytes(damaged[damage])
+    with pytest.raises(LoRAError, match="not a readable safetensors file"):
+        load(path, base)
+
+
 def test_adapters_need_enable_lora_and_bad_ones_fail_before_queueing(
     good: Path, base: Path, tmp_path: Path
 ) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvserve.lora.request import LoRARequest
 from kvserve.model.config import ModelConfig
@@ -147,18 +147,21 @@ def load_adapter(lora: LoRARequest, model: ModelConfig, max_rank: int) -> LoRAWe
         )
     shapes = projection_shapes(model)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(weights_file), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            m = _KEY.match(key)
-            if m is None:
-                raise LoRAError(f"{WEIGHTS_FILE}: {_why_refused(key)}")
-            layer, name, half = int(m[1]), m[2], m[3]
-            if layer >= model.num_layers:
-                raise LoRAError(
-                    f"{WEIGHTS_FILE}: {key!r} is for layer {layer}; the model has "
-                    f"{model.num_layers} layers"
-                )
-            halves.setdefault((layer, name), {})[half] = f.get_tensor(key)
+    try:
+        with safe_open(str(weights_file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                m = _KEY.match(key)
+                if m is None:
+                    raise LoRAError(f"{WEIGHTS_FILE}: {_why_refused(key)}")
+                layer, name, half = int(m[1]), m[2], m[3]
+                if layer >= model.num_layers:
+                    raise LoRAError(
+                        f"{WEIGHTS_FILE}: {key!r} is for layer {layer}; the model has "
+                        f"{model.num_layers} layers"
+                    )
+                halves.setdefault((layer, name), {})[half] = f.get_tensor(key)
+    except SafetensorError as exc:  # an empty, truncated or garbled file
+        raise LoRAError(f"{weights_file} is not a readable safetensors file: {exc}") from None
     if not halves:
         raise LoRAError(f"{weights_file} holds no LoRA weights")
     out = LoRAWeights(lora, rank, scaling)
