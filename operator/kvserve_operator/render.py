@@ -27,9 +27,12 @@ Children (all named after the InferenceModel, in its namespace, owned by it):
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 from kvserve.engine_options import flags_from_spec
 from kvserve.model.pull import DEFAULT_PVC_ROOT, PVC_ROOT_ENV, ModelSource
@@ -56,6 +59,7 @@ MODEL_CACHE_DIR = "/models"
 HF_HOME = f"{MODEL_CACHE_DIR}/.hf-home"
 PVC_ROOT = DEFAULT_PVC_ROOT  # /mnt/pvc: claim CLAIM is mounted at /mnt/pvc/CLAIM
 TMP_DIR = "/tmp"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
 RUN_AS = 1000
 # LoRA adapters: the engine's --lora-dir (an emptyDir the adapter-sync container fills),
 # and where spec.adapters is mounted from the NAME-adapters ConfigMap.
@@ -317,6 +321,23 @@ def _env(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
 
 
+def _cpu_threads_env(
+    spec: InferenceModelSpec, user_env: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A CPU engine computes with as many threads as its CPU request (at least one):
+    PyTorch would otherwise start one per CPU of the node, and with the node's other pods
+    busy every op waits for threads that are not running (docs/inference-model.md,
+    "spec.resources"). Unless ``spec.env`` sets OMP_NUM_THREADS itself."""
+    cpu = spec.resources.cpu
+    if (
+        spec.resources.gpus > 0
+        or cpu is None
+        or any(v["name"] == OMP_NUM_THREADS for v in user_env)
+    ):
+        return []
+    return [_env(OMP_NUM_THREADS, str(max(1, math.floor(parse_quantity(cpu)))))]
+
+
 def _container_security_context() -> dict[str, Any]:
     return {
         "allowPrivilegeEscalation": False,
@@ -414,8 +435,10 @@ def pod_template(name: str, spec: InferenceModelSpec, settings: OperatorSettings
 
     user_env = [dict(v) for v in spec.env]
     engine_env = (
-        [] if any(v["name"] == "HOME" for v in user_env) else [_env("HOME", TMP_DIR)]
-    ) + user_env
+        ([] if any(v["name"] == "HOME" for v in user_env) else [_env("HOME", TMP_DIR)])
+        + _cpu_threads_env(spec, user_env)
+        + user_env
+    )
     engine: dict[str, Any] = {
         "name": "engine",
         "image": image,

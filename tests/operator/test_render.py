@@ -285,6 +285,30 @@ def test_cpu_and_memory() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("cpu", "threads"), [("2500m", "2"), (4, "4"), ("500m", "1"), ("1.5", "1")]
+)
+def test_a_cpu_engine_computes_with_as_many_threads_as_its_cpu_request(
+    cpu: object, threads: str
+) -> None:
+    """PyTorch would start a thread per CPU of the node, and with the node busy every op
+    would wait for threads that are not running."""
+    c = engine(spec(resources={"gpus": 0, "cpu": cpu}))
+    assert {"name": "OMP_NUM_THREADS", "value": threads} in c["env"]
+    assert env_names(c).count("OMP_NUM_THREADS") == 1
+
+
+def test_no_thread_count_without_a_cpu_request_on_a_gpu_or_when_env_sets_it() -> None:
+    for s in (
+        spec(resources={"gpus": 0}),
+        spec(resources={"gpus": 1, "cpu": 8}),
+    ):
+        assert "OMP_NUM_THREADS" not in env_names(engine(s))
+    mine = {"name": "OMP_NUM_THREADS", "value": "3"}
+    c = engine(spec(resources={"gpus": 0, "cpu": 8}, env=[mine]))
+    assert [e for e in c["env"] if e["name"] == "OMP_NUM_THREADS"] == [mine]
+
+
 # ---- model sources ----------------------------------------------------------------------
 
 

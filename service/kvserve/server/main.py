@@ -154,6 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     import uvicorn
 
     from kvserve.engine.cpu_threads import call_in_short_lived_thread
@@ -208,9 +209,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 2
     bs = engine.config.block_size
+    # On a CPU, the compute threads: more than the CPUs this process gets leaves every op
+    # waiting for a thread that is not running (docs/engine.md, "CPU threads").
+    threads = f", {torch.get_num_threads()} threads" if engine.device.type == "cpu" else ""
     print(
         f"loaded in {time.perf_counter() - start:.1f} s on {engine.device} "
-        f"({str(engine.dtype).removeprefix('torch.')}); KV cache: {engine.num_kv_blocks} blocks "
+        f"({str(engine.dtype).removeprefix('torch.')}{threads}); KV cache: "
+        f"{engine.num_kv_blocks} blocks "
         f"of {bs} tokens = {engine.num_kv_blocks * bs:,} tokens "
         f"({str(engine.kv_cache_dtype).removeprefix('torch.')}); max_model_len "
         f"{engine.max_model_len}"
