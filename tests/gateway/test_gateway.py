@@ -253,6 +253,49 @@ def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> No
     assert gateway.metric("kvserve_gateway_rejections_total", reason="invalid") >= 4
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_body_not_sent_as_json_is_refused_415(gateway: Gateway, path: str) -> None:
+    """A body the browser of a web page could send to another origin without a preflight
+    (text/plain, a form) is not read as JSON; no Content-Type, or a JSON one, is."""
+    what = (
+        {"prompt": "hi"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    body = json.dumps({**GREEDY, **what, "max_tokens": 2}).encode()
+    with gateway.client() as c:
+        for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+            r = c.post(path, content=body, headers={"content-type": content_type})
+            assert r.status_code == 415, r.text
+            assert error_of(r)["param"] == "content-type"
+            assert repr(content_type) in error_of(r)["message"]
+        for json_type in ({}, {"content-type": "application/json; charset=utf-8"}):
+            r = c.post(path, content=body, headers=json_type)
+            assert r.status_code == 200, r.text
+
+
+def test_refusals_name_the_parameter_the_client_sent(replicas: list[Replica]) -> None:
+    """The replica's refusal of a chat's max_completion_tokens names that field (the
+    engine calls every limit max_tokens); the shared checks apply at the gateway too."""
+    gw = start_gateway(replicas, max_tokens_ceiling=None)  # the replica's check, not ours
+    chat = chat_body("hi", max_tokens=2)
+    del chat["max_tokens"]
+    try:
+        with gw.client() as c:
+            r = c.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 10**9})
+            assert r.status_code == 400, r.text
+            assert error_of(r)["param"] == "max_completion_tokens"
+            assert "max_completion_tokens (1000000000)" in error_of(r)["message"]
+            r = c.post("/v1/chat/completions", json={**chat, "top_logprobs": 2})
+            assert r.status_code == 400 and error_of(r)["param"] == "top_logprobs", r.text
+            nan = json.dumps(chat)[:-1] + ', "temperature": NaN}'
+            r = c.post("/v1/chat/completions", content=nan.encode())
+            assert r.status_code == 400 and error_of(r)["param"] == "temperature", r.text
+            assert "finite number" in error_of(r)["message"]
+    finally:
+        gw.stop()
+
+
 def test_rate_limits_answer_429_with_headers_and_recover_on_the_clock(gateway: Gateway) -> None:
     body = {**GREEDY, "prompt": "hi", "max_tokens": 2}
     with gateway.client(key=KEY_LIMITED) as c:

@@ -361,6 +361,93 @@ def test_invalid_json_and_oversized_body(server: RunningServer) -> None:
         assert chunked.json()["error"]["request_id"] == chunked.headers["x-request-id"]
 
 
+USER_HI = {"role": "user", "content": "hi"}
+CHAT_START = json.dumps({"model": MODEL, "messages": [USER_HI], "max_tokens": 2})[:-1]
+
+
+# A JSON body read as such only when its Content-Type says JSON (or there is none):
+# anything else is a POST a web page may send to another origin without a preflight.
+JSON_TYPES = [
+    None,
+    "application/json",
+    "application/json; charset=utf-8",
+    "Application/JSON",
+    "application/vnd.api+json",
+]
+NOT_JSON_TYPES = [
+    "text/plain",
+    "text/plain; charset=utf-8",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    "text/json",
+    "application/jsonl",
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("content_type", JSON_TYPES + NOT_JSON_TYPES)
+def test_a_body_is_json_only_when_its_content_type_says_so(
+    server: RunningServer, path: str, content_type: str | None
+) -> None:
+    what = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [USER_HI]}
+    body = json.dumps({**GREEDY, **what, "max_tokens": 2}).encode()
+    headers = {} if content_type is None else {"content-type": content_type}
+    with server.client() as c:
+        r = c.post(path, content=body, headers=headers)
+    assert r.request.headers.get("content-type") == content_type
+    if content_type in JSON_TYPES:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert err["param"] == "content-type" and err["request_id"] == r.headers["x-request-id"]
+    assert repr(content_type) in err["message"] and "application/json" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "fragment"),
+    [
+        # the field the client sent, not the engine's name for the limit
+        (
+            '"max_completion_tokens": 1000000000',
+            "max_completion_tokens",
+            "max_completion_tokens (1000000000)",
+        ),
+        # NaN and infinities, as JSON literals or strings, are not compared with bounds
+        ('"temperature": NaN', "temperature", "temperature must be a finite number"),
+        ('"top_p": Infinity', "top_p", "top_p must be a finite number"),
+        ('"presence_penalty": -Infinity', "presence_penalty", "finite number"),
+        ('"frequency_penalty": "nan"', "frequency_penalty", "finite number"),
+        ('"temperature": "inf"', "temperature", "finite number"),
+        ('"min_p": 1e999', "min_p", "finite number"),
+        ('"logit_bias": {"5": NaN}', "logit_bias.5", "finite number"),
+        # top_logprobs asks for nothing without logprobs: true (OpenAI and vLLM refuse it)
+        ('"top_logprobs": 2', "top_logprobs", "only allowed with logprobs: true"),
+        ('"top_logprobs": 0, "logprobs": false', "top_logprobs", "logprobs: true"),
+        # the member of the union the value has the shape of says what is wrong
+        ('"tool_choice": {"type": "function"}', "tool_choice.function", "Field required"),
+        ('"tool_choice": "sometimes"', "tool_choice", "'none', 'auto' or 'required'"),
+        ('"stop": ["end", 1]', "stop.1", "valid string"),
+        # a validator's message as written, without pydantic's "Value error, "
+        ('"logit_bias": {"x": 1}', "logit_bias", "logit_bias: keys must be token ids"),
+        ('"store": true', "store", "store: this server does not store completions"),
+    ],
+)
+def test_bad_chat_input_gets_openai_errors(
+    server: RunningServer, extra: str, param: str, fragment: str
+) -> None:
+    body = f"{CHAT_START}, {extra}}}".encode()
+    with server.client() as c:
+        r = c.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["request_id"] == r.headers["x-request-id"]
+    assert err["param"] == param and fragment in err["message"], err
+    assert "Value error" not in err["message"] and "less than" not in err["message"]
+
+
 def model_with_template(tmp_path: Path, checkpoint_dir, template: str | None) -> Path:  # type: ignore[no-untyped-def]
     """A copy of the test checkpoint whose chat template is ``template`` (None: none)."""
     model = tmp_path / "model"

@@ -94,3 +94,26 @@ def test_a_megabyte_url_is_a_431(port: int) -> None:
     url = [b"GET /", *[b"a" * 8192] * 128, b" HTTP/1.1\r\n\r\n"]  # sent 8 KiB at a time
     status, _ = error_of(exchange(port, *url))
     assert status == 431
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        pytest.param([b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Long: ", b"a" * 8192], id="431"),
+        pytest.param([b"GARBAGE\r\n\r\n"], id="malformed-400"),
+        pytest.param(
+            [b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n"], id="413"
+        ),
+    ],
+)
+def test_refusals_before_the_app_carry_a_request_id_in_the_apps_json(
+    port: int, parts: list[bytes]
+) -> None:
+    """Answers written by the protocol or the middleware, not the app, are serialised as
+    the app's errors are (compact JSON) and carry an id, in the body and the header."""
+    head, _, body = exchange(port, *parts).partition(b"\r\n\r\n")
+    fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    headers = {k.decode().lower(): v.decode() for k, v in fields.items()}
+    error = json.loads(body)["error"]
+    assert error["request_id"] == headers["x-request-id"], head
+    assert body == json.dumps({"error": error}, separators=(",", ":")).encode()

@@ -231,7 +231,7 @@ async def _serve(
         params = body.sampling_params(max_tokens, checks.logprobs_count(body))
     except InvalidRequestError as exc:
         state.metrics.rejections.labels("invalid").inc()
-        raise OpenAIError(400, str(exc), param=exc.param) from None
+        raise checks.in_client_terms(OpenAIError(400, str(exc), param=exc.param), body) from None
     cache_salt = state.salts.salt(tenant, body.cache_salt)
     upstreams = []  # prompt i's sample j at i·n + j (its choice's index)
     for prompt in prompts:
@@ -295,6 +295,8 @@ async def _serve(
         firsts = await until_disconnected(request, call.start(key, upstreams, metadata))
     except BaseException as exc:
         call.close(exc)
+        if isinstance(exc, OpenAIError) and exc.status == 400:  # the replica refused it
+            raise checks.in_client_terms(exc, body) from None
         raise
     if firsts is None:  # the client left while queued or before the first token
         call.close(None, disconnected=True)

@@ -7,6 +7,7 @@ knows the tokenizer and the context length, the gateway knows keys, quotas and c
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import cast
 
@@ -19,6 +20,8 @@ from kvserve.sampling_params import INT32_MAX, StopLimits
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # A completion's choices (prompts × n): each is a request in the engine.
 MAX_CHOICES = 1024
+MAX_COMPLETION_TOKENS = "max_completion_tokens"
+_MAX_TOKENS = re.compile(r"\bmax_tokens\b")  # the word alone, not max_tokens_cap
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,20 @@ class TokenLimit:
 
 
 def check_options(body: CommonRequest) -> None:
-    """Options that do not go with each other: ``stream_options`` without ``stream``
-    (refused, as OpenAI's API does)."""
+    """Options that do not go with each other, refused as OpenAI's API and vLLM do:
+    ``stream_options`` without ``stream``, a chat's ``top_logprobs`` without ``logprobs:
+    true`` (which would otherwise return no logprobs at all)."""
     if body.stream_options is not None and not body.stream:
         raise OpenAIError(
             400, "stream_options is only allowed with stream: true", param="stream_options"
+        )
+    if (
+        isinstance(body, ChatCompletionRequest)
+        and body.top_logprobs is not None
+        and not body.logprobs
+    ):
+        raise OpenAIError(
+            400, "top_logprobs is only allowed with logprobs: true", param="top_logprobs"
         )
 
 
@@ -65,7 +77,7 @@ def token_limit(body: CompletionRequest | ChatCompletionRequest) -> TokenLimit:
     ``max_tokens`` (default 16) for a completion; a limit below 1 is a 400."""
     if isinstance(body, ChatCompletionRequest):
         if body.max_completion_tokens is not None:
-            limit = TokenLimit(body.max_completion_tokens, "max_completion_tokens")
+            limit = TokenLimit(body.max_completion_tokens, MAX_COMPLETION_TOKENS)
         else:
             limit = TokenLimit(body.max_tokens, "max_tokens")
     else:
@@ -84,6 +96,26 @@ def token_limit(body: CompletionRequest | ChatCompletionRequest) -> TokenLimit:
             400, f"{limit.param} must be at most {INT32_MAX}, got {limit.value}", param=limit.param
         )
     return limit
+
+
+def in_client_terms(
+    error: OpenAIError, body: CompletionRequest | ChatCompletionRequest
+) -> OpenAIError:
+    """An engine's refusal (a 400 from ``InvalidRequestError``, or a replica's
+    ``INVALID_ARGUMENT``) naming the field the client sent: the engine calls the output
+    limit ``max_tokens`` whichever field set it, so a chat's ``max_completion_tokens``
+    would be refused as a ``max_tokens`` the client never sent."""
+    if not isinstance(body, ChatCompletionRequest) or body.max_completion_tokens is None:
+        return error
+    if error.param != "max_tokens" and not _MAX_TOKENS.search(error.message):
+        return error
+    return OpenAIError(
+        error.status,
+        _MAX_TOKENS.sub(MAX_COMPLETION_TOKENS, error.message),
+        param=MAX_COMPLETION_TOKENS if error.param == "max_tokens" else error.param,
+        code=error.code,
+        headers=error.headers,
+    )
 
 
 def logprobs_count(body: CompletionRequest | ChatCompletionRequest) -> int | None:

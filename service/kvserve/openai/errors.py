@@ -7,6 +7,7 @@ Every error also carries the request's id (``error.request_id``, the same value 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -67,6 +68,18 @@ def error_body(
     return {"error": error}
 
 
+def error_json(
+    status: int,
+    message: str,
+    param: str | None = None,
+    request_id: str | None = None,
+) -> bytes:
+    """``error_body`` as the bytes of the apps' own error responses (a ``JSONResponse``:
+    compact, UTF-8), for the answers written below the app: the request-id middleware's
+    and the HTTP protocol's (``openai/http_limits.py``)."""
+    return bytes(JSONResponse(error_body(status, message, param, request_id=request_id)).body)
+
+
 def error_response(
     status: int,
     message: str,
@@ -87,17 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
-        param = ".".join(loc) or None
-        kind = first.get("type", "")
-        if kind == "extra_forbidden":
-            message = f"unsupported parameter: {param}"
-        elif kind == "json_invalid":
-            message = f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            param = None
-        else:
-            message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        message, param = validation_message(exc.errors())
         return error_response(400, message, param, request=request)
 
     @app.exception_handler(StarletteHTTPException)
@@ -111,6 +114,54 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             500, f"internal error while serving request {rid}: {exc}", request=request
         )
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """The message and ``param`` of a 400 for pydantic's errors: the most telling one
+    (``_telling``), its location as the param, its text without pydantic's own prefixes."""
+    first = _telling(errors) if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        return f"unsupported parameter: {param}", param
+    if kind == "json_invalid":
+        return f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if kind == "finite_number":  # NaN or ±Infinity (as literals or as "nan", "inf" ...)
+        return f"{param} must be a finite number, not NaN or infinity", param
+    text = str(first.get("msg", "invalid value"))
+    for prefix in _PYDANTIC_PREFIXES:  # a validator's ValueError or assert, as written
+        text = text.removeprefix(prefix)
+    return f"{param or 'body'}: {text}", param
+
+
+# What pydantic puts before the message of a validator's ValueError or AssertionError.
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def _telling(errors: Sequence[Any]) -> Any:
+    """The error to report: the first, unless it says only that a value is not of one
+    member of a union (its location ends at the member's tag) while the value had the
+    shape of exactly one other member, whose errors say what is wrong inside it (their
+    locations go past its tag). ``tool_choice: {"type": "function"}`` is then
+    "tool_choice.function: Field required", not "Input should be 'none', 'auto' or
+    'required'". A value with the shape of several members (a prompt list mixing texts
+    and token-id lists) keeps the first error: which member was meant is not known."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if not loc or not _union_tag(loc[-1]):
+        return first
+    at = len(loc) - 1  # where the union's member tag sits
+    inside = [
+        other
+        for other in errors[1:]
+        if len(other_loc := tuple(other.get("loc", ()))) > at + 1
+        and other_loc[:at] == loc[:at]
+        and _union_tag(other_loc[at])
+    ]
+    if len({tuple(other["loc"])[at] for other in inside}) == 1:
+        return inside[0]
+    return first
 
 
 # pydantic names the member of a union that a value failed in its error's location

@@ -12,7 +12,8 @@ byte at a time holds a connection open forever. ``GuardedHttpToolsProtocol`` bou
 
 Malformed HTTP that the parser refuses (control characters in a header, both
 Transfer-Encoding and Content-Length, ...) is answered 400 in the OpenAI error shape too,
-where uvicorn answers plain text.
+where uvicorn answers plain text. Like every error, each of these carries a request id
+(minted here: the head was not read) in ``error.request_id`` and ``x-request-id``.
 
 These refusals wait for their turn like the application's own (``RefusalPacer``), the
 connection's reading paused meanwhile.
@@ -26,13 +27,13 @@ request-id middleware (``body_timeout``). Both servers run with these: ``kvserve
 from __future__ import annotations
 
 import asyncio
-import json
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvserve.openai.errors import error_body
+from kvserve.openai.errors import error_json
 from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT
 from kvserve.openai.refusal_pacing import RefusalPacer
 
@@ -138,7 +139,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self.transport.resume_reading()  # discarded until the close (a lingering close)
-        body = json.dumps(error_body(status, message)).encode()
+        # The request never reached the middleware: its id is minted here (a client's
+        # x-request-id may be in the very head that was refused).
+        rid = uuid.uuid4().hex
+        body = error_json(status, message, request_id=rid)
         reason = {
             400: b"Bad Request",
             408: b"Request Timeout",
@@ -146,7 +150,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         }[status]
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
+            b"x-request-id: %s\r\nconnection: close\r\n\r\n"
+            % (status, reason, len(body), rid.encode())
+            + body
         )
         if self.transport.can_write_eof():
             self.transport.write_eof()

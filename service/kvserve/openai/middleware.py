@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvserve.openai.errors import error_body
+from kvserve.openai.errors import error_json
 from kvserve.openai.refusal_pacing import RefusalPacer, is_refusal
 
 MAX_REQUEST_ID_LEN = 128
@@ -155,9 +153,9 @@ class _BodyTooLarge(HTTPException):
 
 
 async def _send_error(
-    send: Send, status: int, rid: str, message: str, param: Any, *, close: bool = False
+    send: Send, status: int, rid: str, message: str, param: str | None, *, close: bool = False
 ) -> None:
-    body = json.dumps(error_body(status, message, param, request_id=rid)).encode()
+    body = error_json(status, message, param, rid)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -29,7 +29,9 @@ class OpenAIObject(BaseModel):
     what it is. (The OpenAI SDK's ``message.model_dump()``, and clients that serialise
     unset fields, send such nulls.)"""
 
-    model_config = ConfigDict(extra="forbid")
+    # A float is finite: NaN and ±Infinity (JSON literals pydantic-core's parser reads,
+    # or strings such as "nan" and "inf") are refused by name, not compared with bounds.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     unset_when_null: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")

@@ -281,7 +281,8 @@ async def _make_requests(
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
     except InvalidRequestError as exc:
-        raise OpenAIError(400, str(exc), param=exc.param) from exc
+        error = OpenAIError(400, str(exc), param=exc.param)
+        raise checks.in_client_terms(error, body) from exc
 
 
 def _delta_logprobs(c: CompletionOutput) -> Sequence[TokenLogprob] | None:
