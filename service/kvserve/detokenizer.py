@@ -161,6 +161,7 @@ class IncrementalDetokenizer:
         self._stops = StopMatcher(self.stop)  # fed self._decoded; no stop string in it yet
         self._finished = False
         self._diverged = False  # emitted text is known to differ from a full decode
+        self._hidden_stop_token = False  # the last token ended the output unshown (update)
         self._corrections = 0  # finish-time corrections applied (should stay 0 in practice)
 
     @property
@@ -227,15 +228,22 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ public API
 
-    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str | None:
+    def update(
+        self, new_token_ids: Sequence[int], finished: bool = False, stop_token: bool = False
+    ) -> str | None:
         """Add newly generated tokens. Returns the stop string matched (the request must then
         finish with reason "stop"), or None. After the call, `delta_text` holds the newly
-        visible text (possibly "") and `text` the whole visible text."""
+        visible text (possibly "") and `text` the whole visible text. ``stop_token``: the
+        last of them is an EOS or stop token that ends the output; as in vLLM, its text is
+        left out (it stays in ``token_ids``) unless ``include_stop_str_in_output``."""
         self.delta_text = ""
         self.token_ids.extend(new_token_ids)
         if self._finished:
             return None
         skip = self._skip_ids
+        if stop_token and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
+            self._hidden_stop_token = True
         self._ids.extend(t for t in new_token_ids if t not in skip)
 
         self._decoded += self._decode_step(flush=finished)
@@ -268,7 +276,7 @@ class IncrementalDetokenizer:
         """One full decode at the end; adopt it where that does not contradict emitted text."""
         if self._diverged:
             return
-        full = self._decode(self.token_ids)
+        full = self._decode(self.token_ids[:-1] if self._hidden_stop_token else self.token_ids)
         if full == self._decoded:
             return
         if full.startswith(self.text):

@@ -23,6 +23,8 @@ STRUCTURED_OUTPUTS_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # work for every step of the request).
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Each sampled token is checked against a request's stop token ids: bounded like logit_bias.
+MAX_STOP_TOKEN_IDS = 1024
 # n: OpenAI's bound on the samples one request may ask for.
 MAX_N = 128
 
@@ -228,6 +230,12 @@ class SamplingParams:
         if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise InvalidRequestError(
                 f"stop_token_ids must be token ids in [0, {INT32_MAX}]", "stop_token_ids"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
+                f"{len(self.stop_token_ids)}",
+                "stop_token_ids",
             )
 
     def samples(self) -> list[SamplingParams]:

@@ -96,6 +96,19 @@ def test_logit_bias_and_repetition_penalty_reach_the_replica(
     assert too_many.status_code == 400 and error_of(too_many)["param"] == "min_tokens"
 
 
+def test_vllms_stop_and_special_token_fields_reach_the_replica(
+    gateway: Gateway, replicas: list[Replica]
+) -> None:
+    body = {**GREEDY, "prompt": "the cache keeps keys", "max_tokens": 6,
+            "logit_bias": {"42": 100}, "stop_token_ids": [42],
+            "include_stop_str_in_output": True, "skip_special_tokens": False}  # fmt: skip
+    direct = httpx.post(f"{replicas[0].http}/v1/completions", json=body, timeout=60).json()
+    with gateway.client() as c:
+        via = c.post("/v1/completions", json=body).json()
+    assert via["choices"][0]["finish_reason"] == direct["choices"][0]["finish_reason"] == "stop"
+    assert via["usage"]["completion_tokens"] == 1
+
+
 def test_streamed_completion_logprobs_join_to_the_whole_answers(gateway: Gateway) -> None:
     body = {**GREEDY, "prompt": "hello", "max_tokens": 8, "logprobs": 1}
     with gateway.client() as c:

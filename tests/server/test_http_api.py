@@ -705,6 +705,43 @@ def test_logit_bias_and_repetition_penalty(server: RunningServer) -> None:
     assert penalised != plain
 
 
+def test_vllms_stop_token_ids_stop_string_and_special_token_fields(
+    server: RunningServer,
+) -> None:
+    """stop_token_ids, include_stop_str_in_output and skip_special_tokens, as clients
+    written for vLLM send them (they were refused as unknown parameters)."""
+    eos = server.engine.tokenizer.eos_token
+    eos_id = server.engine.tokenizer.eos_token_id
+    body = {**GREEDY, "prompt": "the cache keeps keys", "max_tokens": 12}
+    with server.client() as c:
+
+        def choice(**extra: Any) -> dict[str, Any]:
+            r = c.post("/v1/completions", json={**body, **extra})
+            assert r.status_code == 200, r.text
+            return dict(r.json()["choices"][0])
+
+        # Every token is 42; as a stop token it ends the output at once, ignore_eos or not.
+        forced = {"logit_bias": {"42": 100}}
+        assert choice(**forced)["finish_reason"] == "length"
+        # As in vLLM, the stop token's text is left out unless include_stop_str_in_output.
+        stopped = choice(**forced, stop_token_ids=[42])
+        assert (stopped["finish_reason"], stopped["text"]) == ("stop", "")
+        shown = choice(**forced, stop_token_ids=[42], include_stop_str_in_output=True)
+        assert shown["text"] == server.engine.tokenizer.decode([42]) != ""
+        plain = choice()["text"]
+        stop = plain[5:7]
+        without, kept = choice(stop=[stop]), choice(stop=[stop], include_stop_str_in_output=True)
+        assert without["text"] == plain[: plain.index(stop)]
+        assert kept["text"] == plain[: plain.index(stop)] + stop
+        # EOS forced three times: left out of the text by default, kept when asked.
+        eos_only = {"logit_bias": {str(eos_id): 100}, "max_tokens": 3}
+        assert choice(**eos_only)["text"] == ""
+        assert choice(**eos_only, skip_special_tokens=False)["text"] == eos * 3
+        r = c.post("/v1/completions", json={**body, "stop_token_ids": list(range(1025))})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+    assert "at most 1024" in r.json()["error"]["message"]
+
+
 def test_streamed_completion_logprobs_join_to_the_whole_answers(server: RunningServer) -> None:
     """Each chunk's text_offset goes on from the last chunk's (they once restarted at 0)."""
     body = {**GREEDY, "prompt": "hello", "max_tokens": 8, "logprobs": 1}

@@ -725,10 +725,12 @@ class LLMEngine:
             if req.grammar is not None and not req.grammar.accept(token):
                 self.structured.compiler.discard(req.grammar.compiled)
                 return self._fail(req, f"structured outputs: {req.grammar.error}")
+            # An EOS or stop token ends the output on itself: its text is left out.
+            stop_token = False
             if token in req.eos_token_ids:
-                reason = "stop"
+                reason, stop_token = "stop", True
             elif token in req.params.stop_token_ids:
-                reason, req.stop_reason = "stop", token
+                reason, req.stop_reason, stop_token = "stop", token, True
             elif req.grammar is not None and req.grammar.finished:
                 reason = "stop"  # the grammar allows nothing more (docs/engine.md)
             elif (
@@ -737,7 +739,7 @@ class LLMEngine:
             ):
                 reason = "length"
             if req.detokenizer is not None:
-                stop_str = req.detokenizer.update([token], finished=reason is not None)
+                stop_str = req.detokenizer.update([token], reason is not None, stop_token)
                 if stop_str is not None:
                     reason, req.stop_reason = "stop", stop_str
                 delta_text += req.detokenizer.delta_text

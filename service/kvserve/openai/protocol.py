@@ -97,6 +97,11 @@ class CommonRequest(OpenAIObject):
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
+    # vLLM's: token ids that end the output like EOS, the stop string that ended it kept
+    # in the text, special tokens kept in the text (what clients written for vLLM send).
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # Prefix-cache isolation (vLLM's name and meaning): a request reuses cached prompt
     # blocks only from requests with the same salt. Behind the gateway, the tenant's own
     # salt is always applied as well (docs/architecture.md).
@@ -153,6 +158,9 @@ class CommonRequest(OpenAIObject):
             ),
             seed=self.seed,
             stop=self.stop_list,
+            stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             structured_outputs=structured,

@@ -159,6 +159,9 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     text_of = fmt.tokenizer_text(state.tokenizer)
     # Each sample's state by its index (its output's ``index``): its answer's reader.
     parsers = [chat.new_parser() for _ in reqs]
+    for parser in parsers:
+        if parser is not None and not body.skip_special_tokens:
+            parser.markers = {}  # the text keeps them: nothing to put back (as over gRPC)
 
     if body.stream:
         first = [True] * len(reqs)  # a sample's first delta carries the role
