@@ -87,7 +87,10 @@ VALUES = {
 # On 2, two run and 2 wait: still 2. (With fewer streams the second replica would empty
 # the queue and the rule, an average-value target like the HPA's, would take it away.)
 LOAD_STREAMS = 4
-LOAD_TOKENS = 12  # 2-6 s a stream on these busy CPUs: the queue drains soon after
+# Long enough that a stream's time is the engine's, not the round trip's: the waiting
+# queue then holds the other streams most of the time (12 tokens made a queue only while
+# each engine pod ran more threads than it had CPUs, which made every step crawl).
+LOAD_TOKENS = 96
 LOOP_LIMIT = 200  # bounds the load if a phase hangs (the phase's own wait fails first)
 HELD = "kvserve_gateway_held_requests"
 WAITED = "kvserve_gateway_queue_wait_seconds"
