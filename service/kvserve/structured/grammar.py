@@ -7,7 +7,6 @@ one compile (``compiler.py``).
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -76,9 +75,17 @@ def _answer_grammar(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind == "json":
         schema = _schema_object(params.json)
-        _check_size(len(json.dumps(schema)), "json schema")
-        _check_numbers(schema, "")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        try:  # 1e999 reads as infinity, which llguidance would turn into null
+            text = json.dumps(schema, allow_nan=False)
+        except ValueError:
+            raise InvalidRequestError(
+                "the JSON schema has a number that is not finite (such as 1e999)", PARAM
+            ) from None
+        _check_size(len(text), "json schema")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as exc:  # e.g. an integer beyond 64 bits
+            raise InvalidRequestError(f"the JSON schema cannot be read: {exc}", PARAM) from None
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(
             {"type": "object"}, defaults=JSON_OPTIONS
@@ -112,29 +119,6 @@ def _schema_object(schema: str | dict[str, Any] | None) -> dict[str, Any]:
             f"a JSON schema must be a JSON object, got {type(schema).__name__}", PARAM
         )
     return schema
-
-
-def _check_numbers(value: Any, at: str) -> None:
-    """Refuse a number llguidance cannot take: an integer beyond 64 bits (it fails to read
-    the schema) or a float that is not finite (``1e999`` parses as infinity, which it
-    turns into ``null``: a ``const`` would force the wrong value)."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_numbers(item, f"{at}.{key}" if at else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_numbers(item, f"{at}[{i}]")
-    elif isinstance(value, bool):
-        return
-    elif isinstance(value, int) and not -(2**63) <= value < 2**64:
-        raise InvalidRequestError(
-            f"the JSON schema has an integer that does not fit in 64 bits at {at or 'its root'}",
-            PARAM,
-        )
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise InvalidRequestError(
-            f"the JSON schema has a number that is not finite at {at or 'its root'}", PARAM
-        )
 
 
 def _check_size(chars: int, what: str) -> None:
