@@ -550,6 +550,25 @@ def test_mistral_calls_through_its_grammar_parse_and_validate(
         assert _streamed(client, **request) == ("", whole, choice.finish_reason)
 
 
+def test_calls_read_the_same_when_the_text_keeps_special_tokens(
+    mistral_server: RunningServer,
+) -> None:
+    """With skip_special_tokens false the answer's text holds the [TOOL_CALLS] token
+    itself, so the reader must not put it back a second time."""
+    client = sdk(mistral_server)
+    request = {**FORCED, "temperature": 1.0, "seed": 0, "max_tokens": 300}
+    kept = client.chat.completions.create(**request, extra_body={"skip_special_tokens": False})
+    skipped = client.chat.completions.create(**request)
+    calls = [
+        (c.function.name, c.function.arguments) for c in skipped.choices[0].message.tool_calls or []
+    ]
+    assert calls
+    assert [
+        (c.function.name, c.function.arguments) for c in kept.choices[0].message.tool_calls or []
+    ] == calls
+    assert kept.choices[0].message.content is None
+
+
 class Budget(BaseModel):
     amount: int = Field(ge=1, le=99)
     currency: Literal["EUR", "USD"]

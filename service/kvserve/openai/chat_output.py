@@ -199,8 +199,10 @@ class ChatParsing:
 
         return cls(tool_parser, reasoning_parser, markers, decode if markers else None)
 
-    def parser(self, tools: ChatTools) -> ChatOutputParser | None:
-        """The reader of one answer, or None when there is nothing to read out of it."""
+    def parser(self, tools: ChatTools, skip_special_tokens: bool = True) -> ChatOutputParser | None:
+        """The reader of one answer, or None when there is nothing to read out of it.
+        ``skip_special_tokens``: the answer's own setting; when false its text keeps the
+        marker tokens, so the reader has none to put back."""
         reader: StreamedCalls | WholeCalls | None = None
         if tools.calls_possible and self.tool_parser is not None:
             if tools.constrained:  # a grammar: calls stream as they are written
@@ -211,7 +213,7 @@ class ChatParsing:
         reasoning = ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None
         if reader is None and reasoning is None:
             return None
-        markers = self.special_markers if reader is not None else None
+        markers = self.special_markers if reader is not None and skip_special_tokens else None
         return ChatOutputParser(reasoning, reader, markers, self.decode)
 
 

@@ -28,8 +28,9 @@ from kvserve.sampling_params import StructuredOutputsParams
 class PreparedChat:
     prompt_ids: list[int]
     constraint: StructuredOutputsParams | None
-    # A new reader of one answer (one per sample); None: the answer is plain content.
-    new_parser: Callable[[], ChatOutputParser | None]
+    # A new reader of one answer (one per sample), given its skip_special_tokens; None:
+    # the answer is plain content.
+    new_parser: Callable[[bool], ChatOutputParser | None]
     constraint_param: str | None = None  # the field the constraint came in
 
 

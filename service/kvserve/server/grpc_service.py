@@ -142,7 +142,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             constraint = codec.decode_constraint(request)
             structured = constraint.params if constraint is not None else None
             grammar_param = constraint.param if constraint is not None else None
-            parser = None
+            new_parser: Callable[[bool], ChatOutputParser | None] | None = None
             default_max_tokens = None
             chat_prompt = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
             echo: str | None = None  # the prompt's text, when the request echoes it
@@ -159,7 +159,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                     constraint,
                     codec.decode_template_kwargs(request),
                 )
-                prompt, structured, parser = chat.prompt_ids, chat.constraint, chat.new_parser()
+                prompt, structured, new_parser = chat.prompt_ids, chat.constraint, chat.new_parser
                 grammar_param = chat.constraint_param
                 # A chat without max_tokens gets as much as the context allows, or the
                 # gateway's cap if that is less.
@@ -174,8 +174,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 request, default_max_tokens=default_max_tokens, constraint=structured
             )
             self.stop_limits.check(params.stop)
-            if parser is not None and not params.skip_special_tokens:
-                parser.markers = {}  # the text keeps them: nothing to put back
+            parser = None if new_parser is None else new_parser(params.skip_special_tokens)
             req = self.engine.make_request(
                 await self.engine.prepare(prompt),  # type: ignore[arg-type]
                 params,

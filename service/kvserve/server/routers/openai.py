@@ -158,10 +158,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     ids = fmt.response_ids(request.state.request_id, body.model, True, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
     # Each sample's state by its index (its output's ``index``): its answer's reader.
-    parsers = [chat.new_parser() for _ in reqs]
-    for parser in parsers:
-        if parser is not None and not body.skip_special_tokens:
-            parser.markers = {}  # the text keeps them: nothing to put back (as over gRPC)
+    parsers = [chat.new_parser(body.skip_special_tokens) for _ in reqs]
 
     if body.stream:
         first = [True] * len(reqs)  # a sample's first delta carries the role
