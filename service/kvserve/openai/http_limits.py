@@ -27,14 +27,13 @@ request-id middleware (``body_timeout``). Both servers run with these: ``kvserve
 from __future__ import annotations
 
 import asyncio
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvserve.openai.errors import error_json
-from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT
+from kvserve.openai.middleware import DEFAULT_BODY_TIMEOUT, new_request_id
 from kvserve.openai.refusal_pacing import RefusalPacer
 
 HEAD_END = b"\r\n\r\n"
@@ -141,7 +140,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.resume_reading()  # discarded until the close (a lingering close)
         # The request never reached the middleware: its id is minted here (a client's
         # x-request-id may be in the very head that was refused).
-        rid = uuid.uuid4().hex
+        rid = new_request_id()
         body = error_json(status, message, request_id=rid)
         reason = {
             400: b"Bad Request",

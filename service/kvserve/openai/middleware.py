@@ -21,6 +21,11 @@ def valid_request_id(value: str) -> bool:
     return 0 < len(value) <= MAX_REQUEST_ID_LEN and value.isprintable() and value.isascii()
 
 
+def new_request_id() -> str:
+    """The id of a request whose client sent none (or one that was refused)."""
+    return uuid.uuid4().hex
+
+
 class RequestContextMiddleware:
     """Request ids (``x-request-id`` in, validated, echoed out), the body size limit, the
     body timeout (a body part that does not arrive within ``body_timeout`` seconds, from a
@@ -48,7 +53,7 @@ class RequestContextMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         given = headers.get("x-request-id")
         if given is not None and not valid_request_id(given):
-            rid = uuid.uuid4().hex
+            rid = new_request_id()
             self._refused(400)
             await self._pace()
             await _send_error(
@@ -59,7 +64,7 @@ class RequestContextMiddleware:
                 "x-request-id",
             )
             return
-        rid = given or uuid.uuid4().hex
+        rid = given or new_request_id()
         scope.setdefault("state", {})["request_id"] = rid
 
         length = headers.get("content-length")
