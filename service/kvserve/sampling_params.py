@@ -23,7 +23,8 @@ STRUCTURED_OUTPUTS_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # work for every step of the request).
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS_ENTRIES = 1024
-# Each sampled token is checked against a request's stop token ids: bounded like logit_bias.
+# Stop token ids are bounded like logit_bias: the sampler masks each of them in every
+# step while min_tokens lasts.
 MAX_STOP_TOKEN_IDS = 1024
 # n: OpenAI's bound on the samples one request may ask for.
 MAX_N = 128

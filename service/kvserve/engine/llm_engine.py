@@ -526,6 +526,7 @@ class LLMEngine:
             lora=lora_request,
             sample_index=sample_index,
             eos_token_ids=frozenset(() if params.ignore_eos else self.eos_token_ids),
+            stop_token_ids=frozenset(params.stop_token_ids),
         )
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(
@@ -729,7 +730,7 @@ class LLMEngine:
             stop_token = False
             if token in req.eos_token_ids:
                 reason, stop_token = "stop", True
-            elif token in req.params.stop_token_ids:
+            elif token in req.stop_token_ids:
                 reason, req.stop_reason, stop_token = "stop", token, True
             elif req.grammar is not None and req.grammar.finished:
                 reason = "stop"  # the grammar allows nothing more (docs/engine.md)

@@ -45,6 +45,8 @@ class Request:
     # Which of its prompt's n samples it is (SamplingParams.samples): its output's index.
     sample_index: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    # params.stop_token_ids as a set: each sampled token is looked up in it (up to 1,024).
+    stop_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
