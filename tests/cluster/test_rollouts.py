@@ -51,10 +51,11 @@ NS = "kvserve-rollouts"
 RELEASE = "ro"
 MODEL = "travel"
 STREAMS = 4  # concurrent streams of the load
-# Each stream outlasts the pods' 5 s preStop sleep, so SIGTERM finds streams to drain,
-# and stays well inside their drain timeout (30 s), so the drain never has to abort one:
-# 2-16 s at the 0.05-0.4 s a token measured on these busy CPUs.
-LOAD_TOKENS = 40
+# Each stream lasts long enough that a pod leaving the gateway has one in flight, and
+# stays well inside the drain timeout (30 s), so the drain never has to abort one: 40
+# tokens took 2-16 s while each engine pod ran more threads than it had CPUs; with a
+# thread per requested CPU (OMP_NUM_THREADS from the operator) a token takes ~5-15 ms.
+LOAD_TOKENS = 240
 # Requests per stream loop at most: the loops stop when the phase ends, this only bounds
 # a phase that hangs (the phase's own wait fails first).
 LOOP_LIMIT = 80

@@ -42,9 +42,10 @@ NS = "kvserve-e2e"
 RELEASE = "wp"
 MODEL = "travel"  # the InferenceModel (and its Deployment and Service)
 REQUEST = corpus.HotelRequest("Kyoto", "hotel", 200, ("onsen",))
-# Long enough to be in flight when its pod dies: decoding on this busy CPU takes
-# 0.05-0.2 s a token.
-STREAM_TOKENS = 150
+# Long enough to be in flight when its pod dies: an engine pod computing with a thread
+# per requested CPU decodes a token in ~5-15 ms here (0.05-0.2 s while it ran more
+# threads than CPUs), and the demo model's context is 512 tokens.
+STREAM_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
