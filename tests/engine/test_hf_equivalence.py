@@ -92,3 +92,54 @@ def test_logits_adjustments_match_transformers(name, adjustment, checkpoint_dir,
     llm = LLM(str(checkpoint_dir(name)), dtype="float32", device=TEST_DEVICE)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **ours)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_a_step_of_decodes_a_continued_chunk_and_fresh_prompts_matches_transformers(
+    checkpoint_dir, hf_reference
+):  # type: ignore[no-untyped-def]
+    """Each kind of token has its own attention path (model/attention.py): decodes over
+    their gathered context, a chunk continuing its prompt over its cached prefix, and
+    fresh prompts of different lengths each on its own keys. One step holding all three
+    must give every request transformers' tokens."""
+    prompts, expected = hf_reference("llama")
+    # Two short prompts decode while a long one is chunked by the budget and three more
+    # arrive; prefix caching off, so a fresh prompt is one with nothing cached.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    early, long_one, late = order[:2], order[-1], order[2:5]
+    assert len({len(prompts[i]) for i in late}) > 1, "the fresh prompts should differ"
+    # Step 3 holds the 2 decodes, the long prompt's rest and the late prompts whole.
+    longest, late_tokens = len(prompts[long_one]), sum(len(prompts[i]) for i in late)
+    budget = (longest + 4 + late_tokens) // 2 + 1
+    assert budget - 2 < longest, "the long prompt should take two chunks"
+    engine = LLM(
+        str(checkpoint_dir("llama")),
+        dtype="float32",
+        device=TEST_DEVICE,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=budget,
+    ).engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    got: dict[int, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                got[int(out.request_id)] = list(out.outputs[0].token_ids)
+
+    for i in early:
+        engine.add_request(str(i), prompts[i], params)
+    step()  # their prefill; from now on they decode
+    engine.add_request(str(long_one), prompts[long_one], params)
+    step()  # its first chunk
+    for i in late:
+        engine.add_request(str(i), prompts[i], params)
+    step()
+    kinds = [  # (after the step: a fresh prompt has computed exactly its n tokens)
+        "decode" if n == 1 else "fresh" if r.num_computed_tokens == n else "continued"
+        for r, n in engine.last_schedule.scheduled
+    ]
+    assert kinds.count("decode") == 2 and kinds.count("continued") == 1, kinds
+    assert kinds.count("fresh") == len(late), kinds
+    while engine.has_unfinished_requests():
+        step()
+    assert got == {i: expected[i] for i in [*early, long_one, *late]}

@@ -233,12 +233,15 @@ class ModelRunner:
         """The step's model input. Python work here is per scheduled request and token;
         block tables and slots come from ``tables`` in a few tensor ops (block_table.py)."""
         bs = self.block_size
-        # Decodes first, shortest context first (see _decode_groups), then prefill chunks.
+        # Decodes first, shortest context first (see _split_by_length), then the prefill
+        # chunks that continue a sequence (earlier chunks, a prefix-cache hit, drafts to
+        # verify), then fresh prompts, which attend to their own keys only.
         decodes = sorted(
             ((r, n) for r, n in batch if n == 1), key=lambda x: x[0].num_computed_tokens
         )
-        prefills = [(r, n) for r, n in batch if n > 1]
-        ordered = decodes + prefills
+        prefills = [(r, n) for r, n in batch if n > 1 and r.num_computed_tokens > 0]
+        fresh = [(r, n) for r, n in batch if n > 1 and r.num_computed_tokens == 0]
+        ordered = decodes + prefills + fresh
         tokens: list[int] = []
         positions: list[int] = []
         token_rows: list[int] = []  # each token's request, as its index in ``ordered``
@@ -272,7 +275,11 @@ class ModelRunner:
         rows = tables.rows([r.request_id for r, _ in ordered])  # decodes first
         pos = torch.tensor(positions, dtype=torch.long)
         slots = tables.slots(rows[torch.tensor(token_rows, dtype=torch.long)], pos, bs)
-        meta = AttentionMetadata(slot_mapping=self._device(slots), num_decodes=len(decodes))
+        meta = AttentionMetadata(
+            slot_mapping=self._device(slots),
+            num_decodes=len(decodes),
+            fresh_lens=[n for _, n in fresh],
+        )
         # Every layer's cache has this many blocks and KV heads: the gathers' rows are
         # computed here, once per step (not per layer).
         num_blocks, kv_heads = self.kv_caches[0].k.shape[0], self.config.num_kv_heads
@@ -286,26 +293,24 @@ class ModelRunner:
                 group_rows = gather_rows(bt, num_blocks, kv_heads)
                 meta.decode_groups.append(DecodeGroup(lo, bt, group_rows, mask))
         if prefills:
-            first = prefills[0][0]
             meta.num_prefills = len(prefills)
             meta.max_query_len = qmax = max(n for _, n in prefills)
-            meta.single_fresh_prefill = len(prefills) == 1 and first.num_computed_tokens == 0
-            if not meta.single_fresh_prefill:
-                ends = [r.num_computed_tokens + n for r, n in prefills]
-                meta.prefill_block_tables = bt = self._device(
-                    tables.gather(rows[len(decodes) :], blocks_for(max(ends), bs))
-                )
-                meta.prefill_rows = gather_rows(bt, num_blocks, kv_heads)
-                dest: list[int] = []
-                qpos = torch.zeros(len(prefills), qmax, dtype=torch.long)
-                for b, (req, n) in enumerate(prefills):
-                    dest.extend(range(b * qmax, b * qmax + n))
-                    qpos[b, :n] = torch.arange(req.num_computed_tokens, req.num_computed_tokens + n)
-                meta.prefill_dest = self._long(dest)
-                keys = torch.arange(meta.prefill_block_tables.shape[1] * bs, device=self.device)
-                # Causal from each chunk's offset; padded query rows see key 0 only.
-                visible = keys[None, None, :] <= qpos.to(self.device)[:, :, None]
-                meta.prefill_mask = self._additive(visible)[:, None]
+            ends = [r.num_computed_tokens + n for r, n in prefills]
+            meta.prefill_block_tables = bt = self._device(
+                tables.gather(rows[len(decodes) : len(decodes) + len(prefills)],
+                              blocks_for(max(ends), bs))
+            )  # fmt: skip
+            meta.prefill_rows = gather_rows(bt, num_blocks, kv_heads)
+            dest: list[int] = []
+            qpos = torch.zeros(len(prefills), qmax, dtype=torch.long)
+            for b, (req, n) in enumerate(prefills):
+                dest.extend(range(b * qmax, b * qmax + n))
+                qpos[b, :n] = torch.arange(req.num_computed_tokens, req.num_computed_tokens + n)
+            meta.prefill_dest = self._long(dest)
+            keys = torch.arange(bt.shape[1] * bs, device=self.device)
+            # Causal from each chunk's offset; padded query rows see key 0 only.
+            visible = keys[None, None, :] <= qpos.to(self.device)[:, :, None]
+            meta.prefill_mask = self._additive(visible)[:, None]
         return ModelInput(
             input_ids=self._long(tokens),
             positions=self._device(pos),

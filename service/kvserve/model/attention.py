@@ -1,10 +1,12 @@
 """Attention over the paged KV cache for a flattened batch of mixed requests.
 
-The batch's tokens are laid out decodes first (one token each), then prefill chunks.
-Each layer writes the new keys/values into their cache slots, then gathers every
-request's context through its block table and runs ``scaled_dot_product_attention``:
-one call for all decodes and one for all prefill chunks (padded to the longest chunk,
-with a mask that is causal from each chunk's offset in its sequence).
+The batch's tokens are laid out decodes first (one token each), then the prefill
+chunks that continue a sequence, then fresh prompts. Each layer writes the new
+keys/values into their cache slots, then gathers every request's context through its
+block table and runs ``scaled_dot_product_attention``: one call for the decodes (two
+when that saves padding) and one for the continued chunks (padded to the longest chunk,
+with a mask that is causal from each chunk's offset in its sequence). A fresh prompt has
+no context to gather: it is one causal call on its own keys.
 
 A layer's cache has shape [num_blocks, block_size, kv_heads, head_dim] but is stored
 heads-major (a permuted view of a [kv_heads, num_blocks, block_size, head_dim] tensor):
@@ -70,10 +72,11 @@ class AttentionMetadata:
     prefill_rows: torch.Tensor | None = None  # their rows (``gather_rows``)
     prefill_mask: torch.Tensor | None = None  # additive, [Bp, 1, Qmax, max_blocks * block_size]
     prefill_dest: torch.Tensor | None = None  # [Tp] row of each prefill token in [Bp*Qmax]
-    num_prefills: int = 0
+    num_prefills: int = 0  # the prefill chunks above (after the decodes)
     max_query_len: int = 0
-    # One prefill with nothing cached before it: plain causal attention on its own keys.
-    single_fresh_prefill: bool = False
+    # The lengths of the fresh prompts (nothing cached before them), laid out last: each
+    # one is plain causal attention on its own keys, with no gather and no padding.
+    fresh_lens: list[int] = field(default_factory=list)
 
 
 def allocate_kv_cache(
@@ -199,14 +202,40 @@ def paged_attention(
                 scale=scale,
             )
             outputs.append(out.reshape(n, heads * d))
-    if nd < num_tokens:
-        qp, kp, vp = q[nd:], k[nd:], v[nd:]
-        if meta.single_fresh_prefill:
-            if fp8:
-                kp = fp8_values(kp.view(torch.uint8), k_cache.dtype, dtype)
-                vp = fp8_values(vp.view(torch.uint8), v_cache.dtype, dtype)
+    num_fresh = sum(meta.fresh_lens)
+    if meta.num_prefills:
+        assert meta.prefill_block_tables is not None and meta.prefill_dest is not None
+        assert meta.prefill_rows is not None
+        qp = q[nd : num_tokens - num_fresh]
+        bp, qmax = meta.num_prefills, meta.max_query_len
+        padded = qp.new_zeros(bp * qmax, heads, d).index_copy_(0, meta.prefill_dest, qp)
+        tables, rows = meta.prefill_block_tables, meta.prefill_rows
+        out = F.scaled_dot_product_attention(
+            padded.view(bp, qmax, heads, d).transpose(1, 2),
+            _gather(k_cache, tables, rows, dtype),
+            _gather(v_cache, tables, rows, dtype),
+            attn_mask=meta.prefill_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        rows = out.transpose(1, 2).reshape(bp * qmax, heads * d)
+        outputs.append(rows.index_select(0, meta.prefill_dest))
+    if num_fresh:
+        first = num_tokens - num_fresh
+        kf, vf = k[first:], v[first:]
+        if fp8:
+            kf = fp8_values(kf.view(torch.uint8), k_cache.dtype, dtype)
+            vf = fp8_values(vf.view(torch.uint8), v_cache.dtype, dtype)
+        # Prompts of different lengths, one call each: a padded batch would compute the
+        # longest prompt's square for every one of them.
+        for qf, kp, vp in zip(
+            q[first:].split(meta.fresh_lens),
+            kf.split(meta.fresh_lens),
+            vf.split(meta.fresh_lens),
+            strict=True,
+        ):
             out = F.scaled_dot_product_attention(
-                qp.transpose(0, 1).unsqueeze(0),
+                qf.transpose(0, 1).unsqueeze(0),
                 kp.transpose(0, 1).unsqueeze(0),
                 vp.transpose(0, 1).unsqueeze(0),
                 is_causal=True,
@@ -214,21 +243,5 @@ def paged_attention(
                 enable_gqa=True,
             )
             outputs.append(out[0].transpose(0, 1).reshape(-1, heads * d))
-        else:
-            assert meta.prefill_block_tables is not None and meta.prefill_dest is not None
-            assert meta.prefill_rows is not None
-            bp, qmax = meta.num_prefills, meta.max_query_len
-            padded = qp.new_zeros(bp * qmax, heads, d).index_copy_(0, meta.prefill_dest, qp)
-            tables, rows = meta.prefill_block_tables, meta.prefill_rows
-            out = F.scaled_dot_product_attention(
-                padded.view(bp, qmax, heads, d).transpose(1, 2),
-                _gather(k_cache, tables, rows, dtype),
-                _gather(v_cache, tables, rows, dtype),
-                attn_mask=meta.prefill_mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            rows = out.transpose(1, 2).reshape(bp * qmax, heads * d)
-            outputs.append(rows.index_select(0, meta.prefill_dest))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out * (cache.v_scale * factor) if fp8 else out
