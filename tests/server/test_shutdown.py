@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from tests.support.cli_server import sigterm_mid_stream, start_cli_server
+from tests.support.prometheus import metric
+from tests.support.waiting import wait_until
 
 
 @pytest.mark.slow
@@ -49,13 +51,16 @@ def test_sigterm_drains_then_exits_zero(checkpoint_dir) -> None:  # type: ignore
 
 @pytest.mark.slow
 def test_drain_timeout_aborts_the_rest(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
-    proc, _url, port = start_cli_server(
+    """At the drain timeout the requests still running end as a second signal ends them:
+    each answer complete, with finish reason "abort" (it was uvicorn's cancellation: a
+    plain-text 500, a stream cut off without [DONE], tracebacks in the log)."""
+    proc, url, port = start_cli_server(
         checkpoint_dir("llama"), "--drain-timeout", "0.2", "--max-num-seqs", "1"
     )
     try:
-        # Two long requests; with max_num_seqs=1 the second waits in the queue.
+        # Two long requests, streamed and not; with max_num_seqs=1 the second waits.
         socks = []
-        for prompt in ("first", "second"):
+        for prompt, stream in (("first", True), ("second", False)):
             payload = json.dumps(
                 {
                     "model": "m",
@@ -63,25 +68,50 @@ def test_drain_timeout_aborts_the_rest(checkpoint_dir) -> None:  # type: ignore[
                     "max_tokens": 1000,
                     "temperature": 0,
                     "ignore_eos": True,
+                    "stream": stream,
                 }
             ).encode()
             s = socket.create_connection(("127.0.0.1", port))
             s.sendall(
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + f"Connection: close\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
                 + payload
             )
             socks.append(s)
+        # Both admitted (one running, one queued) before the signal.
+        wait_until(
+            lambda: metric(url, "kvserve_num_requests_running") == 1
+            and metric(url, "kvserve_num_requests_waiting") == 1
+        )
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert time.monotonic() - start < 30  # did not wait for 2,000 tokens to finish
-        for s in socks:
-            s.close()
+        streamed, whole = (_read_all(s).decode() for s in socks)
+        assert streamed.startswith("HTTP/1.1 200"), streamed[:300]
+        events = [line for line in streamed.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", streamed[-300:]
+        assert json.loads(events[-2][len("data: ") :])["choices"][0]["finish_reason"] == "abort"
+        assert whole.startswith("HTTP/1.1 200"), whole[:300]
+        answer = json.loads(whole.split("\r\n\r\n", 1)[1])
+        assert answer["choices"][0]["finish_reason"] == "abort"
+        log = proc.log.read_text()
+        assert "drain timeout" in log
+        assert "Traceback" not in log and "CancelledError" not in log, proc.tail()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything the server sent before it closed the connection."""
+    sock.settimeout(60)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    return data
 
 
 @pytest.mark.slow

@@ -18,8 +18,8 @@ log = logging.getLogger("kvserve.server")
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: stop admitting (readiness fails, new requests get 503), let
-    in-flight requests finish for up to ``drain_timeout`` seconds, then shut down (what
-    is left is aborted) and exit 0.
+    in-flight requests finish for up to ``drain_timeout`` seconds, then abort what is
+    left (each stream and answer ends with finish reason "abort"), shut down and exit 0.
 
     A second signal ends the drain now: the requests still running are aborted (their
     streams end with finish reason "abort") and the server shuts down as after a drain,
@@ -88,4 +88,7 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)  # poll the in-flight count until the deadline
         if self.state.engine.num_in_flight:
             log.warning("drain timeout: aborting %d requests", self.state.engine.num_in_flight)
-        self.should_exit = True
+        # As a second signal does: aborted, each request still gets its whole answer
+        # (finish reason "abort") in uvicorn's grace period, where left running it would be
+        # cancelled there (a plain-text 500, a stream cut off before [DONE]).
+        self._end_drain()
