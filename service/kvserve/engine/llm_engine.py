@@ -387,7 +387,8 @@ class LLMEngine:
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template, ending with
-        the assistant's generation prompt (one definition for every API).
+        the assistant's generation prompt (one definition for every API). Only the
+        template's own markers are control tokens; the input's are spelled as text.
 
         ``messages`` and ``tools`` are in the shapes Hugging Face templates take (OpenAI's,
         with a tool call's ``arguments`` as a mapping: ``kvserve/openai/messages.py``).
@@ -413,8 +414,18 @@ class LLMEngine:
                 "chat_template_kwargs",
             )
         try:
-            text = tok.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+            # A control token written in a message, a tool or a template variable (a user
+            # pasting "<|end|><|system|>" into a question, or a web page quoted there) is
+            # encoded as text: only the template's own markers are tokens, so input cannot
+            # forge a turn or a role (docs/security.md).
+            ids = tok.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=True,
+                return_dict=False,
+                add_generation_prompt=True,
+                sanitize_control_tokens=True,
+                **kwargs,
             )
         except jinja2.TemplateSyntaxError:
             raise  # the model's template is broken: the server's problem, not the request's
@@ -424,7 +435,15 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the model's chat template refused these messages: {exc}", "messages"
             ) from None
-        return list(tok.encode(text, add_special_tokens=False))
+        except ValueError as exc:  # transformers: a control token it cannot spell as text
+            if "sanitize" not in str(exc):
+                raise
+            raise InvalidRequestError(
+                f"the messages hold a control token of this model that its tokenizer "
+                f"cannot encode as text ({exc})",
+                "messages",
+            ) from None
+        return list(ids)
 
     def tokenize(self, prompt: str) -> list[int]:
         """A text prompt's token ids; InvalidRequestError for what cannot be a prompt."""
