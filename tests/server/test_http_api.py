@@ -37,6 +37,14 @@ def test_models_health_ready(server: RunningServer) -> None:
         assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
         assert c.get("/health").status_code == 200
         assert c.get("/ready").status_code == 200
+        # Load balancers probe with HEAD too; a method a path lacks is a 405 naming the
+        # ones it has (RFC 9110's Allow), in the OpenAI error shape.
+        for path in ("/health", "/ready"):
+            head = c.head(path)
+            assert head.status_code == 200 and head.content == b"", (path, head.text)
+        wrong = c.post("/health")
+        assert wrong.status_code == 405 and set(wrong.headers["allow"].split(", ")) >= {"GET"}
+        assert wrong.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_the_sdk_retrieves_a_model(server: RunningServer) -> None:

@@ -93,11 +93,14 @@ def test_the_metrics_port_serves_metrics_through_the_drain(checkpoint_dir) -> No
         # 70000 would have bound port 4464 and been reported as 70000
         (["--port", "70000"], "argument --port: a port is 1-65535, got 70000"),
         (["--grpc-port", "0"], "argument --grpc-port: a port is 1-65535, got 0"),
+        # It loaded the model, then uvicorn failed on the port gRPC had taken.
+        (["--port", "8125", "--grpc-port", "8125"], "--grpc-port 8125 is also --port"),
+        # A traceback (logging's "Unknown level"), and a drain "up to -3 s".
+        (["--log-level", "LOUD"], "argument --log-level: invalid choice: 'loud'"),
+        (["--drain-timeout", "-3"], "argument --drain-timeout: must be a finite number"),
     ],
 )
-def test_a_metrics_port_that_cannot_work_fails_before_loading(
-    flags: list[str], expected: str
-) -> None:
+def test_flags_that_cannot_work_fail_before_loading(flags: list[str], expected: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvserve", "serve", *flags, "--model", "/nonexistent"],
         capture_output=True,
@@ -149,3 +152,18 @@ def test_a_served_name_that_is_not_a_model_name_fails_before_loading(
         assert "kvserve serve: error: served model name" in out.stderr, out.stderr
         assert "(name it with --served-model-name)" in out.stderr
         assert "loading" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_tokenizer_flag_naming_no_tokenizer_fails_before_loading(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """An explicit --tokenizer without one was ignored: the server came up ready and
+    refused every text request as if the client had sent something wrong."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve", "serve", "--model", str(checkpoint_dir("llama")),
+         "--tokenizer", "/nonexistent", "--port", str(free_port()), "--no-grpc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "kvserve serve: error: tokenizer '/nonexistent': no tokenizer there" in out.stderr
+    assert "serving" not in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -80,8 +80,10 @@ def test_drain_timeout_aborts_the_rest(checkpoint_dir) -> None:  # type: ignore[
             socks.append(s)
         # Both admitted (one running, one queued) before the signal.
         wait_until(
-            lambda: metric(url, "kvserve_num_requests_running") == 1
-            and metric(url, "kvserve_num_requests_waiting") == 1
+            lambda: (
+                metric(url, "kvserve_num_requests_running") == 1
+                and metric(url, "kvserve_num_requests_waiting") == 1
+            )
         )
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -191,6 +191,12 @@ class LLMEngine:
         if config.tensor_parallel_size > 1 and config.enable_lora:
             raise ValueError("enable_lora cannot be combined with tensor_parallel_size > 1 yet")
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
+        if self.tokenizer is None and config.tokenizer is not None:
+            # Asked for by name: serving without it would refuse every text request.
+            raise ValueError(
+                f"tokenizer {config.tokenizer!r}: no tokenizer there "
+                f"({', '.join(_TOKENIZER_FILES)})"
+            )
         self.eos_token_ids = _eos_token_ids(model_dir, self.model_config, self.tokenizer)
         # No token stands for more characters than the longest token's text, so a prompt
         # of more than max_model_len times that (twice, for normalizers that drop
@@ -839,12 +845,14 @@ def _require_utf8(text: str, param: str) -> None:
         ) from None
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     p = Path(path)
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((p / name).exists() for name in names):
+    if not any((p / name).exists() for name in _TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
 

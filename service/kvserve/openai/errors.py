@@ -105,7 +105,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), request=request)
+        response = error_response(exc.status_code, str(exc.detail), request=request)
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 requires it)
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from kvserve.openai.tool_parsers import TOOL_CALL_PARSERS
 from kvserve.parallel.launch import DEFAULT_MASTER_PORT, Launch
 from kvserve.ports import bind_problem, port_number
 from kvserve.sampling_params import StopLimits
+from kvserve.telemetry.log_setup import add_log_level_argument, configure_logging
 from kvserve.telemetry.vllm_compat import METRICS_COMPAT
 
 
@@ -42,10 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the folder POST /v1/load_lora_adapter may load adapters from (default: no "
         "loading at run time)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (OpenAI API)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument(
-        "--grpc-port", type=port_number, default=50051, help="gRPC port (for the gateway)"
+        "--port", type=port_number, default=8000, help="HTTP port (OpenAI API; default: 8000)"
+    )
+    p.add_argument(
+        "--grpc-port",
+        type=port_number,
+        default=50051,
+        help="gRPC port (for the gateway; default: 50051)",
     )
     p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API")
     p.add_argument(
@@ -88,7 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"node 0's rendezvous port (default: {DEFAULT_MASTER_PORT} with several "
         "nodes, a free one with one node)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest request body; larger is a 413 (default: 4 MiB)",
+    )
     p.add_argument(
         "--max-header-bytes",
         type=int,
@@ -139,11 +149,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=_seconds,
         default=30.0,
-        help="seconds to let in-flight requests finish on shutdown",
+        help="seconds to let in-flight requests finish on SIGTERM; then the rest are aborted "
+        "(default: 30)",
     )
-    p.add_argument("--log-level", default="info")
+    add_log_level_argument(p)
     p.add_argument(
         "--access-log",
         action="store_true",
@@ -164,9 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.server.shutdown import DrainingServer
     from kvserve.telemetry.prometheus import EngineMetrics
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(args.log_level)
     problem = metrics_port_problem(args) or lora_problem(args)
     if problem is not None:  # before loading the model: a wrong flag fails fast
         print(f"kvserve serve: error: {problem}", file=sys.stderr)
@@ -292,6 +301,11 @@ def _ports(args: argparse.Namespace) -> dict[str, int]:
 
 def ports_problem(args: argparse.Namespace) -> str | None:
     """Why one of the server's ports cannot be listened on now, or None."""
+    flags_of: dict[int, str] = {}
+    for flag, port in _ports(args).items():
+        if port in flags_of:
+            return f"{flag} {port} is also {flags_of[port]}: each listener needs a port of its own"
+        flags_of[port] = flag
     for flag, port in _ports(args).items():
         problem = bind_problem(args.host, port)
         if problem is not None:
@@ -315,6 +329,13 @@ def lora_problem(args: argparse.Namespace) -> str | None:
     if len(set(names)) != len(names):
         return "--lora-modules names an adapter twice"
     return None
+
+
+def _seconds(text: str) -> float:
+    seconds = float(text)
+    if not 0 <= seconds < float("inf"):  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return seconds
 
 
 def _refusal_rate(text: str) -> float:

@@ -15,7 +15,7 @@ from kvserve.server.state import State
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
 async def health(state: State) -> JSONResponse:
     """The process is alive and its engine thread is running."""
     if state.engine.dead is not None:
@@ -23,7 +23,7 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/ready")
+@router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(state: State) -> JSONResponse:
     """The model is loaded and new requests are admitted."""
     if state.engine.dead is not None or not state.admitting:

@@ -1,0 +1,27 @@
+"""The servers' logs: one ``--log-level`` flag (uvicorn's levels) and one line format."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_log_level_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default="info",
+        help="log level, also uvicorn's (default: info)",
+    )
+
+
+def configure_logging(level: str) -> None:
+    """The root logger at ``level`` (one of ``LOG_LEVELS``)."""
+    import uvicorn.config  # noqa: F401  (it names uvicorn's level 5 "TRACE")
+
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
