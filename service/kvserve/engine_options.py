@@ -25,7 +25,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) 
         parser.add_argument(
             flag,
             dest=o.name,
-            type=_json_object if o.kind is dict else o.kind,
+            type=_json_object if o.kind is dict else _bounded(o.kind, o.option),
             default=o.default_value,
             choices=list(o.option.choices) or None,
             help=o.option.help + shown,
@@ -110,6 +110,28 @@ def config_from_args(args: argparse.Namespace, **fields: Any) -> EngineConfig:
         if o.option.flag is not None and hasattr(args, o.name)
     }
     return EngineConfig(**{**values, **fields})
+
+
+def _bounded(kind: type, option: Option) -> Callable[[str], Any]:
+    """``kind`` parsed from a flag's text and held to ``option``'s bounds (the CRD's
+    schema holds the same), so a flag out of range is named as the flag."""
+    low, high, open_low = option.minimum, option.maximum, option.exclusive_minimum
+    if kind not in (int, float) or (low is None and high is None):
+        return kind
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if (low is not None and (value <= low if open_low else value < low)) or (
+            high is not None and value > high
+        ):
+            above = f"> {low:g}" if open_low else f">= {low:g}"
+            bounds = [above] if low is not None else []
+            bounds += [f"<= {high:g}"] if high is not None else []
+            raise argparse.ArgumentTypeError(f"must be {' and '.join(bounds)}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" for non-numbers
+    return parse
 
 
 # ---- LLM(**kwargs) -----------------------------------------------------------------------

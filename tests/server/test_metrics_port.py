@@ -98,6 +98,8 @@ def test_the_metrics_port_serves_metrics_through_the_drain(checkpoint_dir) -> No
         # A traceback (logging's "Unknown level"), and a drain "up to -3 s".
         (["--log-level", "LOUD"], "argument --log-level: invalid choice: 'loud'"),
         (["--drain-timeout", "-3"], "argument --drain-timeout: must be a finite number"),
+        # The engine's bounds (the CRD's), named as the flag (it said "block_size ...").
+        (["--block-size", "-1"], "argument --block-size: must be >= 1 and <= 256, got -1"),
     ],
 )
 def test_flags_that_cannot_work_fail_before_loading(flags: list[str], expected: str) -> None:
