@@ -371,9 +371,18 @@ def test_mistral_without_window_accepted(
 
 def test_missing_file_and_bad_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = calc(["--config", str(tmp_path / "nope.json")], capsys)
-    assert rc == 2 and err.startswith("kvserve calc: error: ") and "nope.json" in err
+    assert rc == 2 and err.startswith("kvserve calc: error: ")
+    assert f"{tmp_path / 'nope.json'}: no such file" in err  # not "no config.json at"
     rc, _, err = calc(["--config", str(tmp_path)], capsys)  # directory without config.json
-    assert rc == 2 and "config.json" in err
+    assert rc == 2 and f"no config.json in {tmp_path}" in err
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    rc, _, err = calc(["--config", str(empty)], capsys)  # it said "architecture None"
+    assert rc == 2 and "names no architecture" in err, err
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text('{"model_type": "gpt2"}')
+    rc, _, err = calc(["--config", str(unknown)], capsys)
+    assert rc == 2 and "model_type 'gpt2' is not supported" in err, err
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     rc, _, err = calc(["--config", str(bad)], capsys)

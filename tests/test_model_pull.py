@@ -378,6 +378,10 @@ def test_cli_exit_codes_in_process(
     assert (
         capsys.readouterr().err == f"kvserve model verify: error: {model}: config.json: missing\n"
     )
+    assert cli_main(["model", "verify", str(model / "nope")]) == 1  # it named it twice
+    assert (
+        capsys.readouterr().err == f"kvserve model verify: error: {model}/nope: no such directory\n"
+    )
 
     with pytest.raises(SystemExit) as info:
         cli_main(["model", "pull", f"file://{model}"])  # DEST missing

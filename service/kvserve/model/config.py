@@ -61,12 +61,14 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
-        if path.is_dir():
+        given_dir = path.is_dir()
+        if given_dir:
             path = path / "config.json"
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"no config.json at {path}") from None
+            where = f"no config.json in {path.parent}" if given_dir else f"{path}: no such file"
+            raise FileNotFoundError(where) from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(data)
@@ -75,10 +77,14 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if not archs and cfg.get("model_type") is None:
             raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
+                "the config names no architecture (neither 'architectures' nor 'model_type')"
+            )
+        if arch not in SUPPORTED_ARCHITECTURES:
+            named = f"architecture {arch!r}" if archs else f"model_type {cfg['model_type']!r}"
+            raise UnsupportedModelError(
+                f"{named} is not supported; supported: " + ", ".join(SUPPORTED_ARCHITECTURES)
             )
         _refuse_unsupported_features(cfg, arch)
 

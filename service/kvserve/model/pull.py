@@ -229,11 +229,12 @@ def _parse_pvc(text: str, rest: str) -> ModelSource:
 def verify_model(model_dir: str | Path) -> VerifyReport:
     """Check that ``model_dir`` is a checkpoint the engine can load, without loading it.
 
-    Raises ``ModelPullError`` naming the file and the problem.
+    Raises ``ModelPullError`` naming the file (relative to ``model_dir``) and the
+    problem; ``_verify_labelled`` puts the checkpoint's name before it.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ModelPullError(f"{model_dir}: no such directory")
+        raise ModelPullError("no such directory")  # (the caller names it, as every error)
     model_type, architecture = _check_config(model_dir / "config.json")
     names = _weight_files(model_dir)
     tensors = data_bytes = 0
