@@ -8,6 +8,7 @@ loopback port (``tests.support.grpc_engine.serve``); the client under test is th
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,48 @@ def test_a_replica_that_goes_away_fails_its_requests_and_the_next_call_is_new(
                 await later.read()
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert later.tag != first.tag
+        finally:
+            await client.close()
+
+    serve(engine, body)
+
+
+def test_a_call_the_replica_ended_leaves_nothing_running_or_to_collect(
+    engine: LLMEngine,
+) -> None:
+    """grpc.aio reads a call's commands in a task of its own, which it cancels only when
+    the gateway cancels the call. When the replica ends it (stopped, or drained), that
+    task must end too: left waiting, it and its generator were collected mid-await, and
+    asyncio logged "Task exception was never retrieved ... RuntimeError('aclose():
+    asynchronous generator is already running')"."""
+
+    def command_readers() -> list[asyncio.Task[Any]]:
+        return [
+            task
+            for task in asyncio.all_tasks()
+            if "_consume_request_iterator" in getattr(task.get_coro(), "__qualname__", "")
+        ]
+
+    async def body(s: Served) -> None:
+        reported: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
+        client = ReplicaClient(f"127.0.0.1:{s.port}")
+        try:
+            first = client.generate(request("cut-off", LONG), 30, {})
+            assert (await first.read()).WhichOneof("kind") == "delta"
+            assert len(command_readers()) == 1
+            await s.stop_server()
+            with pytest.raises(grpc.aio.AioRpcError):
+                await read_all(first)
+            later = client.generate(request("later", 4), 30, {})  # on a new call
+            with pytest.raises(grpc.aio.AioRpcError):
+                await later.read()
+            await eventually(lambda: not command_readers())
+            del first, later  # the ended calls' last references
+            gc.collect()
+            await asyncio.sleep(0)  # a turn for what the collection scheduled (aclose())
+            gc.collect()
+            assert reported == []
         finally:
             await client.close()
 

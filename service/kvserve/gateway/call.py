@@ -1,6 +1,9 @@
 """One request's trip to the replicas: a slot, the upstream call, retries, and cleanup.
 
 Before the first output the request may be retried on another replica; after it, never.
+A request waits in the admission queue only while some replica of its model could take
+it once a slot frees; when none can (each is unhealthy, draining, or already tried) it
+is refused at once with 503 ``no_healthy_replica`` rather than at the queue timeout.
 A request for ``n`` samples is ``n`` upstream requests to one replica, started together
 (the response starts once each has its first output, so a retry moves them all) and
 ended together.
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import grpc
@@ -26,6 +31,7 @@ from kvserve.gateway.admission import AdmissionRejected, QueueFull, QueueTimeout
 from kvserve.gateway.auth import Tenant
 from kvserve.gateway.ratelimit import Admission
 from kvserve.gateway.replicas import Replica
+from kvserve.gateway.routing import ReplicaLoad
 from kvserve.gateway.state import GatewayState
 from kvserve.openai.errors import OpenAIError
 from kvserve.rpc import codec
@@ -86,6 +92,9 @@ class UpstreamCall:
                 st.metrics.retries.labels(self.model).inc()
             decisions: list[Any] = []
             pick = functools.partial(self._pick, key, exclude, decisions)
+            # Also checked by pick(), but that runs only once this request heads the
+            # queue: behind other models' waiters it would wait for nothing.
+            self._check_routable(st.fleet.views(self.model), exclude, last_error if attempt else "")
             try:
                 self.slot = await st.queue.acquire(
                     self.tenant.name, self.tenant.priority, pick, held=held
@@ -195,10 +204,31 @@ class UpstreamCall:
             503, str(exc), code=reason, headers={"retry-after": str(exc.retry_after)}
         )
 
+    def _check_routable(
+        self, views: Sequence[ReplicaLoad], exclude: Collection[str], last_error: str = ""
+    ) -> None:
+        """503 ``no_healthy_replica`` unless a replica of the model could take the request
+        once it has a free slot: a busy replica is worth queueing for; an unhealthy or
+        draining one (or one already tried) is not, and the client should hear so now.
+        ``last_error``: why the previous attempt failed, if this is a retry."""
+        if any(view.routable and view.address not in exclude for view in views):
+            return
+        self.state.metrics.rejections.labels("no_healthy_replica").inc()
+        poll_seconds = self.state.config.load_poll_seconds
+        why = _states(views, exclude) + (f"; {last_error}" if last_error else "")
+        raise OpenAIError(
+            503,
+            f"no healthy replica of {self.model!r} can take the request now ({why})",
+            code="no_healthy_replica",
+            # The next load poll is the earliest the gateway can see a replica come back.
+            headers={"retry-after": str(max(1, math.ceil(poll_seconds)))},
+        )
+
     def _pick(self, key: str, exclude: set[str], decisions: list[Any]) -> str | None:
         """The admission queue's ``pick``: route now, remember the decision. A model
-        removed meanwhile fails the request here (the queue passes the error on) rather
-        than stopping the queue's head until it times out."""
+        removed meanwhile, or left without a replica that could take the request, fails
+        the request here (the queue passes the error on) rather than stopping the queue's
+        head until it times out."""
         self._check_served()
         views = self.state.fleet.views(self.model)
         if self.adapter is None:
@@ -209,6 +239,7 @@ class UpstreamCall:
                 self.state.router, self.adapter, key, views, exclude, load_factor
             )
         if decision is None:
+            self._check_routable(views, exclude)  # only busy: wait in the queue
             return None
         decisions.append(decision)
         return str(decision.address)
@@ -286,6 +317,20 @@ class UpstreamCall:
             m.observe_timeline(self.model, self.s, self.f, self.e)
         self.span.set_attribute("http.response.status_code", self.status)
         self.span.end()
+
+
+def _states(views: Sequence[ReplicaLoad], exclude: Collection[str]) -> str:
+    """The model's replicas by why none can take a request: ``1 draining, 1 unhealthy``."""
+    counts: dict[str, int] = {}
+    for view in views:
+        if view.draining:
+            state = "draining"
+        elif not view.healthy:
+            state = "unhealthy"
+        else:  # routable, so excluded: this request failed there before
+            state = "already tried"
+        counts[state] = counts.get(state, 0) + 1
+    return ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none known"
 
 
 async def _first_message(upstream: Any) -> Any:

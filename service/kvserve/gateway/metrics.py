@@ -12,6 +12,7 @@ Metric                                              Definition
                                                     forbidden, rate_limited_requests,
                                                     rate_limited_tokens, concurrency,
                                                     queue_full, queue_timeout,
+                                                    no_healthy_replica,
                                                     payload_too_large, invalid
 ``kvserve_gateway_queue_length``                    gauge: requests waiting for a replica
 ``kvserve_gateway_queue_wait_seconds``              histogram: admission wait (0 if none),
@@ -56,6 +57,7 @@ REJECTION_REASONS: Final = (
     "concurrency",
     "queue_full",
     "queue_timeout",
+    "no_healthy_replica",
     "payload_too_large",
     "invalid",
 )

@@ -150,9 +150,16 @@ class _SharedCall:
         self.requests.pop(tag, None)
 
     async def _commands(self) -> AsyncIterator[pb.GenerateManyRequest]:
+        """What the call sends, until it ends. grpc.aio reads this in a task of its own,
+        which it cancels only when this side cancels the call: when the replica ends it,
+        the generator must return by itself. Left waiting, it would be collected while
+        suspended in ``wait()``, and the collector's ``aclose()`` of a running generator
+        fails ("Task exception was never retrieved ... already running")."""
         while True:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
+            if self.broken:
+                return
             if self._outbox:  # what piled up during the last write leaves in one message
                 commands, self._outbox = self._outbox, []
                 yield pb.GenerateManyRequest(commands=commands)
@@ -173,7 +180,7 @@ class _SharedCall:
         except Exception as exc:  # never leave requests waiting on a dead reader
             log.exception("GenerateMany reader for %s failed", self.address)
             error = rpc_error(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        self.broken = True
+        self._end_commands()
         if self.requests:
             log.warning(
                 "GenerateMany call to %s ended with %d requests open: %s %s",
@@ -185,7 +192,13 @@ class _SharedCall:
         for request in list(self.requests.values()):
             request.put(error)
 
+    def _end_commands(self) -> None:
+        """The call is over: nothing more goes out, and ``_commands`` returns."""
+        self.broken = True
+        self._outbox_ready.set()
+
     def close(self) -> None:
+        self._end_commands()
         self._call.cancel()
         self._reader.cancel()
 

@@ -2,10 +2,17 @@
 
 Health is active and passive: a poller calls every replica's ``GetLoad`` each
 ``load_poll_seconds`` (a failure marks it unhealthy, a success healthy again), and a
-request that fails to reach it marks it unhealthy at once. A replica removed from
-discovery is *draining*: it gets no new requests, its in-flight ones finish, then its
-channel closes. A model removed from discovery (its Service deleted) is no longer served:
-its replicas drain the same way, and requests held for its first replica stop waiting.
+request that fails to reach it marks it unhealthy at once.
+
+A *draining* replica gets no new requests while its in-flight ones finish. It drains
+for either of two reasons, which routing, ``/ready`` and the metrics do not tell apart:
+it left discovery (``removed``: its channel closes once its requests have finished, see
+``reap``), or its own ``GetLoad`` says it is draining (``kvserve serve`` after SIGTERM:
+it refuses new requests but answers polls while its streams finish; it stays a member,
+and takes requests again if a later poll, say after a restart at the same address,
+reports it admitting). A model removed from discovery (its Service deleted) is no longer
+served: its replicas drain the same way, and requests held for its first replica stop
+waiting.
 
 The same poll reports the LoRA adapters each replica serves (``GetLoadResponse``'s
 ``lora_adapters`` and ``max_loras``); the gateway adds an adapter it has just loaded
@@ -34,7 +41,8 @@ class Replica:
     client: ReplicaClient
     capacity: int
     healthy: bool = True
-    draining: bool = False
+    removed: bool = False  # left discovery (or its model did): closed once idle (reap)
+    reports_draining: bool = False  # its last GetLoad said so (the replica got SIGTERM)
     waiting: int = 0  # from the last GetLoad
     running: int = 0
     kv_cache_usage: float = 0.0
@@ -44,6 +52,11 @@ class Replica:
     max_loras: int = 0  # the replica's adapter slots (0: LoRA off)
     # Adapters this gateway is loading there now: requests for them wait for the one load.
     loading: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    @property
+    def draining(self) -> bool:
+        """Takes no new requests; those in flight finish (see the module docstring)."""
+        return self.removed or self.reports_draining
 
     def adapters(self) -> frozenset[str]:
         """What routing counts as there: served, or being loaded by this gateway."""
@@ -76,10 +89,10 @@ class Fleet:
                 current[address] = Replica(address, model, ReplicaClient(address), capacity)
                 log.info("replica %s added for model %s", address, model)
             else:
-                rep.capacity, rep.draining = capacity, False
+                rep.capacity, rep.removed = capacity, False
         for address, rep in current.items():
-            if address not in wanted and not rep.draining:
-                rep.draining = True
+            if address not in wanted and not rep.removed:
+                rep.removed = True
                 log.info("replica %s of model %s is draining", address, model)
         if self.has_replicas(model) and (appeared := self._appeared.pop(model, None)):
             appeared.set()
@@ -92,7 +105,7 @@ class Fleet:
         if current is None:
             return
         for address, rep in current.items():
-            rep.draining = True
+            rep.removed = True
             self._retired[model, address] = rep
         if appeared := self._appeared.pop(model, None):
             appeared.set()
@@ -100,9 +113,11 @@ class Fleet:
         self._changed()  # queued requests for it fail at their next pick
 
     def has_replicas(self, model: str) -> bool:
-        """Whether the model has a replica that takes new requests (healthy or not yet
-        known to be unhealthy): if not, it is scaled to zero or not started yet."""
-        return any(not rep.draining for rep in self.replicas.get(model, {}).values())
+        """Whether the model has a replica that discovery (or the config) lists, whatever
+        its health: if not, it is scaled to zero or not started yet. (One that is listed
+        but unhealthy or draining is a failure the client hears of at once, not a cold
+        start to wait for: ``UpstreamCall``.)"""
+        return any(not rep.removed for rep in self.replicas.get(model, {}).values())
 
     async def wait_for_replicas(self, model: str, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the model's first replica, or for the model's
@@ -126,10 +141,11 @@ class Fleet:
         return True
 
     async def reap(self) -> None:
-        """Close and forget draining replicas that have nothing in flight."""
+        """Close and forget replicas that left discovery and have nothing in flight (one
+        draining of its own accord stays: it may come back)."""
         for table in self._tables():
             for key, rep in list(table.items()):
-                if rep.draining and self.slots.in_flight(rep.address) == 0:
+                if rep.removed and self.slots.in_flight(rep.address) == 0:
                     del table[key]
                     await rep.client.close()
                     log.info("replica %s of model %s removed", rep.address, rep.model)
@@ -189,6 +205,17 @@ class Fleet:
             log.info("replica %s of model %s is healthy again", rep.address, rep.model)
             self._changed()
 
+    def set_reports_draining(self, rep: Replica, draining: bool) -> None:
+        """What the replica's last load report said of its own drain."""
+        if draining == rep.reports_draining:
+            return
+        rep.reports_draining = draining
+        if draining:
+            log.info("replica %s of model %s is draining (it said so)", rep.address, rep.model)
+        else:
+            log.info("replica %s of model %s takes requests again", rep.address, rep.model)
+        self._changed()
+
     async def poll_once(self, timeout: float) -> None:
         """One round of ``GetLoad`` on every replica, concurrently."""
         reps = [rep for current in self.replicas.values() for rep in current.values()]
@@ -197,16 +224,24 @@ class Fleet:
         )
         for rep, res in zip(reps, results, strict=True):
             if isinstance(res, BaseException):
+                # Unreachable: unhealthy, whatever it said before (a drained replica
+                # that has exited is down, not draining).
+                rep.reports_draining = False
                 self.mark_failed(rep, f"GetLoad failed: {type(res).__name__}")
                 continue
-            rep.waiting, rep.running = int(res.num_waiting), int(res.num_running)
-            rep.kv_cache_usage = float(res.kv_cache_usage)
-            rep.max_model_len = int(res.max_model_len)
-            rep.lora_adapters = frozenset(res.lora_adapters)
-            rep.max_loras = int(res.max_loras)
+            self._read_load(rep, res)
             self.mark_ok(rep)
         await self.reap()
         self._changed()
+
+    def _read_load(self, rep: Replica, load: Any) -> None:
+        """Take a ``GetLoadResponse`` in: load figures, adapters, and whether it drains."""
+        rep.waiting, rep.running = int(load.num_waiting), int(load.num_running)
+        rep.kv_cache_usage = float(load.kv_cache_usage)
+        rep.max_model_len = int(load.max_model_len)
+        rep.lora_adapters = frozenset(load.lora_adapters)
+        rep.max_loras = int(load.max_loras)
+        self.set_reports_draining(rep, bool(load.draining))
 
     async def close(self) -> None:
         for table in self._tables():

@@ -532,9 +532,10 @@ def rejections_panel() -> Panel:
         "unauthenticated / forbidden (401/403: keys), rate_limited_* (429: a tenant's limits), "
         "concurrency (429: a tenant's concurrent limit), queue_full / queue_timeout (503: the "
         "gateway shed load because every replica was at its in-flight limit), "
-        "payload_too_large and invalid (413/400). Shedding (queue_*, concurrency) above 5% of "
-        "requests raises KvserveGatewayShedding. All gateways, all models (the metric has no "
-        "model label).",
+        "no_healthy_replica (503 at once: every replica of the model was unhealthy or "
+        "draining), payload_too_large and invalid (413/400). Shedding (queue_*, "
+        "concurrency) above 5% of requests raises KvserveGatewayShedding. All gateways, all "
+        "models (the metric has no model label).",
         "reqps",
         (
             Query(

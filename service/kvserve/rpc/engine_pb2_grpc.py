@@ -123,7 +123,8 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetLoad(self, request, context):
-        """Load signals for routing: queue depth, running batch, KV cache use, LoRA adapters.
+        """Load signals for routing: queue depth, running batch, KV cache use, LoRA adapters,
+        and whether the replica is draining. It answers while the replica drains.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -270,6 +270,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             max_model_len=self.engine.engine.max_model_len,
             lora_adapters=list(self.lora.adapters),
             max_loras=self.engine.engine.config.max_loras if self.lora.enabled else 0,
+            # The gateway keeps polling a draining replica (its streams are still open):
+            # without this flag, each answer would make it look ready for new requests.
+            draining=not self.admitting(),
         )
 
     async def LoadLoRAAdapter(
