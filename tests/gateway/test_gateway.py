@@ -537,6 +537,8 @@ def test_models_lists_what_the_key_may_use(gateway: Gateway) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-wrong").models.retrieve(MODEL)
     assert httpx.get(f"{gateway.url}/ready").json()["replicas"] == {MODEL: 2}
+    for probe in ("/health", "/ready"):  # load balancers probe with HEAD too
+        assert httpx.head(f"{gateway.url}{probe}").status_code == 200
     assert KEY_A not in httpx.get(f"{gateway.url}/metrics").text
 
 

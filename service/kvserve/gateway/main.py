@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+from typing import TYPE_CHECKING
 
-from kvserve.ports import port_number
+from kvserve.ports import bind_problem, port_number
+from kvserve.telemetry.log_setup import add_log_level_argument, configure_logging
+
+if TYPE_CHECKING:
+    from kvserve.gateway.config import GatewayConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=port_number,
         help="override listen.metrics_port: serve /metrics on this port instead of the API's",
     )
-    p.add_argument("--log-level", default="info")
+    add_log_level_argument(p)
     p.add_argument(
         "--new-key",
         action="store_true",
@@ -40,9 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.config:
         print("kvserve gateway: error: --config FILE is required", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(args.log_level)
     try:
         watcher = ConfigWatcher(args.config)  # validates both files: fail fast
     except ConfigError as exc:
@@ -61,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         for problem in validation_problems(exc, show_input=True):
             print(f"kvserve gateway: error: listen.{problem}", file=sys.stderr)
+        return 2
+    unlistenable = listen_problem(config)
+    if unlistenable is not None:
+        print(f"kvserve gateway: error: {unlistenable}", file=sys.stderr)
         return 2
     host, port = config.listen.host, config.listen.port
     pacer = RefusalPacer.at(config.listen.refusals_per_second)
@@ -99,3 +105,19 @@ def run(args: argparse.Namespace) -> int:
         http=protocol_with(config.listen.http_limits, pacer),
     )
     return 0
+
+
+def listen_problem(config: GatewayConfig) -> str | None:
+    """Why the gateway could not listen where ``config.listen`` says (a port taken, a
+    host that is no address here), or None: checked before anything starts, as
+    ``kvserve serve`` does, so that it is one line and status 2, not a traceback after the
+    startup lines."""
+    listen = config.listen
+    ports = {("listen.port", "--port"): listen.port}
+    if listen.metrics_port is not None:
+        ports["listen.metrics_port", "--metrics-port"] = listen.metrics_port
+    for (field, flag), port in ports.items():
+        problem = bind_problem(listen.host, port)
+        if problem is not None:
+            return f"{problem} (set by listen.host and {field}, or --host and {flag})"
+    return None

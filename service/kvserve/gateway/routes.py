@@ -7,7 +7,8 @@ nothing parsed and no detailed errors) → JSON schema (400 ``invalid``) → a k
 LoRA adapter (404) → key allowed for that name (403 ``forbidden``) → the shared request
 checks and the ``max_tokens`` ceiling (400 ``invalid``) → per-tenant rate limits (429
 ``rate_limited_*``/``concurrency``) → a replica slot, routed and possibly queued (503
-``queue_full``/``queue_timeout``) → the request on the replica's shared ``GenerateMany``
+``queue_full``/``queue_timeout``; ``no_healthy_replica`` at once when no replica could
+take it) → the request on the replica's shared ``GenerateMany``
 call, retried on another replica while no output has been received (``call``) → the
 answer, streamed or whole (``relay``).
 
@@ -65,11 +66,11 @@ def gateway_router(state: GatewayState) -> APIRouter:
     (``listen.metrics_port``)."""
     router = APIRouter()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @router.get("/ready", response_model=None)
+    @router.api_route("/ready", methods=["GET", "HEAD"], response_model=None)
     async def ready() -> JSONResponse:
         routable = {
             model: sum(v.healthy and not v.draining for v in state.fleet.views(model))

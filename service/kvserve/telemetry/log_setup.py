@@ -6,6 +6,7 @@ import argparse
 import logging
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+TRACE = 5  # uvicorn's level below DEBUG, which logging has no name for
 
 
 def add_log_level_argument(p: argparse.ArgumentParser) -> None:
@@ -20,8 +21,7 @@ def add_log_level_argument(p: argparse.ArgumentParser) -> None:
 
 def configure_logging(level: str) -> None:
     """The root logger at ``level`` (one of ``LOG_LEVELS``)."""
-    import uvicorn.config  # noqa: F401  (it names uvicorn's level 5 "TRACE")
-
     logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        level=TRACE if level == "trace" else level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
