@@ -190,7 +190,8 @@ def test_a_draining_replica_finishes_its_streams_and_gets_nothing_new(
         assert serving(gw, [other]) is other
         other.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: replicas_in(gw, "draining") == 2, timeout=30)
-        assert httpx.get(f"{gw.url}/ready").status_code == 503
+        not_ready = httpx.get(f"{gw.url}/ready")
+        assert not_ready.status_code == 503 and not_ready.json()["error"]["request_id"]
         assert_refused_at_once(*timed_post(gw), "2 draining")
 
         # What was in flight finishes, then each replica exits as a drained one does.

@@ -511,6 +511,7 @@ def test_a_replica_dying_mid_stream_ends_its_streams_with_an_error_and_the_rest_
         finished = [e for end in ends for e in end if "error" not in e]
         assert len(errors) == 2 and len(finished) == 2, ends
         assert all("the replica failed" in e["error"]["message"] for e in errors)
+        assert all(e["error"]["request_id"] for e in errors)  # as in every error body
         assert all(e["choices"][0]["finish_reason"] == "length" for e in finished)
         # New requests go to the replica that is left.
         ok = post(gw, "/v1/completions", {**GREEDY, "prompt": "after", "max_tokens": 2})

@@ -30,9 +30,11 @@ async def sse(
     chat: bool,
     include_usage: bool,
     logprobs: bool = False,
+    request_id: str | None = None,
 ) -> AsyncIterator[bytes]:
     """The response's events (the response's ``on_close`` closes the call). ``logprobs``:
-    the request asked for them (an echoed prompt's scores are shown only then)."""
+    the request asked for them (an echoed prompt's scores are shown only then);
+    ``request_id`` goes into a mid-stream error, as into every error body."""
     choices = [_StreamedChoice(ids, chat, i, logprobs) for i in range(len(firsts))]
     try:
         if len(firsts) == 1:
@@ -75,7 +77,8 @@ async def sse(
                 call.handed_over()
     except grpc.aio.AioRpcError as exc:  # the replica failed mid-stream: never retried
         call.failed_upstream(exc)
-        error = encode_event(error_body(502, f"the replica failed: {exc.details()}"))
+        message = f"the replica failed: {exc.details()}"
+        error = encode_event(error_body(502, message, request_id=request_id))
         yield error + SSE_DONE
 
 

@@ -43,7 +43,7 @@ from kvserve.openai import checks
 from kvserve.openai import format as fmt
 from kvserve.openai.body import body_schema, parse_body
 from kvserve.openai.disconnect import until_disconnected
-from kvserve.openai.errors import OpenAIError, error_body
+from kvserve.openai.errors import OpenAIError, error_response
 from kvserve.openai.messages import template_messages
 from kvserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.openai.sse import EventStreamResponse
@@ -71,13 +71,13 @@ def gateway_router(state: GatewayState) -> APIRouter:
         return {"status": "ok"}
 
     @router.api_route("/ready", methods=["GET", "HEAD"], response_model=None)
-    async def ready() -> JSONResponse:
+    async def ready(request: Request) -> JSONResponse:
         routable = {
             model: sum(v.healthy and not v.draining for v in state.fleet.views(model))
             for model in state.fleet.models()
         }
         if not state.ready or not any(routable.values()):
-            return JSONResponse(error_body(503, "no healthy replica to route to"), status_code=503)
+            return error_response(503, "no healthy replica to route to", request=request)
         return JSONResponse({"status": "ready", "replicas": routable})
 
     if state.config.listen.metrics_port is None:
@@ -313,7 +313,7 @@ async def _serve(
     logprobs = checks.logprobs_count(body) is not None
     if body.stream:
         return EventStreamResponse(
-            relay.sse(call, firsts, ids, chat, body.include_usage, logprobs),
+            relay.sse(call, firsts, ids, chat, body.include_usage, logprobs, request_id=rid),
             headers=admission.headers,
             on_close=lambda: call.close(None, disconnected=not call.done and call.status == 200),
             write_timeout=state.config.write_stall_timeout_seconds,
