@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -202,6 +203,21 @@ def test_several_problems_are_all_listed(tmp_path: Path) -> None:
     assert "routing.policy" in message and "routing.load_factor" in message
 
 
+def test_a_keys_file_error_names_the_field_in_the_files_terms(tmp_path: Path) -> None:
+    """A union field is one problem at its own path (it was one per member, at
+    ``share_prefix_cache.bool`` and ``.str``), and no class name of the code shows."""
+    text = (
+        f"keys:\n  - {{tenant: a, sha256: '{DIGEST_A}', models: ['*'],\n"
+        "     share_prefix_cache: 5, limits: 5}\n"
+    )
+    message = config_error(tmp_path / "k.yaml", text, load_keys)
+    assert "keys[0].share_prefix_cache: Input should be a valid boolean or a valid string" in (
+        message
+    )
+    assert "keys[0].limits: Input should be a valid dictionary" in message
+    assert ".bool" not in message and "KeyLimits" not in message, message
+
+
 def test_yaml_syntax_error_gives_line(tmp_path: Path) -> None:
     message = config_error(tmp_path / "gw.yaml", "models:\n  m: {replicas: [\nkeys_file: x\n")
     assert "line " in message and "YAML syntax error" in message
@@ -347,15 +363,18 @@ def test_watcher_sees_same_size_edit(files: tuple[Path, Path]) -> None:
 
 
 def test_watcher_keeps_old_keys_on_invalid_file_and_reports_once(
-    files: tuple[Path, Path],
+    files: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     watcher = ConfigWatcher(files[0])
     old = watcher.keys
     write(files[1], keys_yaml(("a", "not-a-digest")))
     bump_mtime(files[1])
-    reload = watcher.poll()
+    with caplog.at_level(logging.INFO, logger="kvserve.gateway"):
+        reload = watcher.poll()
     assert reload is not None and reload.keys is None
     assert len(reload.errors) == 1 and "keys[0].sha256" in str(reload.errors[0])
+    # Returned, not logged: the gateway's watch task logs it, once (it was logged twice).
+    assert not [r for r in caplog.records if "keys[0].sha256" in r.getMessage()]
     assert watcher.keys is old
     assert watcher.poll() is None  # not reported again
     write(files[1], keys_yaml(("b", DIGEST_B)))

@@ -84,5 +84,4 @@ async def watch_keys(state: GatewayState, watcher: ConfigWatcher) -> None:
             )
         if found.keys is not None:
             state.keys.replace(found.keys)
-            state.limiter.update(state.keys.tenants)
-            log.info("keys reloaded: %d tenants", len(state.keys.tenants))
+            state.limiter.update(state.keys.tenants)  # (the watcher logged the reload)

@@ -112,12 +112,37 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
+# The last part of a location that names a member of a union (``bool | str``), which
+# pydantic reports once per member: ``share_prefix_cache.bool``, ``share_prefix_cache.str``.
+_UNION_MEMBER = re.compile(r"(bool|str|int|float|none|(list|dict|literal|function-\w+)\[.*\])")
+
+
+def _union_members_merged(errors: list[Any]) -> list[Any]:
+    """One error per union field: ``Input should be a valid boolean or a valid string``
+    at the field's own path, not one per member at paths the file does not have."""
+    merged: list[Any] = []
+    for error in errors:
+        loc = tuple(error["loc"])
+        if not (loc and isinstance(loc[-1], str) and _UNION_MEMBER.fullmatch(loc[-1])):
+            merged.append(error)
+            continue
+        field = {**error, "loc": loc[:-1]}
+        last = merged[-1] if merged else None
+        if last is not None and tuple(last["loc"]) == loc[:-1] and last.get("union"):
+            alternative = str(error["msg"]).removeprefix("Input should be ")
+            last["msg"] = f"{last['msg']} or {alternative}"
+        else:
+            merged.append(field | {"union": True})
+    return merged
+
+
 def validation_problems(exc: ValidationError, *, show_input: bool) -> list[str]:
     problems = []
-    for error in exc.errors():
+    for error in _union_members_merged(list(exc.errors())):
         loc = tuple(error["loc"])
         kind = error["type"]
-        message = str(error["msg"])
+        # "a valid dictionary or instance of KeyLimits": the class is not the file's word
+        message = re.sub(r" or instance of \w+", "", str(error["msg"]))
         if kind == "value_error":
             message = str(error.get("ctx", {}).get("error", message))
             # Our list validators prefix the index ("[1]: ..."); fold it into the path.

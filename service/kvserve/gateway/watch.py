@@ -97,7 +97,7 @@ class ConfigWatcher:
         try:
             stat = _stat(path)
         except FileNotFoundError:
-            raise ConfigError(path, ["file not found (keeping the previous version)"]) from None
+            raise ConfigError(path, ["file not found"]) from None
         except OSError as exc:
             raise ConfigError(path, [f"cannot read: {exc.strerror or exc}"]) from None
         if stat == seen.stat:
@@ -112,9 +112,8 @@ class ConfigWatcher:
         return data
 
     def _report(self, path: Path, error: ConfigError, errors: list[ConfigError]) -> None:
-        if self._reported.get(path) != str(error):
+        if self._reported.get(path) != str(error):  # the caller logs it (once)
             self._reported[path] = str(error)
-            log.error("%s; the previous version stays in force", error)
             errors.append(error)
 
     def poll(self) -> Reload | None:
