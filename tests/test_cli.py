@@ -68,6 +68,21 @@ def test_no_command_takes_an_abbreviated_flag() -> None:
     assert checked > 10
 
 
+def test_an_unknown_flag_is_refused_with_the_commands_own_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It was the top level's usage (``kvserve [-h] [--version] COMMAND``), which says
+    nothing of the command's flags."""
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["calc", "--config", "c.json", "--bogus", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvserve calc ") and "--config" in err, err
+    assert err.rstrip().endswith("kvserve calc: error: unrecognized arguments: --bogus 1")
+
+
 def test_a_command_imports_only_its_own_module() -> None:
     # `kvserve gateway` must not import torch through the other commands' modules.
     code = "from kvserve.cli import main\nassert main(['gateway', '--new-key']) == 0"

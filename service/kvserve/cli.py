@@ -194,7 +194,7 @@ def _add_command(sub: Any, name: str, cmd: Command, load: bool) -> argparse.Argu
         p.description = module.__doc__
         p.formatter_class = argparse.RawDescriptionHelpFormatter
     getattr(module, cmd.add)(p)
-    p.set_defaults(func=getattr(module, cmd.run))
+    p.set_defaults(func=getattr(module, cmd.run), command_parser=p)
     return p
 
 
@@ -232,7 +232,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top level's (argparse's default)
+        getattr(args, "command_parser", parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
