@@ -15,7 +15,8 @@ from kvserve.server.state import State
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
+@router.head("/health", include_in_schema=False)  # load balancers probe with HEAD
+@router.get("/health")  # (registered first: a 405 names GET)
 async def health(state: State) -> JSONResponse:
     """The process is alive and its engine thread is running."""
     if state.engine.dead is not None:
@@ -23,7 +24,8 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.api_route("/ready", methods=["GET", "HEAD"])
+@router.head("/ready", include_in_schema=False)
+@router.get("/ready")
 async def ready(state: State) -> JSONResponse:
     """The model is loaded and new requests are admitted."""
     if state.engine.dead is not None or not state.admitting:
