@@ -109,3 +109,17 @@ def test_control_tokens_in_the_input_are_spelled_as_text(llm: LLM) -> None:
     plain = [{"role": "user", "content": "hi there"}]
     text = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
     assert llm.engine.chat_prompt(plain) == tok.encode(text, add_special_tokens=False)
+
+
+def test_chat_can_continue_the_final_message(llm: LLM) -> None:
+    """vLLM's LLM.chat arguments: the prompt ends as transformers renders it."""
+    tok = llm.get_tokenizer()
+    started = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "It is"}]  # fmt: skip
+    params = SamplingParams(max_tokens=1, temperature=0)
+    out = llm.chat(started, params, add_generation_prompt=False, continue_final_message=True)
+    expected = tok.apply_chat_template(started, continue_final_message=True, return_dict=False)
+    assert out[0].prompt_token_ids == expected
+    assert tok.decode(expected).endswith("It is")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(started, params, continue_final_message=True)

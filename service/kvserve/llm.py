@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Unpack
 
 from kvserve.config import EngineConfig
+from kvserve.conversation import chat_ending
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_kwargs import EngineKwargs
 from kvserve.engine_options import check_kwargs
@@ -131,6 +132,8 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them.
 
@@ -140,15 +143,20 @@ class LLM:
         are the raw text: reading calls out of it is the server's (``--tool-call-parser``).
         ``lora_request``: as for ``generate``, one for all conversations or one each.
         ``chat_template_kwargs``: more variables for the template (vLLM's name), e.g.
-        Qwen3's ``{"enable_thinking": False}``.
+        Qwen3's ``{"enable_thinking": False}``. ``add_generation_prompt`` and
+        ``continue_final_message`` (vLLM's): the prompt ends with the assistant's turn
+        opened (the default), or with nothing added, or with the final message left open
+        for the model to continue (then ``add_generation_prompt`` must be False).
         """
         conversations: list[list[Message]] = (
             [messages]  # type: ignore[list-item]
             if messages and isinstance(messages[0], dict)
             else messages  # type: ignore[assignment]
         )
+        ending = chat_ending(add_generation_prompt, continue_final_message)
         prompts: list[Prompt] = [
-            self.engine.chat_prompt(conv, tools, chat_template_kwargs) for conv in conversations
+            self.engine.chat_prompt(conv, tools, chat_template_kwargs, ending)
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 

@@ -213,6 +213,33 @@ def test_bad_input_is_refused_by_field(tools_gateway: Gateway) -> None:
     assert "may not set 'chat_template'" in refused.value.body["message"]  # type: ignore[index]
 
 
+def test_chat_endings_reach_the_replica(tools_gateway: Gateway) -> None:
+    """vLLM's add_generation_prompt and continue_final_message travel to the replica,
+    which renders the prompt (without the proto's field: three equal prompts)."""
+    client = sdk(tools_gateway)
+    messages = [*QUESTION, {"role": "assistant", "content": "Sunny in"}]
+
+    def prompt_tokens(**extra: Any) -> int:
+        done = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=1,
+            extra_body=extra,  # type: ignore[arg-type]
+        )
+        assert done.usage is not None
+        return done.usage.prompt_tokens
+
+    endings = [
+        prompt_tokens(),
+        prompt_tokens(add_generation_prompt=False),
+        prompt_tokens(add_generation_prompt=False, continue_final_message=True),
+    ]
+    assert len(set(endings)) == 3, endings
+    with pytest.raises(openai.BadRequestError) as refused:  # refused by the gateway
+        prompt_tokens(continue_final_message=True)
+    assert refused.value.body["param"] == "continue_final_message"  # type: ignore[index]
+
+
 def test_tool_schemas_count_in_the_token_estimate(tools_gateway: Gateway) -> None:
     """A tenant's token budget (400 a minute here) is charged for the tools the template
     renders, not only for the messages: the same tiny chat is admitted without a long

@@ -122,6 +122,36 @@ def test_a_message_cannot_forge_a_turn_with_the_models_markers(
     assert r.json()["usage"]["prompt_tokens"] == len(as_text) != len(as_markers)
 
 
+def test_vllms_chat_endings_open_a_turn_add_nothing_or_continue_the_last_message(
+    server: RunningServer, checkpoint_dir
+) -> None:  # type: ignore[no-untyped-def]
+    """add_generation_prompt and continue_final_message (vLLM's): the prompt is the
+    template's rendering with the same arguments; both at once is a 400 naming the field."""
+    tok = AutoTokenizer.from_pretrained(str(checkpoint_dir("llama")))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+    def prompt_tokens(**extra: Any) -> int:
+        done = sdk.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=1, temperature=0, extra_body=extra
+        )
+        assert done.usage is not None
+        return done.usage.prompt_tokens
+
+    def rendered(**ending: bool) -> int:
+        return len(tok.apply_chat_template(messages, return_dict=False, **ending))
+
+    opened = prompt_tokens()
+    assert opened == rendered(add_generation_prompt=True)
+    assert prompt_tokens(add_generation_prompt=False) == rendered(add_generation_prompt=False)
+    continued = prompt_tokens(add_generation_prompt=False, continue_final_message=True)
+    assert continued == rendered(continue_final_message=True)
+    assert len({opened, rendered(add_generation_prompt=False), continued}) == 3
+    with pytest.raises(openai.BadRequestError) as refused:  # add_generation_prompt: true
+        prompt_tokens(continue_final_message=True)
+    assert refused.value.body["param"] == "continue_final_message"  # type: ignore[index]
+
+
 def test_repeated_prompt_reports_cached_tokens(server: RunningServer) -> None:
     body = {**GREEDY, "prompt": list(range(300, 323)), "max_tokens": 2}
     with server.client() as c:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvserve.conversation import text_chars
+from kvserve.conversation import ChatEnding, text_chars
 from kvserve.engine.llm_engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request
 from kvserve.lora.request import LoRARequest
@@ -197,12 +197,13 @@ class AsyncEngine:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        ending: ChatEnding = "generation_prompt",
     ) -> list[int]:
         """``LLMEngine.chat_prompt``, off the event loop for a long conversation."""
         if text_chars(messages, tools) <= OFFLOAD_CHARS:
-            return self.engine.chat_prompt(messages, tools, template_kwargs)
+            return self.engine.chat_prompt(messages, tools, template_kwargs, ending)
         return await self._off_loop(
-            lambda m: self.engine.chat_prompt(m, tools, template_kwargs), messages
+            lambda m: self.engine.chat_prompt(m, tools, template_kwargs, ending), messages
         )
 
     async def _off_loop(self, fn: Callable[[_T], list[int]], arg: _T) -> list[int]:

@@ -34,7 +34,7 @@ from kvserve.config import (
     kv_cache_torch_dtype,
     speculative_settings,
 )
-from kvserve.conversation import text_chars
+from kvserve.conversation import ChatEnding, text_chars
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.kv_events import KVEventPublisher, start_kv_events
@@ -391,10 +391,12 @@ class LLMEngine:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        ending: ChatEnding = "generation_prompt",
     ) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template, ending with
-        the assistant's generation prompt (one definition for every API). Only the
-        template's own markers are control tokens; the input's are spelled as text.
+        the assistant's generation prompt unless ``ending`` says otherwise (one definition
+        for every API). Only the template's own markers are control tokens; the input's
+        are spelled as text.
 
         ``messages`` and ``tools`` are in the shapes Hugging Face templates take (OpenAI's,
         with a tool call's ``arguments`` as a mapping: ``kvserve/openai/messages.py``).
@@ -429,7 +431,8 @@ class LLMEngine:
                 tools=tools,
                 tokenize=True,
                 return_dict=False,
-                add_generation_prompt=True,
+                add_generation_prompt=ending == "generation_prompt",
+                continue_final_message=ending == "continue_final_message",
                 sanitize_control_tokens=True,
                 **kwargs,
             )
@@ -442,6 +445,9 @@ class LLMEngine:
                 f"the model's chat template refused these messages: {exc}", "messages"
             ) from None
         except ValueError as exc:  # transformers: a control token it cannot spell as text
+            if ending == "continue_final_message" and "continue_final_message" in str(exc):
+                # No final message with text to continue, or a template that has none.
+                raise InvalidRequestError(str(exc), "continue_final_message") from None
             if "sanitize" not in str(exc):
                 raise
             raise InvalidRequestError(

@@ -66,11 +66,13 @@ def gateway_router(state: GatewayState) -> APIRouter:
     (``listen.metrics_port``)."""
     router = APIRouter()
 
-    @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
+    @router.head("/health", include_in_schema=False)  # load balancers probe with HEAD
+    @router.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @router.api_route("/ready", methods=["GET", "HEAD"], response_model=None)
+    @router.head("/ready", response_model=None, include_in_schema=False)
+    @router.get("/ready", response_model=None)
     async def ready(request: Request) -> JSONResponse:
         routable = {
             model: sum(v.healthy and not v.draining for v in state.fleet.views(model))
@@ -230,6 +232,9 @@ async def _serve(
         # leaves, at most the ceiling) and checks what depends on it, such as min_tokens.
         max_tokens = INT32_MAX if limit.value is None else limit.value
         params = body.sampling_params(max_tokens, checks.logprobs_count(body))
+        ending = (
+            body.chat_ending() if isinstance(body, ChatCompletionRequest) else "generation_prompt"
+        )
     except InvalidRequestError as exc:
         state.metrics.rejections.labels("invalid").inc()
         raise checks.in_client_terms(OpenAIError(400, str(exc), param=exc.param), body) from None
@@ -248,6 +253,7 @@ async def _serve(
             template_kwargs=(
                 body.template_kwargs() if isinstance(body, ChatCompletionRequest) else None
             ),
+            chat_ending=ending,
             echo=isinstance(body, CompletionRequest) and body.echo,
         )
         if adapter is not None:

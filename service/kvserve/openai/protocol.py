@@ -8,6 +8,8 @@ from typing import Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from kvserve.conversation import ChatEnding, chat_ending
+from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import INT32_MAX, MAX_N, SamplingParams, StructuredOutputsParams
 
 # OpenAI request fields this server does not implement whose ``null`` asks for nothing:
@@ -315,6 +317,18 @@ class ChatCompletionRequest(CommonRequest):
     # {"enable_thinking": false}; reasoning_effort is one more (as vLLM passes it).
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's: how the rendered prompt ends (ChatEnding). The assistant's turn is opened for
+    # a new answer unless add_generation_prompt is false; continue_final_message leaves
+    # the final message open, so that the answer goes on from its text (a "prefill").
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def chat_ending(self) -> ChatEnding:
+        """The prompt's ending these two fields ask for; InvalidRequestError when both."""
+        try:
+            return chat_ending(self.add_generation_prompt, self.continue_final_message)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "continue_final_message") from None
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's extra variables: ``reasoning_effort``, then

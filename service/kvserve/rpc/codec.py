@@ -22,6 +22,7 @@ from typing import Any, cast
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvserve.conversation import ChatEnding
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatDelta
 from kvserve.openai.format import Echo, TokenText, ToolCallDelta
@@ -69,6 +70,15 @@ _OPTIONAL_SAMPLING_FIELDS = (
 
 
 # ---- requests ------------------------------------------------------------------------
+
+# ChatEnding on the wire (GenerateRequest.chat_ending).
+_CHAT_ENDINGS: dict[ChatEnding, pb.ChatEnding] = {
+    "generation_prompt": pb.CHAT_ENDING_GENERATION_PROMPT,
+    "none": pb.CHAT_ENDING_NONE,
+    "continue_final_message": pb.CHAT_ENDING_CONTINUE_FINAL_MESSAGE,
+}
+
+
 def encode_request(
     prompt: Prompt,
     params: SamplingParams,
@@ -80,6 +90,7 @@ def encode_request(
     tools: ChatTools | None = None,
     constraint: Constraint | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    chat_ending: ChatEnding = "generation_prompt",
     echo: bool = False,
 ) -> pb.GenerateRequest:
     """``GenerateRequest`` for ``prompt`` (text, token ids, or chat messages).
@@ -150,6 +161,7 @@ def encode_request(
         req.structured_outputs.CopyFrom(_constraint_to_proto(constraint))
     if template_kwargs:
         req.chat_template_kwargs_json = json.dumps(template_kwargs)
+    req.chat_ending = _CHAT_ENDINGS[chat_ending]
     return req
 
 
@@ -272,6 +284,14 @@ def decode_chat_tools(request: pb.GenerateRequest) -> ChatTools:
         raise InvalidRequestError('tool_choice "required" needs tools', "tool_choice")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     return ChatTools(tuple(tools), choice, parallel)
+
+
+def decode_chat_ending(request: pb.GenerateRequest) -> ChatEnding:
+    """How the chat's prompt ends; InvalidRequestError for a value this replica lacks."""
+    for ending, value in _CHAT_ENDINGS.items():
+        if request.chat_ending == value:
+            return ending
+    raise InvalidRequestError(f"unknown chat_ending {request.chat_ending}", "chat_ending")
 
 
 def decode_template_kwargs(request: pb.GenerateRequest) -> dict[str, Any] | None:

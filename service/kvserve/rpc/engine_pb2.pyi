@@ -2,12 +2,22 @@
 # mypy: ignore-errors
 # ruff: noqa
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChatEnding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHAT_ENDING_GENERATION_PROMPT: _ClassVar[ChatEnding]
+    CHAT_ENDING_NONE: _ClassVar[ChatEnding]
+    CHAT_ENDING_CONTINUE_FINAL_MESSAGE: _ClassVar[ChatEnding]
+CHAT_ENDING_GENERATION_PROMPT: ChatEnding
+CHAT_ENDING_NONE: ChatEnding
+CHAT_ENDING_CONTINUE_FINAL_MESSAGE: ChatEnding
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -90,7 +100,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "chat", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "max_tokens_cap", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora_adapter", "tool_call_pieces", "chat_template_kwargs_json", "repetition_penalty", "logit_bias", "min_tokens", "prompt_logprobs", "echo")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "chat", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "max_tokens_cap", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora_adapter", "tool_call_pieces", "chat_template_kwargs_json", "chat_ending", "repetition_penalty", "logit_bias", "min_tokens", "prompt_logprobs", "echo")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +135,7 @@ class GenerateRequest(_message.Message):
     LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_PIECES_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_ENDING_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -157,12 +168,13 @@ class GenerateRequest(_message.Message):
     lora_adapter: str
     tool_call_pieces: bool
     chat_template_kwargs_json: str
+    chat_ending: ChatEnding
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
     min_tokens: int
     prompt_logprobs: int
     echo: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., max_tokens_cap: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., lora_adapter: _Optional[str] = ..., tool_call_pieces: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., max_tokens_cap: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., lora_adapter: _Optional[str] = ..., tool_call_pieces: _Optional[bool] = ..., chat_template_kwargs_json: _Optional[str] = ..., chat_ending: _Optional[_Union[ChatEnding, str]] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top", "token", "top_tokens")

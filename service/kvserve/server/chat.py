@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from kvserve.conversation import ChatEnding
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatOutputParser, ChatParsing
@@ -41,6 +42,7 @@ async def prepare_chat(
     tools: ChatTools,
     constraint: Constraint | None,
     template_kwargs: dict[str, Any] | None = None,
+    ending: ChatEnding = "generation_prompt",
 ) -> PreparedChat:
     """Check the tools and the constraint, build the tool-call grammar if one is needed,
     and render the prompt (a long one off the event loop)."""
@@ -81,7 +83,7 @@ async def prepare_chat(
     if checks:
         # Checking compiles (cached by content): off the event loop, like a long prompt.
         await asyncio.to_thread(_check_all, engine, checks)
-    prompt_ids = await engine.chat_prompt(messages, tools.template_tools(), template_kwargs)
+    prompt_ids = await engine.chat_prompt(messages, tools.template_tools(), template_kwargs, ending)
     return PreparedChat(
         prompt_ids,
         chosen.params if chosen else None,

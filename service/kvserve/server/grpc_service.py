@@ -158,6 +158,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                     codec.decode_chat_tools(request),
                     constraint,
                     codec.decode_template_kwargs(request),
+                    codec.decode_chat_ending(request),
                 )
                 prompt, structured, new_parser = chat.prompt_ids, chat.constraint, chat.new_parser
                 grammar_param = chat.constraint_param
@@ -168,6 +169,8 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                     default_max_tokens = min(default_max_tokens, cap)
             elif request.tools or request.HasField("tool_choice"):
                 raise InvalidRequestError("tools and tool_choice need a chat prompt", "tools")
+            elif request.chat_ending:
+                raise InvalidRequestError("chat_ending needs a chat prompt", "chat_ending")
             elif constraint is not None:
                 await validate_constraint(self.engine, constraint)
             params = codec.decode_sampling_params(

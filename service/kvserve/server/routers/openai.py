@@ -145,6 +145,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             tools,
             constraint,
             body.template_kwargs(),
+            body.chat_ending(),
         )
     except InvalidRequestError as exc:
         raise OpenAIError(
