@@ -1,5 +1,5 @@
 """A conversation's size, in the shape Hugging Face chat templates take it (OpenAI's
-messages, tools as OpenAI function tools).
+messages, tools as OpenAI function tools), and how its rendered prompt ends.
 
 One definition for the engine (which refuses a prompt too long to fit, and tokenizes a
 long one off the event loop) and the gateway (whose token estimate is made from it); it
