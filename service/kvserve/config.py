@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from kvserve.sampling_params import INT32_MAX
@@ -80,6 +80,18 @@ class Option:
     choices: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()  # choices the flag also takes, left out of the CRD
     shown_default: str | None = None  # the docs' "default" column, when not the value
+
+
+def bound_problem(option: Option, value: float) -> str | None:
+    """Why ``value`` lies outside ``option``'s bounds (``must be >= 1 and <= 256``), or
+    None. The one rule for ``EngineConfig``, the ``kvserve serve`` flags and the CRD."""
+    low, high, open_low = option.minimum, option.maximum, option.exclusive_minimum
+    too_low = low is not None and (value <= low if open_low else value < low)
+    if not too_low and (high is None or value <= high):
+        return None
+    bounds = [f"> {low:g}" if open_low else f">= {low:g}"] if low is not None else []
+    bounds += [f"<= {high:g}"] if high is not None else []
+    return f"must be {' and '.join(bounds)}"
 
 
 def _option(default: Any, option: Option) -> Any:
@@ -401,25 +413,16 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        def positive(name: str, value: int | None) -> None:
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-        positive("block_size", self.block_size)
-        positive("max_num_seqs", self.max_num_seqs)
-        positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        positive("max_model_len", self.max_model_len)
-        positive("num_kv_blocks", self.num_kv_blocks)
-        positive("kv_cache_memory", self.kv_cache_memory)
-        positive("max_loras", self.max_loras)
-        positive("max_lora_rank", self.max_lora_rank)
-        positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.max_cpu_loras is not None and (
-            not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 0
-        ):
-            raise ValueError(
-                f"max_cpu_loras must be a non-negative integer, got {self.max_cpu_loras!r}"
-            )
+        for f in fields(self):  # each number within its Option's bounds (as in the CRD)
+            option, value = f.metadata["option"], getattr(self, f.name)
+            if value is None or (option.minimum is None and option.maximum is None):
+                continue
+            integer = "int" in str(f.type)
+            if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+                kind = "an integer" if integer else "a number"
+                raise ValueError(f"{f.name} must be {kind}, got {value!r}")
+            if (problem := bound_problem(option, value)) is not None:
+                raise ValueError(f"{f.name} {problem}, got {value!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}"
@@ -440,11 +443,6 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not _cuda_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available here")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        positive("speculative_max_batch", self.speculative_max_batch)
         if self.speculative_config is not None:
             # Stored complete (defaults filled in), so logs and /metrics show every key.
             settings = speculative_settings(self.speculative_config)

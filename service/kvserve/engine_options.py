@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import EngineConfig, Option
+from kvserve.config import EngineConfig, Option, bound_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KWARGS_MODULE = Path(__file__).resolve().parent / "engine_kwargs.py"
@@ -113,21 +113,15 @@ def config_from_args(args: argparse.Namespace, **fields: Any) -> EngineConfig:
 
 
 def _bounded(kind: type, option: Option) -> Callable[[str], Any]:
-    """``kind`` parsed from a flag's text and held to ``option``'s bounds (the CRD's
-    schema holds the same), so a flag out of range is named as the flag."""
-    low, high, open_low = option.minimum, option.maximum, option.exclusive_minimum
-    if kind not in (int, float) or (low is None and high is None):
+    """``kind`` parsed from a flag's text and held to ``option``'s bounds
+    (``config.bound_problem``), so that a flag out of range is named as the flag."""
+    if kind not in (int, float) or (option.minimum is None and option.maximum is None):
         return kind
 
     def parse(text: str) -> Any:
         value = kind(text)
-        if (low is not None and (value <= low if open_low else value < low)) or (
-            high is not None and value > high
-        ):
-            above = f"> {low:g}" if open_low else f">= {low:g}"
-            bounds = [above] if low is not None else []
-            bounds += [f"<= {high:g}"] if high is not None else []
-            raise argparse.ArgumentTypeError(f"must be {' and '.join(bounds)}, got {text}")
+        if (problem := bound_problem(option, value)) is not None:
+            raise argparse.ArgumentTypeError(f"{problem}, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse's "invalid int value" for non-numbers

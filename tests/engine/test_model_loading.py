@@ -70,8 +70,13 @@ def test_missing_and_misshaped_weights_are_named(tmp_path: Path, checkpoint_dir)
 
 def test_bad_engine_arguments_are_named(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     path = str(checkpoint_dir("llama"))
-    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+    with pytest.raises(ValueError, match="block_size must be >= 1 and <= 256, got 0"):
         LLM(path, block_size=0)
+    # The Option's bounds (the CRD's and the flag's) hold for LLM too: it took 512.
+    with pytest.raises(ValueError, match="block_size must be >= 1 and <= 256, got 512"):
+        LLM(path, block_size=512)
+    with pytest.raises(ValueError, match=r"max_num_seqs must be an integer, got 1\.5"):
+        LLM(path, max_num_seqs=1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dtype must be"):
         LLM(path, dtype="int8")
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=1024"):

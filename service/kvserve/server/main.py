@@ -122,7 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--refusals-per-second",
-        type=_refusal_rate,
+        type=_non_negative,
         default=REPLICA_REFUSALS_PER_SECOND,
         help="answer 4xx refusals no faster than this, after a burst of one second's worth, "
         "so that clients looping on refused requests cannot take the CPU from the others; "
@@ -149,7 +149,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--drain-timeout",
-        type=_seconds,
+        type=_non_negative,
         default=30.0,
         help="seconds to let in-flight requests finish on SIGTERM; then the rest are aborted "
         "(default: 30)",
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.telemetry.prometheus import EngineMetrics
 
     configure_logging(args.log_level)
-    problem = metrics_port_problem(args) or lora_problem(args)
+    problem = port_clash_problem(args) or lora_problem(args)
     if problem is not None:  # before loading the model: a wrong flag fails fast
         print(f"kvserve serve: error: {problem}", file=sys.stderr)
         return 2
@@ -301,11 +301,6 @@ def _ports(args: argparse.Namespace) -> dict[str, int]:
 
 def ports_problem(args: argparse.Namespace) -> str | None:
     """Why one of the server's ports cannot be listened on now, or None."""
-    flags_of: dict[int, str] = {}
-    for flag, port in _ports(args).items():
-        if port in flags_of:
-            return f"{flag} {port} is also {flags_of[port]}: each listener needs a port of its own"
-        flags_of[port] = flag
     for flag, port in _ports(args).items():
         problem = bind_problem(args.host, port)
         if problem is not None:
@@ -331,27 +326,18 @@ def lora_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _seconds(text: str) -> float:
-    seconds = float(text)
-    if not 0 <= seconds < float("inf"):  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
-    return seconds
-
-
-def _refusal_rate(text: str) -> float:
-    rate = float(text)
-    if not 0 <= rate < float("inf"):  # NaN too
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):  # NaN too
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return rate
+    return value
 
 
-def metrics_port_problem(args: argparse.Namespace) -> str | None:
-    """Why ``--metrics-port`` cannot be used with the other ports, or None."""
-    port = args.metrics_port
-    if port is None:
-        return None
-    taken = {flag: p for flag, p in _ports(args).items() if flag != "--metrics-port"}
-    for flag, other in taken.items():
-        if port == other:
-            return f"--metrics-port {port} is also {flag}: give /metrics a port of its own"
+def port_clash_problem(args: argparse.Namespace) -> str | None:
+    """Why two of the server's listeners would share a port, or None (checked first)."""
+    flags_of: dict[int, str] = {}
+    for flag, port in _ports(args).items():
+        if port in flags_of:
+            return f"{flag} {port} is also {flags_of[port]}: each listener needs a port of its own"
+        flags_of[port] = flag
     return None
