@@ -22,7 +22,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.lora import LoRARequest
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc
-from kvserve.server.main import add_arguments, lora_problem
+from kvserve.server.main import add_arguments, lora_dir_warning, lora_problem
 from tests.support.cli_server import start_cli_server
 from tests.support.net import free_port
 from tests.support.openapi_fuzz import fuzz_operation
@@ -264,6 +264,17 @@ def test_lora_flags_need_enable_lora() -> None:
         lora_problem(p.parse_args(["--enable-lora", "--lora-modules", "a b=/x"])) or ""
     )
     assert lora_problem(p.parse_args(["--enable-lora", "--lora-modules", "a=/x"])) is None
+
+
+def test_a_missing_lora_dir_is_warned_about(tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    missing = tmp_path / "adapters"
+    warning = lora_dir_warning(p.parse_args(["--enable-lora", "--lora-dir", str(missing)]))
+    assert warning is not None and str(missing) in warning and "not a folder" in warning
+    missing.mkdir()
+    assert lora_dir_warning(p.parse_args(["--enable-lora", "--lora-dir", str(missing)])) is None
+    assert lora_dir_warning(p.parse_args([])) is None
 
 
 def test_grpc_selects_loads_lists_and_unloads_adapters(served: Served) -> None:

@@ -209,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:  # before the model loads, which can take minutes
         print(f"kvserve serve: error: {problem}", file=sys.stderr)
         return 2
+    if (warning := lora_dir_warning(args)) is not None:
+        print(f"kvserve serve: warning: {warning}", file=sys.stderr)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
@@ -324,6 +326,17 @@ def lora_problem(args: argparse.Namespace) -> str | None:
     if len(set(names)) != len(names):
         return "--lora-modules names an adapter twice"
     return None
+
+
+def lora_dir_warning(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--lora-dir`` now, or None. A warning, not an error: a volume
+    or a sidecar may fill the folder in after the server starts."""
+    if args.lora_dir is None or Path(args.lora_dir).is_dir():
+        return None
+    return (
+        f"--lora-dir {args.lora_dir} is not a folder (yet): every POST /v1/load_lora_adapter "
+        "is refused until it is"
+    )
 
 
 def _non_negative(text: str) -> float:
