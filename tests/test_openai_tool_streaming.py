@@ -149,6 +149,28 @@ def test_a_forced_call_cut_short_keeps_what_was_sent() -> None:
     assert joined(deltas) == ('<tool_call>\n{"na', [])
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"a": 15',  # a number being read
+        '{"a": -1.5e',
+        '{"a": 1, "b": nu',  # a literal
+        '{"a": tr',
+        '{"city": "Paris \\u00',  # an escape
+        '{"city": "Paris \\',
+        '{"city": "\\ud83d',  # a high surrogate waiting for its low half
+        '{"city": "\\ud83d\\ude',
+    ],
+)
+def test_a_forced_call_cut_inside_a_token_keeps_its_characters(arguments: str) -> None:
+    """max_tokens may end the output inside a number, a literal or an escape: those
+    characters were generated, so the call's arguments end with them too."""
+    text = f'<tool_call>\n{{"name": "add", "arguments": {arguments}'
+    for chunks in (list(text), [text]):
+        content, calls = joined(steps(reader("hermes", REQUIRED), chunks, end="length"))
+        assert (content, calls) == ("", [("add", arguments)])
+
+
 @pytest.mark.parametrize("text", ["Hello <tool_call>\n{}", "Plain text, no call."])
 def test_text_under_auto_with_a_strict_tool_is_read_as_without_a_grammar(text: str) -> None:
     """In "auto" the grammar lets text come instead of calls (and then constrains

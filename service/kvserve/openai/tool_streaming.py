@@ -17,9 +17,10 @@ all outputs without a grammar (``WholeCalls``): there a call is sent only once i
 complete and parses, header and all its arguments at once, because unconstrained text
 that looks like a call may still turn out not to be one (it is then content).
 
-A call cut short (``max_tokens``, a stop string) keeps what was sent: its arguments are
-incomplete, and the finish reason ("length", or "stop" for a stop string) says so, as
-in OpenAI's API. Text of a call cut before its name was read is content.
+A call cut short (``max_tokens``, a stop string) keeps what was written, down to the
+digits of a number it was inside: its arguments are incomplete, and the finish reason
+("length", or "stop" for a stop string) says so, as in OpenAI's API. Text of a call cut
+before its name was read is content.
 """
 
 from __future__ import annotations
@@ -140,6 +141,18 @@ class CanonicalJson:
 
     def value_ended(self, depth: int) -> None:
         """Called after each value (hook)."""
+
+    def cut_short(self) -> None:
+        """The text ended here: emit what is still held as it was written (a number, a
+        literal or an escape being read, a high surrogate waiting for its low half), so a
+        cut answer keeps everything the model generated."""
+        part = "key" if self.in_key else "value"
+        if self.high is not None:
+            self.emit(f"\\u{self.high:04x}", len(self.stack), part)
+            self.high = None
+        if self.token:
+            self.emit(self.token, len(self.stack), part)
+            self.token = ""
 
     def _number(self, c: str) -> bool:
         if c in _NUMBER_CHARS:
@@ -375,8 +388,16 @@ class StreamedCalls:
             return CallsDelta(start.content + end.content, start.calls + end.calls)
         if self.fallback is not None:
             return self.fallback.finish()
-        # Cut short: a call whose name was not read yet is text.
-        return CallsDelta(self.held.lstrip() if self.opening_call else "")
+        # Cut short: a call whose name was not read yet is text; one whose name was sent
+        # keeps the rest of what was written.
+        if self.opening_call:
+            return CallsDelta(self.held.lstrip())
+        out = CallsDelta()
+        if self.call is not None:
+            self.call.cut_short()
+            out.add(self.num_calls - 1, "".join(self.call.arguments))
+            self.call.arguments.clear()
+        return out
 
     def _literals(self, literals: list[str], then: str) -> None:
         self.expect, self.matched, self.then = [x for x in literals if x], 0, then
