@@ -602,6 +602,7 @@ def test_chat_template_kwargs_reach_the_template(tmp_path: Path, checkpoint_dir)
                 "service_tier": "auto",
                 "safety_identifier": "user-1",
                 "prompt_cache_key": "k",
+                "prompt_cache_retention": "24h",
             }
             assert prompt_tokens(**informational) == plain
             for key in ("chat_template", "tokenize", "messages"):
@@ -869,6 +870,7 @@ def test_null_asks_for_the_default(server: RunningServer) -> None:
             "repetition_penalty",
             "prediction", "modalities", "audio", "verbosity", "web_search_options",
             "function_call", "functions", "stop", "tools", "tool_choice", "response_format",
+            "moderation", "prompt_cache_options", "prompt_cache_retention",
         )
     }  # fmt: skip
     completion = {"model": MODEL, "prompt": "hi", "seed": 7, "max_tokens": 6}
@@ -890,9 +892,18 @@ def test_null_asks_for_the_default(server: RunningServer) -> None:
         sixteen = c.post("/v1/completions", json={**completion, "max_tokens": None,
                                                    "ignore_eos": True})  # fmt: skip
         assert sixteen.json()["usage"]["completion_tokens"] == 16
-        for field, value in (("best_of", 2), ("suffix", "x"), ("audio", {})):
+        for field, value in (("best_of", 2), ("suffix", "x"), ("audio", {}),
+                             ("moderation", {"model": "omni-moderation-latest"})):  # fmt: skip
             r = c.post("/v1/chat/completions", json={**chat, field: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        # OpenAI's stream obfuscation: asking for none is taken, asking for it is refused.
+        streamed = {**chat, "stream": True, "max_tokens": 2}
+        for obfuscation, status in ((None, 200), (False, 200), (True, 400)):
+            options = {"include_usage": True, "include_obfuscation": obfuscation}
+            r = c.post("/v1/chat/completions", json={**streamed, "stream_options": options})
+            assert r.status_code == status, r.text
+        param = r.json()["error"]["param"]
+        assert param == "stream_options.include_obfuscation", param
         assistant = {"role": "assistant", "content": "x", "audio": {"id": "a1"}}
         r = c.post("/v1/chat/completions", json={**chat, "messages": [assistant]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.audio"

@@ -17,8 +17,8 @@ from kvserve.sampling_params import INT32_MAX, MAX_N, SamplingParams, Structured
 # value is still refused by name.
 UNSET_WHEN_NULL = frozenset(
     {
-        "audio", "best_of", "function_call", "functions", "modalities",
-        "prediction", "suffix", "verbosity", "web_search_options",
+        "audio", "best_of", "function_call", "functions", "modalities", "moderation",
+        "prediction", "prompt_cache_options", "suffix", "verbosity", "web_search_options",
     }
 )  # fmt: skip
 
@@ -56,6 +56,16 @@ def _defaults_to_a_value(field: FieldInfo) -> bool:
 
 class StreamOptions(OpenAIObject):
     include_usage: bool = False
+    # OpenAI's padding of stream events against size side channels: not done here, so
+    # only a request without it (false, null) is taken.
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("this server does not obfuscate streams: send false or leave it out")
+        return value
 
 
 # vLLM's bound is "long enough to be unpredictable"; this one keeps a salt a key, not a body.
@@ -118,6 +128,7 @@ class CommonRequest(OpenAIObject):
     service_tier: str | None = Field(None, max_length=64)
     safety_identifier: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     @field_validator("logit_bias")
     @classmethod
