@@ -299,6 +299,15 @@ def test_refusals_name_the_parameter_the_client_sent(replicas: list[Replica]) ->
             assert r.status_code == 400, r.text
             assert error_of(r)["param"] == "max_completion_tokens"
             assert "max_completion_tokens (1000000000)" in error_of(r)["message"]
+            assert error_of(r)["code"] == "context_length_exceeded"
+            # A chat's prompt is its messages, as OpenAI names it.
+            long = chat_body("word " * 2100, max_tokens=2)
+            r = c.post("/v1/chat/completions", json=long)
+            assert r.status_code == 400, r.text
+            assert (error_of(r)["param"], error_of(r)["code"]) == (
+                "messages",
+                "context_length_exceeded",
+            )
             r = c.post("/v1/chat/completions", json={**chat, "top_logprobs": 2})
             assert r.status_code == 400 and error_of(r)["param"] == "top_logprobs", r.text
             nan = json.dumps(chat)[:-1] + ', "temperature": NaN}'

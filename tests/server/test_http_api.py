@@ -443,6 +443,23 @@ NOT_JSON_TYPES = [
 ]
 
 
+def test_a_prompt_over_the_context_is_openais_context_length_error(server: RunningServer) -> None:
+    """A prompt longer than the context is OpenAI's ``context_length_exceeded``, with the
+    words clients match ("maximum context length") and, for a chat, ``param: messages``
+    (its prompt is its messages), so agent frameworks shorten the conversation."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    long = "word " * 1100  # over the server's max_model_len of 1024 tokens
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=2
+        )
+    with pytest.raises(openai.BadRequestError) as completion:
+        client.completions.create(model=MODEL, prompt=long, max_tokens=2)
+    for error, param in ((chat.value, "messages"), (completion.value, "prompt")):
+        assert (error.code, error.param) == ("context_length_exceeded", param)
+        assert "This model's maximum context length is 1024 tokens" in error.message
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("content_type", JSON_TYPES + NOT_JSON_TYPES)
 def test_a_body_is_json_only_when_its_content_type_says_so(

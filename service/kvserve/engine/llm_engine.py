@@ -41,7 +41,7 @@ from kvserve.engine.kv_events import KVEventPublisher, start_kv_events
 from kvserve.engine.model_runner import KEEPALIVE, ModelRunner
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from kvserve.lora.request import LoRARequest
 from kvserve.model.config import ModelConfig
 from kvserve.outputs import (
@@ -533,9 +533,12 @@ class LLMEngine:
         param = "prompt" if len(token_ids) >= self.max_model_len else "max_tokens"
         if total > self.max_model_len:
             raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds max_model_len={self.max_model_len}",
+                # OpenAI's opening words, which clients match to shorten and retry.
+                f"This model's maximum context length is {self.max_model_len} tokens "
+                f"(max_model_len): prompt ({len(token_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds max_model_len={self.max_model_len}",
                 param,
+                CONTEXT_LENGTH_EXCEEDED,
             )
         if not self.kv.can_fit(total):
             raise InvalidRequestError(
@@ -543,6 +546,7 @@ class LLMEngine:
                 f"blocks but the whole pool has {self.num_kv_blocks} "
                 f"(block_size={self.config.block_size})",
                 param,
+                CONTEXT_LENGTH_EXCEEDED,
             )
         req = Request(
             request_id=request_id,

@@ -237,7 +237,7 @@ async def _serve(
         )
     except InvalidRequestError as exc:
         state.metrics.rejections.labels("invalid").inc()
-        raise checks.in_client_terms(OpenAIError(400, str(exc), param=exc.param), body) from None
+        raise checks.in_client_terms(OpenAIError.invalid_request(exc), body) from None
     cache_salt = state.salts.salt(tenant, body.cache_salt)
     upstreams = []  # prompt i's sample j at i·n + j (its choice's index)
     for prompt in prompts:

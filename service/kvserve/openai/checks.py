@@ -102,20 +102,22 @@ def in_client_terms(
     error: OpenAIError, body: CompletionRequest | ChatCompletionRequest
 ) -> OpenAIError:
     """An engine's refusal (a 400 from ``InvalidRequestError``, or a replica's
-    ``INVALID_ARGUMENT``) naming the field the client sent: the engine calls the output
+    ``INVALID_ARGUMENT``) naming the field the client sent. The engine calls the output
     limit ``max_tokens`` whichever field set it, so a chat's ``max_completion_tokens``
-    would be refused as a ``max_tokens`` the client never sent."""
-    if not isinstance(body, ChatCompletionRequest) or body.max_completion_tokens is None:
+    would be refused as a ``max_tokens`` the client never sent; and a chat's prompt is
+    its ``messages`` (as OpenAI names it in a context-length error)."""
+    if not isinstance(body, ChatCompletionRequest):
         return error
-    if error.param != "max_tokens" and not _MAX_TOKENS.search(error.message):
+    message, param = error.message, error.param
+    if param == "prompt":
+        param = "messages"
+    if body.max_completion_tokens is not None and _MAX_TOKENS.search(message):
+        message = _MAX_TOKENS.sub(MAX_COMPLETION_TOKENS, message)
+    if body.max_completion_tokens is not None and param == "max_tokens":
+        param = MAX_COMPLETION_TOKENS
+    if (message, param) == (error.message, error.param):
         return error
-    return OpenAIError(
-        error.status,
-        _MAX_TOKENS.sub(MAX_COMPLETION_TOKENS, error.message),
-        param=MAX_COMPLETION_TOKENS if error.param == "max_tokens" else error.param,
-        code=error.code,
-        headers=error.headers,
-    )
+    return OpenAIError(error.status, message, param=param, code=error.code, headers=error.headers)
 
 
 def logprobs_count(body: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -130,4 +132,4 @@ def check_stop(body: CommonRequest, limits: StopLimits) -> None:
     try:
         limits.check(body.stop_list)
     except InvalidRequestError as exc:
-        raise OpenAIError(400, str(exc), param=exc.param) from None
+        raise OpenAIError.invalid_request(exc) from None

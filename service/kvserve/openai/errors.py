@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.errors import InvalidRequestError
+
 log = logging.getLogger("kvserve.http")
 
 _TYPES = {
@@ -48,6 +50,11 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+
+    @classmethod
+    def invalid_request(cls, exc: InvalidRequestError, prefix: str = "") -> OpenAIError:
+        """The 400 of an engine's refusal, with its parameter and code."""
+        return cls(400, f"{prefix}{exc}", param=exc.param, code=exc.code)
 
 
 def error_body(

@@ -540,10 +540,14 @@ def decode_chat_delta(delta: pb.Delta) -> ChatDelta:
 
 
 # ---- errors --------------------------------------------------------------------------
-def encode_error(code: grpc.StatusCode, message: str, param: str | None = None) -> pb.Error:
+def encode_error(
+    code: grpc.StatusCode, message: str, param: str | None = None, openai_code: str | None = None
+) -> pb.Error:
     error = pb.Error(code=code.value[0], message=message)
     if param is not None:
         error.param = param
+    if openai_code is not None:
+        error.openai_code = openai_code
     return error
 
 
@@ -556,17 +560,29 @@ def status_code(error: pb.Error) -> grpc.StatusCode:
     return _STATUS_BY_VALUE.get(error.code, grpc.StatusCode.UNKNOWN)
 
 
-def error_param(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The parameter a failed call's ``Error`` names (None if it names none, or the
-    replica sent none: an older one, or a failure outside the engine)."""
+def error_of(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.Error | None:
+    """A failed call's ``Error`` (None if the replica sent none: an older one, or a
+    failure outside the engine)."""
     for key, value in trailing_metadata or ():
         if key == ERROR_METADATA_KEY and isinstance(value, bytes):
             try:
-                error = pb.Error.FromString(value)
+                error: pb.Error = pb.Error.FromString(value)
             except DecodeError:
                 return None
-            return error.param if error.HasField("param") else None
+            return error
     return None
+
+
+def error_param(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The parameter a failed call's ``Error`` names (None if it names none)."""
+    error = error_of(trailing_metadata)
+    return error.param if error is not None and error.HasField("param") else None
+
+
+def error_openai_code(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """OpenAI's error code a failed call's ``Error`` carries (None if none)."""
+    error = error_of(trailing_metadata)
+    return error.openai_code if error is not None and error.HasField("openai_code") else None
 
 
 _STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}

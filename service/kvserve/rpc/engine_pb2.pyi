@@ -310,14 +310,16 @@ class Cancel(_message.Message):
     def __init__(self) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message", "param")
+    __slots__ = ("code", "message", "param", "openai_code")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PARAM_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_CODE_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     param: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
+    openai_code: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., param: _Optional[str] = ..., openai_code: _Optional[str] = ...) -> None: ...
 
 class TaggedOutput(_message.Message):
     __slots__ = ("tag", "delta", "final", "error")

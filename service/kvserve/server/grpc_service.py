@@ -64,15 +64,22 @@ MAX_ECHO_BYTES_PER_MESSAGE = 4 * 1024 * 1024
 class _Refused(Exception):
     """A request the engine will not (or can no longer) serve, as a gRPC status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        param: str | None = None,
+        openai_code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        self.openai_code = openai_code
 
     @property
     def error(self) -> pb.Error:
-        return codec.encode_error(self.code, self.message, self.param)
+        return codec.encode_error(self.code, self.message, self.param, self.openai_code)
 
 
 def _refusal(exc: BaseException, grammar_param: str | None = None) -> _Refused:
@@ -83,7 +90,7 @@ def _refusal(exc: BaseException, grammar_param: str | None = None) -> _Refused:
     if isinstance(exc, EngineDeadError):
         return _Refused(grpc.StatusCode.UNAVAILABLE, str(exc))
     if isinstance(exc, InvalidRequestError):
-        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param)
+        return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param, exc.code)
     if isinstance(exc, ValueError):
         return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, GrammarFailedError):  # the request's own constraint

@@ -64,7 +64,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
         try:
             await validate_constraint(state.engine, constraint)
         except InvalidRequestError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param) from exc
+            raise OpenAIError.invalid_request(exc) from exc
     reqs = await _make_requests(
         state,
         request,
@@ -148,9 +148,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             body.chat_ending(),
         )
     except InvalidRequestError as exc:
-        raise OpenAIError(
-            400, f"model {state.served_model_name!r}: {exc}", param=exc.param
-        ) from exc
+        raise OpenAIError.invalid_request(exc, f"model {state.served_model_name!r}: ") from exc
     if limit is None:  # as much as the context allows
         limit = state.engine.engine.context_left(len(chat.prompt_ids))
     reqs = await _make_requests(
@@ -282,8 +280,7 @@ async def _make_requests(
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
     except InvalidRequestError as exc:
-        error = OpenAIError(400, str(exc), param=exc.param)
-        raise checks.in_client_terms(error, body) from exc
+        raise checks.in_client_terms(OpenAIError.invalid_request(exc), body) from exc
 
 
 def _delta_logprobs(c: CompletionOutput) -> Sequence[TokenLogprob] | None:
