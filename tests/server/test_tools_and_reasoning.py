@@ -146,6 +146,29 @@ def test_text_parts_are_the_same_prompt_as_a_string(tools_server: RunningServer)
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
 
 
+def test_an_assistants_refusal_is_its_text(tools_server: RunningServer) -> None:
+    """OpenAI's refusal, sent back in a conversation as a refusal part or as the SDK's
+    message (content null, ``refusal`` set), is what the assistant said."""
+    said = "I cannot help with that."
+    forms: list[dict[str, Any]] = [
+        {"role": "assistant", "content": said},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": said}]},
+        {"role": "assistant", "content": None, "refusal": said},
+    ]
+    with tools_server.client() as c:
+        usages = []
+        for reply in forms:
+            messages = [*QUESTION, reply, {"role": "user", "content": "Why?"}]
+            body = {"model": MODEL, "max_tokens": 1, "messages": messages}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            usages.append(r.json()["usage"]["prompt_tokens"])
+    assert usages[0] == usages[1] == usages[2]
+    user_refusal = [{"role": "user", "content": [{"type": "refusal", "refusal": said}]}]
+    error = refusal(tools_server, {"messages": user_refusal})
+    assert error["param"] == "messages[0].content[0]"
+
+
 @pytest.mark.parametrize(
     ("part", "kind"),
     [

@@ -31,18 +31,21 @@ def _message(i: int, m: ChatMessage) -> Message:
     where = f"messages[{i}]"
     out: Message = {"role": m.role}
     if m.content is None:
-        if not (m.role == "assistant" and m.tool_calls):
+        if m.role == "assistant" and m.refusal is not None:  # a refusal sent back
+            out["content"] = m.refusal
+        elif not (m.role == "assistant" and m.tool_calls):
             raise OpenAIError(
                 400,
-                f"{where}.content is null: only an assistant message with tool_calls may "
-                "have no content",
+                f"{where}.content is null: only an assistant message with tool_calls or a "
+                "refusal may have no content",
                 param=f"{where}.content",
             )
-        out["content"] = ""
+        else:
+            out["content"] = ""
     elif isinstance(m.content, str):
         out["content"] = m.content
     else:
-        out["content"] = _text_of_parts(m.content, f"{where}.content")
+        out["content"] = _text_of_parts(m.content, f"{where}.content", m.role)
     if m.name is not None:
         out["name"] = m.name
     if m.tool_calls:
@@ -69,7 +72,9 @@ def _message(i: int, m: ChatMessage) -> Message:
     return out
 
 
-def _text_of_parts(parts: list[ContentPart], where: str) -> str:
+def _text_of_parts(parts: list[ContentPart], where: str, role: str) -> str:
+    """A message's parts as its text: text parts, and an assistant's refusal parts (what
+    it said), joined by newlines."""
     if not parts:  # as OpenAI's API refuses it
         raise OpenAIError(
             400, f"{where} is an empty array: send a string or at least one part", param=where
@@ -81,6 +86,10 @@ def _text_of_parts(parts: list[ContentPart], where: str) -> str:
             if part.text is None:
                 raise OpenAIError(400, f"{param}: a text part needs its text", param=param)
             texts.append(part.text)
+        elif part.type == "refusal" and role == "assistant":
+            if part.refusal is None:
+                raise OpenAIError(400, f"{param}: a refusal part needs its refusal", param=param)
+            texts.append(part.refusal)
         elif part.type in NON_TEXT_PARTS:
             raise OpenAIError(
                 400,

@@ -232,8 +232,9 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant's refusal part
 
-    @field_validator("text")
+    @field_validator("text", "refusal")
     @classmethod
     def _valid_text(cls, value: str | None) -> str | None:
         return None if value is None else _valid_unicode(value)
