@@ -166,10 +166,14 @@ def test_reasoning_deltas_through_the_gateway(reasoning_gateway: Gateway) -> Non
     whole = client.chat.completions.create(**request).choices[0].message
     reasoning = whole.reasoning_content  # type: ignore[attr-defined]
     assert reasoning and "think>" not in reasoning + (whole.content or "")
+    assert whole.reasoning == reasoning  # type: ignore[attr-defined]  # vLLM's name
     deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **request)]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
     assert "".join(d.content or "" for d in deltas) == whole.content
     assert sum(bool(getattr(d, "reasoning_content", None)) for d in deltas) > 1
+    assert all(
+        getattr(d, "reasoning", None) == getattr(d, "reasoning_content", None) for d in deltas
+    )
 
 
 def test_bad_input_is_refused_by_field(tools_gateway: Gateway) -> None:

@@ -793,6 +793,7 @@ def test_reasoning_is_split_from_the_answer(reasoning_server: RunningServer) -> 
     whole = client.chat.completions.create(**request).choices[0].message
     reasoning = whole.reasoning_content  # type: ignore[attr-defined]
     assert reasoning and "<think>" not in reasoning and "</think>" not in (whole.content or "")
+    assert whole.reasoning == reasoning  # type: ignore[attr-defined]  # vLLM's name
     raw = {k: v for k, v in request.items() if k != "extra_body"}
     raw.update(request["extra_body"], stream=True)
     with (  # the raw events: reasoning_content deltas
@@ -804,6 +805,18 @@ def test_reasoning_is_split_from_the_answer(reasoning_server: RunningServer) -> 
     assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
     assert "".join(d.get("content", "") for d in deltas) == whole.content
     assert sum("reasoning_content" in d for d in deltas) > 1  # streamed, not held to the end
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    # Sent back in the conversation under either name, it is the same prompt.
+    with reasoning_server.client() as c:
+        usages = []
+        for field in ("reasoning_content", "reasoning"):
+            said = {"role": "assistant", "content": whole.content, field: reasoning}
+            messages = [*QUESTION, said, {"role": "user", "content": "And?"}]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            usages.append(r.json()["usage"]["prompt_tokens"])
+    assert usages[0] == usages[1]
 
 
 def test_answers_without_thinking_are_content(reasoning_server: RunningServer) -> None:
@@ -818,7 +831,8 @@ def test_answers_without_thinking_are_content(reasoning_server: RunningServer) -
             },
         )
     message = r.json()["choices"][0]["message"]
-    assert message["content"] == "plain answer" and "reasoning_content" not in message
+    assert message["content"] == "plain answer"
+    assert "reasoning_content" not in message and "reasoning" not in message
 
 
 def test_a_schema_applies_after_the_think_block(reasoning_server: RunningServer) -> None:

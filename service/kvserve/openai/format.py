@@ -16,6 +16,10 @@ from kvserve.outputs import RequestOutput, TokenLogprob
 
 TokenText = Callable[[int], str]
 SSE_DONE = "data: [DONE]\n\n"
+# Where an answer's reasoning goes: ``reasoning_content`` (DeepSeek's name, which clients
+# written for it and for earlier vLLM read) and ``reasoning`` (vLLM's since 2026, as
+# OpenAI advised for chain of thought in Chat Completions). Both, with the same text.
+REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -208,15 +212,15 @@ def chat_chunk(
     reasoning: str = "",
     index: int = 0,
 ) -> dict[str, Any]:
-    """A chat delta of choice ``index`` with text (``content``) and/or
-    ``reasoning_content``; a delta with reasoning only has no ``content``."""
+    """A chat delta of choice ``index`` with text (``content``) and/or reasoning
+    (``REASONING_FIELDS``); a delta with reasoning only has no ``content``."""
     delta: dict[str, Any] = {}
     if first:
         delta["role"] = "assistant"
     if text or not reasoning:
         delta["content"] = text
     if reasoning:
-        delta["reasoning_content"] = reasoning
+        delta |= dict.fromkeys(REASONING_FIELDS, reasoning)
     return _chat_chunk(ids, delta, logprobs, finish_reason, index)
 
 
@@ -283,11 +287,11 @@ def chat_choice(
     tool_calls: Sequence[ToolCallDelta] = (),
 ) -> dict[str, Any]:
     """One whole answer of a chat (``tool_calls``: its call deltas, joined). With tool
-    calls and no text, ``content`` is null (OpenAI's); ``reasoning_content`` is there when
-    a reasoning parser is on."""
+    calls and no text, ``content`` is null (OpenAI's); the reasoning (``REASONING_FIELDS``)
+    is there when a reasoning parser is on."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning is not None:
-        message["reasoning_content"] = reasoning
+        message |= dict.fromkeys(REASONING_FIELDS, reasoning)
     if tool_calls:
         message["content"] = text or None
         message["tool_calls"] = joined_calls(tool_calls)

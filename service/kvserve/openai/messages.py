@@ -67,8 +67,9 @@ def _message(i: int, m: ChatMessage) -> Message:
                 param=f"{where}.tool_call_id",
             )
         out["tool_call_id"] = m.tool_call_id
-    if m.reasoning_content is not None and m.role == "assistant":
-        out["reasoning_content"] = m.reasoning_content  # Qwen3's template reads it
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None and m.role == "assistant":
+        out["reasoning_content"] = reasoning  # Qwen3's template reads it
     return out
 
 

@@ -271,6 +271,7 @@ class ChatMessage(OpenAIObject):
     tool_call_id: str | None = None  # tool
     # What a client echoes back from an earlier response (the OpenAI SDK's message).
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's name for it since 2026
     refusal: str | None = None
     # URL citations of an earlier answer: they say nothing to the model, so are ignored.
     annotations: list[Any] | None = None
