@@ -345,9 +345,11 @@ def test_a_grammar_that_fails_in_the_engine_fails_only_its_request(checkpoint_di
 @pytest.mark.parametrize(
     ("kind", "why"),
     [
-        # Validates, then fails on its first mask, which then allows only EOS: an
-        # accepted EOS ended the request "stop" with an empty answer.
+        # Validate and compile, but match no text: their first mask fails (which then
+        # allowed only EOS: an accepted EOS ended the request "stop" with an empty
+        # answer). Found when compiled, before the request runs.
         ({"json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}, "NoExtension"),
+        ({"regex": "[^\\x00-\\U0010FFFF]"}, "the structured_outputs constraint matches no text"),
         # Validates and compiles, then grows past llguidance's limits on the first "a".
         ({"regex": "a{1000000}"}, "too many expressions"),
     ],

@@ -81,6 +81,17 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"the structured_outputs grammar does not compile: {matcher.get_error()}", PARAM
             )
+        # A grammar can compile and yet match no text at all (a regex of an empty character
+        # class): its first mask fails. Found here, on a copy, it is the request's clear 400
+        # before anything runs, not a failure at its first step.
+        probe = matcher.deep_copy()
+        probe.compute_logit_bias()
+        if probe.is_error():
+            raise InvalidRequestError(
+                "the structured_outputs constraint matches no text: no token can begin it "
+                f"(llguidance: {probe.get_error().strip()})",
+                PARAM,
+            )
         return CompiledGrammar(matcher, tokenizer.vocab_size, seconds)
 
     def discard(self, compiled: Future[CompiledGrammar]) -> None:
