@@ -107,6 +107,15 @@ def test_vllms_stop_and_special_token_fields_reach_the_replica(
         via = c.post("/v1/completions", json=body).json()
     assert via["choices"][0]["finish_reason"] == direct["choices"][0]["finish_reason"] == "stop"
     assert via["usage"]["completion_tokens"] == 1
+    # vLLM's stop_reason: the stop token id, or the stop string, that ended the output.
+    assert via["choices"][0]["stop_reason"] == direct["choices"][0]["stop_reason"] == 42
+    plain = {**GREEDY, "prompt": "the cache keeps keys", "max_tokens": 12}
+    with gateway.client() as c:
+        text = c.post("/v1/completions", json=plain).json()["choices"][0]["text"]
+        stop = text[5:7]
+        whole = c.post("/v1/completions", json={**plain, "stop": [stop]}).json()
+        _, chunks = stream_text(c, "/v1/completions", {**plain, "stop": [stop]})
+    assert whole["choices"][0]["stop_reason"] == chunks[-1]["choices"][0]["stop_reason"] == stop
 
 
 def test_streamed_completion_logprobs_join_to_the_whole_answers(gateway: Gateway) -> None:

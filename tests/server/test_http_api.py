@@ -814,6 +814,27 @@ def test_vllms_stop_token_ids_stop_string_and_special_token_fields(
         eos_only = {"logit_bias": {str(eos_id): 100}, "max_tokens": 3}
         assert choice(**eos_only)["text"] == ""
         assert choice(**eos_only, skip_special_tokens=False)["text"] == eos * 3
+        # vLLM's stop_reason: the stop token id or stop string that ended it, else null.
+        assert stopped["stop_reason"] == 42 and without["stop_reason"] == stop
+        assert choice(**forced)["stop_reason"] is None and choice(**eos_only)["stop_reason"] is None
+        with c.stream(
+            "POST", "/v1/completions", json={**body, "stop": [stop], "stream": True}
+        ) as r:
+            events = [e for e in sse_events(r) if isinstance(e, dict)]
+        assert [e["choices"][0].get("stop_reason") for e in events if "stop_reason" in str(e)] == [
+            stop
+        ]
+        chat = {**GREEDY, "messages": [USER_HI], "max_tokens": 12, "logit_bias": {"42": 100}}
+        for stream in (False, True):
+            r = c.post(
+                "/v1/chat/completions", json={**chat, "stop_token_ids": [42], "stream": stream}
+            )
+            assert r.status_code == 200, r.text
+            last = r.json() if not stream else [e for e in sse_events(r) if isinstance(e, dict)][-1]
+            assert (last["choices"][0]["finish_reason"], last["choices"][0]["stop_reason"]) == (
+                "stop",
+                42,
+            )
         r = c.post("/v1/completions", json={**body, "stop_token_ids": list(range(1025))})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
     assert "at most 1024" in r.json()["error"]["message"]

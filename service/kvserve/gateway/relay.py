@@ -20,7 +20,13 @@ from kvserve.openai.chat_output import delta_chunks
 from kvserve.openai.errors import OpenAIError, error_body
 from kvserve.openai.format import ToolCallDelta
 from kvserve.openai.sse import SSE_DONE, TextEvents, encode_event
-from kvserve.rpc.codec import DeltaLogprobs, decode_chat_delta, decode_delta_logprobs, decode_echo
+from kvserve.rpc.codec import (
+    DeltaLogprobs,
+    decode_chat_delta,
+    decode_delta_logprobs,
+    decode_echo,
+    decode_stop_reason,
+)
 
 
 async def sse(
@@ -93,7 +99,8 @@ def _ending(
     """A sample's last events: its finish reason, and after the last sample's (the call
     is then done), the usage if asked for and ``[DONE]``, in one write."""
     call.finished(choice.index, final)
-    end = encode_event(choice.chunk("", None, final.finish_reason))
+    last = choice.chunk("", None, final.finish_reason)
+    end = encode_event(fmt.finished(last, decode_stop_reason(final)))
     if not call.done:
         return end
     ending = [end]
@@ -259,8 +266,9 @@ class _WholeChoice:
             logprobs = None
             if self.logprobs and (self.entries or self.unscored):
                 logprobs = fmt.completion_logprobs(self.entries, token_text, 0, self.unscored)
-            return fmt.completion_choice(index, text, logprobs, final.finish_reason)
-        return fmt.chat_choice(
+            choice = fmt.completion_choice(index, text, logprobs, final.finish_reason)
+            return fmt.with_stop_reason(choice, decode_stop_reason(final))
+        choice = fmt.chat_choice(
             index,
             text,
             fmt.chat_logprobs(self.entries, token_text) if self.entries else None,
@@ -268,3 +276,4 @@ class _WholeChoice:
             reasoning="".join(self.reasoning) or None,
             tool_calls=self.tool_calls,
         )
+        return fmt.with_stop_reason(choice, decode_stop_reason(final))

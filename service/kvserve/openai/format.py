@@ -180,6 +180,22 @@ def completion_choice(
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def with_stop_reason(choice: dict[str, Any], stop_reason: str | int | None) -> dict[str, Any]:
+    """``choice`` with vLLM's ``stop_reason``: the stop string or stop token id that ended
+    it, null when something else did (EOS, the length, a grammar's end). Whole answers
+    carry it on every choice, streams on the chunk with the finish reason (``finished``)."""
+    choice["stop_reason"] = stop_reason
+    return choice
+
+
+def finished(event: dict[str, Any], stop_reason: str | int | None) -> dict[str, Any]:
+    """A stream ``event`` with ``stop_reason`` on its choice that finishes, if it has one."""
+    for choice in event["choices"]:
+        if choice.get("finish_reason") is not None:
+            with_stop_reason(choice, stop_reason)
+    return event
+
+
 @dataclass(frozen=True)
 class ToolCallDelta:
     """A piece of the answer's call ``index``: its first (the header) carries ``id`` and

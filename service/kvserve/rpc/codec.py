@@ -497,6 +497,16 @@ def encode_final(out: RequestOutput, finish_reason: str | None = None) -> pb.Fin
     return final
 
 
+def decode_stop_reason(final: pb.Final) -> str | int | None:
+    """What ended a sample, from its ``Final``: the stop string, the stop token id, or
+    None (EOS, the length, ...)."""
+    if final.HasField("stop_reason"):
+        return str(final.stop_reason)
+    if final.HasField("stop_token_id"):
+        return int(final.stop_token_id)
+    return None
+
+
 @dataclass
 class DeltaLogprobs:
     """A delta's logprob entries and the texts of their tokens (the gateway has no tokenizer)."""

@@ -107,7 +107,8 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
                     lp = echo.logprobs(logprobs, text_of, streamed[c.index])
             elif logprobs is not None:
                 lp = streamed[c.index].chunk(logprobs, text_of)
-            return encode_event(fmt.completion_chunk(ids, text, lp, c.finish_reason, c.index))
+            event = fmt.completion_chunk(ids, text, lp, c.finish_reason, c.index)
+            return encode_event(fmt.finished(event, c.stop_reason))
 
         return _sse(state, reqs, chunk, ids, False, body.include_usage, body.n, grammar_param=param)
 
@@ -121,7 +122,8 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
             echo = echo_of(out)
             text = echo.text + text
             logprobs = echo.logprobs(c.logprobs, text_of) if c.logprobs is not None else None
-        choices.append(fmt.completion_choice(c.index, text, logprobs, c.finish_reason))
+        choice = fmt.completion_choice(c.index, text, logprobs, c.finish_reason)
+        choices.append(fmt.with_stop_reason(choice, c.stop_reason))
     return JSONResponse(fmt.completion_response(ids, choices, _usage(outs, body.n)))
 
 
@@ -172,12 +174,12 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
                 delta, finish = parser.step(c.delta_text, c.finish_reason, c.delta_token_ids)
                 events = delta_chunks(ids, delta, logprobs, finish, first[i], i)
                 first[i] = first[i] and not events
-                return b"".join(encode_event(e) for e in events)
+                return b"".join(encode_event(fmt.finished(e, c.stop_reason)) for e in events)
             if not first[i] and logprobs is None and c.finish_reason is None:
                 return plain[i].text(c.delta_text)
             event = fmt.chat_chunk(ids, c.delta_text, logprobs, c.finish_reason, first[i], index=i)
             first[i] = False
-            return encode_event(event)
+            return encode_event(fmt.finished(event, c.stop_reason))
 
         markers = parsers[0] is not None and bool(parsers[0].markers)
         return _sse(
@@ -191,7 +193,8 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
         for out in outs:
             c = out.outputs[0]
             logprobs = fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None
-            choices.append(fmt.chat_choice(c.index, c.text, logprobs, c.finish_reason))
+            choice = fmt.chat_choice(c.index, c.text, logprobs, c.finish_reason)
+            choices.append(fmt.with_stop_reason(choice, c.stop_reason))
         return JSONResponse(fmt.chat_response(ids, choices, _usage(outs, body.n)))
     # Read step by step, as a stream is: a marker token is put back where it was.
     answers = [ChatDelta() for _ in reqs]
@@ -209,16 +212,15 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     for out in outs:
         c = out.outputs[0]
         answer = answers[c.index]
-        choices.append(
-            fmt.chat_choice(
-                c.index,
-                answer.content,
-                fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None,
-                finishes[c.index],
-                reasoning=answer.reasoning or None,
-                tool_calls=answer.tool_calls,
-            )
+        choice = fmt.chat_choice(
+            c.index,
+            answer.content,
+            fmt.chat_logprobs(c.logprobs, text_of) if c.logprobs else None,
+            finishes[c.index],
+            reasoning=answer.reasoning or None,
+            tool_calls=answer.tool_calls,
         )
+        choices.append(fmt.with_stop_reason(choice, c.stop_reason))
     return JSONResponse(fmt.chat_response(ids, choices, _usage(outs, body.n)))
 
 
