@@ -6,6 +6,7 @@ import gzip
 import json
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -544,7 +545,9 @@ def test_a_replica_dying_mid_stream_ends_its_streams_with_an_error_and_the_rest_
 
 def test_models_lists_what_the_key_may_use(gateway: Gateway) -> None:
     with gateway.client() as c:
-        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL]
+        listed = c.get("/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == [MODEL]
+        assert 0 <= time.time() - listed[0]["created"] < 24 * 3600  # the gateway's start
     with gateway.client(key=KEY_B) as b:
         assert b.get("/v1/models").json()["data"] == []
         # A model the key may not use is as unknown as one that does not exist.

@@ -6,6 +6,7 @@ import gzip
 import json
 import shutil
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,10 @@ def sse_events(response: httpx.Response) -> list[dict | str]:  # type: ignore[ty
 
 def test_models_health_ready(server: RunningServer) -> None:
     with server.client() as c:
-        assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
+        model = c.get("/v1/models").json()["data"][0]
+        assert model["id"] == MODEL
+        # ``created``: when the server started (Unix seconds), as a client may sort by it.
+        assert 0 <= time.time() - model["created"] < 24 * 3600
         assert c.get("/health").status_code == 200
         assert c.get("/ready").status_code == 200
         # Load balancers probe with HEAD too; a method a path lacks is a 405 naming the

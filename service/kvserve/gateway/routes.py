@@ -103,7 +103,12 @@ def gateway_router(state: GatewayState) -> APIRouter:
         """What ``/v1/models`` shows ``tenant``: each model and adapter it may use."""
         data: list[dict[str, Any]] = []
         for model in state.model_names():
-            entry = {"id": model, "object": "model", "created": 0, "owned_by": "kvserve"}
+            entry = {
+                "id": model,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "kvserve",
+            }
             if tenant.allows(model):
                 data.append({**entry, "root": model, "parent": None})
             # An adapter shows to keys that may use it, even if not its base model.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -32,6 +33,8 @@ class GatewayState:
     watcher: ConfigWatcher | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     ready: bool = False
+    # /v1/models' ``created`` (Unix seconds): when this gateway started.
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def model_names(self) -> list[str]:
         """Models in the config, plus those discovery found replicas for."""

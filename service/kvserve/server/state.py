@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -29,6 +30,8 @@ class ServerState:
     admitting: bool = True  # false while draining: readiness fails, new requests get 503
     # How a chat answer is read: tool calls and reasoning (--tool-call-parser, --reasoning-parser).
     chat_parsing: ChatParsing = field(default_factory=ChatParsing)
+    # /v1/models' ``created`` (Unix seconds): when this server started serving the model.
+    created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def tokenizer(self) -> Any:

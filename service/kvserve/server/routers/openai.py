@@ -40,13 +40,13 @@ router = APIRouter()
 @router.get("/v1/models")
 async def list_models(state: State) -> dict[str, Any]:
     """The base model, then each LoRA adapter (``parent``: the base model)."""
-    return {"object": "list", "data": state.lora.models(0, state.max_model_len)}
+    return {"object": "list", "data": state.lora.models(state.created, state.max_model_len)}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, state: State) -> dict[str, Any]:
     """One entry of ``/v1/models`` (OpenAI's retrieve), or 404 ``model_not_found``."""
-    return fmt.model_entry(model, state.lora.models(0, state.max_model_len))
+    return fmt.model_entry(model, state.lora.models(state.created, state.max_model_len))
 
 
 @router.post("/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest))
