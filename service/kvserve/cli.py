@@ -56,7 +56,7 @@ COMMANDS: dict[str, Command | Group] = {
     ),
     "train-demo": Command(
         "kvserve.demo_model.train",
-        "regenerate the bundled demo model from its seed (CPU, ~15 minutes)",
+        "regenerate the bundled demo model from its seed (CPU, ~12 minutes)",
         "Generate the travel-assistant corpus, train its tokenizer and a small "
         "Llama on the CPU, and write the checkpoint (default: over the bundled one). "
         "--check trains into a temporary directory and compares the files instead; "

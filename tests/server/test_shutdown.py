@@ -38,6 +38,9 @@ def test_sigterm_drains_then_exits_zero(checkpoint_dir) -> None:  # type: ignore
             refused = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "new"})
             assert refused.status_code == 503
             assert refused.json()["error"]["type"] == "service_unavailable"
+            not_ready = httpx.get(f"{url}/ready")  # as every error body, with the request id
+            assert not_ready.status_code == 503
+            assert not_ready.json()["error"]["request_id"] == not_ready.headers["x-request-id"]
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
         last = json.loads(rest[-2][len("data: ") :])

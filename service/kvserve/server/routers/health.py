@@ -6,7 +6,7 @@ own (``kvserve.telemetry.metrics_listener``) and the API port does not route it.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from kvserve.openai.errors import error_response
@@ -17,19 +17,20 @@ router = APIRouter()
 
 @router.head("/health", include_in_schema=False)  # load balancers probe with HEAD
 @router.get("/health")  # (registered first: a 405 names GET)
-async def health(state: State) -> JSONResponse:
+async def health(state: State, request: Request) -> JSONResponse:
     """The process is alive and its engine thread is running."""
     if state.engine.dead is not None:
-        return error_response(503, f"engine stopped: {state.engine.dead}")
+        return error_response(503, f"engine stopped: {state.engine.dead}", request=request)
     return JSONResponse({"status": "ok"})
 
 
 @router.head("/ready", include_in_schema=False)
 @router.get("/ready")
-async def ready(state: State) -> JSONResponse:
+async def ready(state: State, request: Request) -> JSONResponse:
     """The model is loaded and new requests are admitted."""
     if state.engine.dead is not None or not state.admitting:
-        return error_response(503, "not admitting requests (draining or engine stopped)")
+        message = "not admitting requests (draining or engine stopped)"
+        return error_response(503, message, request=request)
     return JSONResponse({"status": "ready", "model": state.served_model_name})
 
 
