@@ -93,7 +93,8 @@ COMMANDS: dict[str, Command | Group] = {
             "suite": Command(
                 "kvserve.bench.suite",
                 "the performance suite: vs transformers, batching, prefix caching, "
-                "roofline, KV memory, serving path (JSON + Markdown + PNG)",
+                "roofline, KV memory, serving path, structured outputs, LoRA, int8, "
+                "speculative decoding, fp8 KV, tensor parallelism (JSON + Markdown + PNG)",
                 doc=True,
             ),
         },
