@@ -64,6 +64,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Log, **_: 
     # flood them); scaling decisions are posted explicitly.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
+    memo.problems = {}  # (namespace, name) -> the problem last posted as an Event
     memo.reconciler = Reconciler(Kube(load_config(), config.field_manager), config)
     if config.metrics_port is not None:
         metrics.serve(config.metrics_port, config.metrics_host)
@@ -77,29 +78,55 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Log, **_: 
     )
 
 
-def _reconcile(memo: Any, namespace: str | None, name: str, trigger: str, logger: Log) -> None:
+def _reconcile(
+    memo: Any, body: kopf.Body, namespace: str | None, name: str, trigger: str, logger: Log
+) -> None:
     reconciler: Reconciler = memo.reconciler
     assert namespace is not None  # InferenceModel is namespaced
     try:
         reconciler.reconcile(namespace, name, trigger, logger)
     except SpecInvalid as error:
+        _post_problem(memo, body, namespace, name, "InvalidSpec", f"invalid spec: {error}")
         raise kopf.PermanentError(f"invalid spec: {error}") from error
     except ApiException as error:
-        raise kopf.TemporaryError(f"Kubernetes API: {error.reason}", delay=5) from error
+        message = f"Kubernetes API: {error.reason}"
+        _post_problem(memo, body, namespace, name, "ReconcileError", message)
+        raise kopf.TemporaryError(message, delay=5) from error
+    memo.problems.pop((namespace, name), None)
+
+
+def _post_problem(
+    memo: Any, body: kopf.Body, namespace: str, name: str, reason: str, message: str
+) -> None:
+    """A Warning Event on the InferenceModel (``kubectl describe`` shows it), once per
+    problem: the handlers retry every few seconds, and the same problem is posted again
+    only after a reconcile has succeeded."""
+    if memo.problems.get((namespace, name)) == message:
+        return
+    memo.problems[(namespace, name)] = message
+    kopf.event(body, type="Warning", reason=reason, message=message)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def on_change(
-    memo: Any, namespace: str | None, name: str, reason: str, logger: Log, **_: Any
+    memo: Any,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    reason: str,
+    logger: Log,
+    **_: Any,
 ) -> None:
-    _reconcile(memo, namespace, name, str(reason), logger)
+    _reconcile(memo, body, namespace, name, str(reason), logger)
 
 
-def restore_drift(memo: Any, namespace: str | None, name: str, logger: Log, **_: Any) -> None:
+def restore_drift(
+    memo: Any, body: kopf.Body, namespace: str | None, name: str, logger: Log, **_: Any
+) -> None:
     """Periodic reconcile: catches drift that produced no event we watch."""
-    _reconcile(memo, namespace, name, "timer", logger)
+    _reconcile(memo, body, namespace, name, "timer", logger)
 
 
 def autoscale(

@@ -162,6 +162,8 @@ class Reconciler:
         try:
             spec = parse_spec(im.get("spec") or {})
             autoscaled = (previous.get("autoscaling") or {}).get("desiredReplicas")
+            if not spec.autoscaling.enabled:
+                autoscaled = None
             replicas = desired_replicas(spec, autoscaled if isinstance(autoscaled, int) else None)
             children = render_children(
                 name, namespace, meta["uid"], spec, self.config.render, replicas
@@ -184,6 +186,7 @@ class Reconciler:
 
         metrics.DESIRED_REPLICAS.labels(namespace, name).set(replicas)
         error: str | None = None
+        child_refused = False  # the API server refused a child as invalid: the spec must change
         applied = False
         workload = workload_of(spec)
         refused = self._refusal(spec)
@@ -198,6 +201,7 @@ class Reconciler:
                 self._remove_other_workload(namespace, name, workload, logger)
                 applied = True
             except ApiException as exc:
+                child_refused = exc.status == 422
                 error = f"apply failed: {_api_reason(exc)}"
                 logger.error("reconcile of %s/%s failed: %s", namespace, name, error)
             pool = self._inference_pool(namespace, name, meta["uid"], spec, previous, logger)
@@ -219,7 +223,12 @@ class Reconciler:
         status.update(self._capacity(namespace, spec))
         status["adapters"] = adapters_status(spec, self._replicas_adapters(namespace, name, spec))
         status["inferencePool"] = pool.status
+        if not spec.autoscaling.enabled and previous.get("autoscaling") is not None:
+            status["autoscaling"] = None  # merge patch: removed
         self._write_status(namespace, name, previous, status)
+        if child_refused:  # past the CRD's schema, but not what the API server takes in a child
+            assert error is not None
+            raise SpecInvalid(error)
         if error is not None:
             raise ApiException(status=500, reason=error)
         return Outcome(applied, status)
@@ -415,7 +424,9 @@ class Reconciler:
         previous = status.get("autoscaling") or {}
         current = previous.get("desiredReplicas")
         if not isinstance(current, int):
-            current = bounds.clamp(int(status.get("replicas") or bounds.min_replicas))
+            # No decision yet (just created, or autoscaling turned on again): the
+            # Deployment got minReplicas (render.desired_replicas), and so starts this.
+            current = bounds.min_replicas
         replicas = self._replica_gauges(namespace, name, logger)
         metric = sum(replicas[g] for g in METRICS[bounds.metric]) if replicas is not None else None
         activity = None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -226,8 +227,9 @@ def _model_dir(source: ModelSource) -> str:
     if source.kind == "pvc":
         base = f"{PVC_ROOT}/{source.claim}"
         return f"{base}/{source.path}" if source.path else base
+    path = posixpath.normpath(source.path)  # /opt/../models/x is /models/x
     for mounted in (MODEL_CACHE_DIR, TMP_DIR, PVC_ROOT):
-        if source.path == mounted or source.path.startswith(f"{mounted}/"):
+        if path == mounted or path.startswith(f"{mounted}/"):
             raise SpecError(
                 "spec.model.source",
                 f"file://{source.path} is hidden by the pod's {mounted} volume; "

@@ -96,7 +96,7 @@ OPERATOR_OWNED_FLAGS: tuple[str, ...] = (
 
 # The Kubernetes resource.Quantity syntax (as in controller-gen's CRDs).
 QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
     r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 # A domain-qualified extended resource name such as nvidia.com/gpu.
@@ -114,6 +114,9 @@ _QUANTITY = re.compile(QUANTITY_PATTERN)
 _GPU_RESOURCE = re.compile(GPU_RESOURCE_PATTERN)
 
 INT32_MAX = 2**31 - 1
+# autoscaling.target's floor (requests per replica): a tinier one asks for more replicas
+# than a number can count.
+MIN_AUTOSCALING_TARGET = 0.01
 
 
 class SpecError(ValueError):
@@ -449,7 +452,7 @@ def _parse_autoscaling(r: _Reader) -> AutoscalingSpec:
     _put(kw, "min_replicas", r.get_int("minReplicas", minimum=0, maximum=INT32_MAX))
     _put(kw, "max_replicas", r.get_int("maxReplicas", minimum=1, maximum=INT32_MAX))
     _put(kw, "metric", r.get_enum("metric", METRICS))
-    _put(kw, "target", r.get_number("target", exclusive_minimum=0))
+    _put(kw, "target", r.get_number("target", minimum=MIN_AUTOSCALING_TARGET))
     _put(
         kw,
         "scale_up_stabilization_seconds",
@@ -754,7 +757,12 @@ class _Reader:
         return value
 
     def get_number(
-        self, key: str, *, exclusive_minimum: float, maximum: float | None = None
+        self,
+        key: str,
+        *,
+        exclusive_minimum: float | None = None,
+        minimum: float | None = None,
+        maximum: float | None = None,
     ) -> float | None:
         value = self.data.get(key)
         if value is None:
@@ -762,10 +770,12 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise SpecError(f"{self.path}.{key}", _type_msg("a number", value))
         number = float(value)
-        if not number > exclusive_minimum:
+        if exclusive_minimum is not None and not number > exclusive_minimum:
             raise SpecError(
                 f"{self.path}.{key}", f"must be greater than {exclusive_minimum:g} (got {value})"
             )
+        if minimum is not None and not number >= minimum:
+            raise SpecError(f"{self.path}.{key}", f"must be at least {minimum:g} (got {value})")
         if maximum is not None and number > maximum:
             raise SpecError(f"{self.path}.{key}", f"must be at most {maximum:g} (got {value})")
         return number
@@ -777,5 +787,10 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise SpecError(f"{self.path}.{key}", _type_msg("a quantity (e.g. 64Gi)", value))
         if isinstance(value, str) and not _QUANTITY.fullmatch(value):
-            raise SpecError(f"{self.path}.{key}", f"{value!r} is not a quantity (e.g. 64Gi, 500m)")
+            raise SpecError(
+                f"{self.path}.{key}",
+                f"{value!r} is not a quantity ≥ 0 (e.g. 64Gi, 500m)",
+            )
+        if isinstance(value, int) and value < 0:
+            raise SpecError(f"{self.path}.{key}", f"must be ≥ 0, got {value}")
         return value

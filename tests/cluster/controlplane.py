@@ -327,6 +327,9 @@ def _start(
             "--service-cluster-ip-range=10.0.0.0/24",
             "--allow-privileged=true",
             "--disable-admission-plugins=ServiceAccount",
+            # As OpenShift runs it: an ownerReference that blocks its owner's deletion
+            # needs the right to update the owner's finalizers (the operator's RBAC).
+            "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
             "--endpoint-reconciler-type=none",
             "--profiling=false",
             "--v=1",

@@ -549,7 +549,7 @@ def test_full_spec_round_trip() -> None:
             "spec.autoscaling.minReplicas",
             "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
         ),
-        ({**MINIMAL, "autoscaling": {"target": 0}}, "spec.autoscaling.target", "greater than 0"),
+        ({**MINIMAL, "autoscaling": {"target": 0}}, "spec.autoscaling.target", "at least 0.01"),
         ({**MINIMAL, "autoscaling": {"metric": "qps"}}, "spec.autoscaling.metric", "one of"),
         ({**MINIMAL, "autoscaling": {"enabled": "yes"}}, "spec.autoscaling.enabled", "boolean"),
         ({**MINIMAL, "resources": {"gpus": -1}}, "spec.resources.gpus", "between 0 and"),
@@ -673,7 +673,8 @@ WRITES = {"get", "list", "watch", "create", "patch", "update", "delete"}
 NEEDED: dict[tuple[str, str], set[str]] = {
     ("kvserve.dev", "inferencemodels"): {"get", "list", "watch", "patch", "update"},
     ("kvserve.dev", "inferencemodels/status"): {"get", "patch", "update"},
-    ("kvserve.dev", "inferencemodels/scale"): {"get", "patch", "update"},
+    # blockOwnerDeletion on the children (OwnerReferencesPermissionEnforcement).
+    ("kvserve.dev", "inferencemodels/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "update", "delete"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): WRITES,
     ("", "services"): {"get", "list", "watch", "create", "patch", "update", "delete"},

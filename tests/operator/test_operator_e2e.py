@@ -86,6 +86,8 @@ def test_invalid_specs_are_refused_by_the_api_server(k8s_cluster: Cluster, ns: s
         ({"model": {"source": "s3://bucket/x"}}, "source"),
         ({"engine": {"dtype": "int3"}}, "dtype"),
         ({"model": {"source": "hf://a/b", "servedName": "two words"}}, "servedName"),
+        ({"resources": {"memory": "-1Gi"}}, "memory"),  # a pod may not request less than 0
+        ({"autoscaling": {"enabled": True, "maxReplicas": 2, "target": 0.001}}, "target"),
     ]
     for spec, field in cases:
         obj = inference_model("bad", ns)
@@ -238,10 +240,54 @@ def test_autoscaling_follows_the_fed_queue_within_bounds(
     ).stdout
     assert "Scaled" in events
 
+    # Turned off, autoscaling forgets its decision; turned on again it starts at
+    # minReplicas, not at the old peak (held for the whole scale-down delay).
+    off = {"spec": {"replicas": 2, "autoscaling": {"enabled": False}}}
+    k8s_cluster.kubectl("patch", "im", "auto", "-n", ns, "--type=merge", "-p", json.dumps(off))
+    im = wait_ready(k8s_cluster, ns, "auto", 2)
+    assert "autoscaling" not in im["status"], im["status"]
     operator.feed.waiting["auto-"] = 0.0
+    on = {"spec": {"autoscaling": {**autoscaling, "scaleDownDelaySeconds": 3600}}}
+    k8s_cluster.kubectl("patch", "im", "auto", "-n", ns, "--type=merge", "-p", json.dumps(on))
     wait_ready(k8s_cluster, ns, "auto", 1)
     d = get(k8s_cluster, "deployment", ns, "auto")
     assert d is not None and d["spec"]["replicas"] == 1
+
+
+def test_a_child_the_api_server_refuses_is_an_invalid_spec_and_an_event(
+    k8s_cluster: Cluster, ns: str
+) -> None:
+    """A field the CRD passes through as it is (a nodeSelector value) that the API server
+    refuses in the Deployment: Degraded, a Warning Event, not retried; fixed, it runs."""
+    placement = {"gpus": 1, "nodeSelector": {"pool": "not a label value!"}}
+    bad = inference_model("refused", ns, resources=placement)
+    apply(k8s_cluster, bad)
+
+    def degraded() -> dict[str, Any] | None:
+        im = get(k8s_cluster, "inferencemodel", ns, "refused")
+        return im if condition(im, "Degraded") == "True" else None
+
+    im = poll("refused Degraded", degraded, timeout=60)
+    message = next(c["message"] for c in im["status"]["conditions"] if c["type"] == "Degraded")
+    assert "nodeSelector" in message, message
+    assert get(k8s_cluster, "deployment", ns, "refused") is None
+
+    def warned() -> list[dict[str, Any]] | None:
+        events = json.loads(
+            k8s_cluster.kubectl(
+                "get", "events", "-n", ns, "--field-selector", "involvedObject.name=refused",
+                "-o", "json",
+            ).stdout
+        )["items"]  # fmt: skip
+        found = [e for e in events if e["type"] == "Warning" and e["reason"] == "InvalidSpec"]
+        return found or None
+
+    (event,) = poll("an InvalidSpec Warning Event", warned, timeout=60)
+    assert "nodeSelector" in event["message"], event
+    fixed = {"spec": {"resources": {"nodeSelector": None}}}
+    k8s_cluster.kubectl("patch", "im", "refused", "-n", ns, "--type=merge", "-p", json.dumps(fixed))
+    wait_ready(k8s_cluster, ns, "refused", 1)
+    k8s_cluster.kubectl("delete", "im", "refused", "-n", ns)
 
 
 def test_deleting_the_model_garbage_collects_its_children(k8s_cluster: Cluster, ns: str) -> None:

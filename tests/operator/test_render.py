@@ -276,6 +276,21 @@ def test_four_gpus_with_custom_resource_name() -> None:
     assert c["args"][c["args"].index("--device") + 1] == "cuda"
 
 
+@pytest.mark.parametrize(
+    ("resources", "field"),
+    [({"cpu": -1}, "cpu"), ({"memory": "-1Gi"}, "memory"), ({"cpu": "-500m"}, "cpu")],
+)
+def test_negative_quantities_are_refused(resources: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError, match=rf"^spec\.resources\.{field}: "):
+        spec(resources={"gpus": 1, **resources})
+
+
+@pytest.mark.parametrize("target", [0.001, 1e-320])
+def test_an_autoscaling_target_below_the_floor_is_refused(target: float) -> None:
+    with pytest.raises(SpecError, match=r"^spec\.autoscaling\.target: must be at least 0\.01"):
+        spec(autoscaling={"enabled": True, "maxReplicas": 2, "target": target})
+
+
 def test_cpu_and_memory() -> None:
     c = engine(spec(resources={"gpus": 1, "cpu": 8, "memory": "64Gi"}))
     assert c["resources"] == {
@@ -350,7 +365,9 @@ def test_file_source() -> None:
     assert [v["name"] for v in pod(s)["volumes"]] == ["model-cache", "tmp"]
 
 
-@pytest.mark.parametrize("path", ["/models/x", "/tmp/m", "/mnt/pvc/c/m", "/models"])
+@pytest.mark.parametrize(
+    "path", ["/models/x", "/tmp/m", "/mnt/pvc/c/m", "/models", "/opt/../models/x", "/tmp/./m"]
+)
 def test_file_source_hidden_by_a_volume_is_refused(path: str) -> None:
     s = spec(model={"source": f"file://{path}"})
     with pytest.raises(SpecError, match=r"^spec\.model\.source: .*hidden"):
