@@ -95,6 +95,8 @@ def test_the_metrics_port_serves_metrics_through_the_drain(checkpoint_dir) -> No
         (["--grpc-port", "0"], "argument --grpc-port: a port is 1-65535, got 0"),
         # It loaded the model, then uvicorn failed on the port gRPC had taken.
         (["--port", "8125", "--grpc-port", "8125"], "--grpc-port 8125 is also --port"),
+        # A port for a listener that is not started was taken silently.
+        (["--no-grpc", "--grpc-port", "8126"], "--grpc-port with --no-grpc"),
         # A traceback (logging's "Unknown level"), and a drain "up to -3 s".
         (["--log-level", "LOUD"], "argument --log-level: invalid choice: 'loud'"),
         (["--drain-timeout", "-3"], "argument --drain-timeout: must be a finite number"),

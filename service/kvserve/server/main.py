@@ -22,6 +22,8 @@ from kvserve.sampling_params import StopLimits
 from kvserve.telemetry.log_setup import add_log_level_argument, configure_logging
 from kvserve.telemetry.vllm_compat import METRICS_COMPAT
 
+DEFAULT_GRPC_PORT = 50051  # the gRPC API the gateway speaks
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     engine_options.add_arguments(p)  # the EngineConfig options (docs/engine.md, "Options")
@@ -49,8 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grpc-port",
         type=port_number,
-        default=50051,
-        help="gRPC port (for the gateway; default: 50051)",
+        help=f"gRPC port (for the gateway; default: {DEFAULT_GRPC_PORT})",
     )
     p.add_argument("--no-grpc", action="store_true", help="do not serve the gRPC API")
     p.add_argument(
@@ -176,7 +177,10 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.telemetry.prometheus import EngineMetrics
 
     configure_logging(args.log_level)
-    problem = port_clash_problem(args) or lora_problem(args)
+    problem = grpc_problem(args)
+    if args.grpc_port is None:
+        args.grpc_port = DEFAULT_GRPC_PORT
+    problem = problem or port_clash_problem(args) or lora_problem(args)
     if problem is not None:  # before loading the model: a wrong flag fails fast
         print(f"kvserve serve: error: {problem}", file=sys.stderr)
         return 2
@@ -307,6 +311,13 @@ def ports_problem(args: argparse.Namespace) -> str | None:
         problem = bind_problem(args.host, port)
         if problem is not None:
             return f"{problem} (choose another with {flag})"
+    return None
+
+
+def grpc_problem(args: argparse.Namespace) -> str | None:
+    """Why the gRPC flags do not go together, or None."""
+    if args.no_grpc and args.grpc_port is not None:
+        return "--grpc-port with --no-grpc: there is no gRPC listener to put on it"
     return None
 
 
