@@ -121,6 +121,25 @@ def test_tool_calls_round_trip(tools_gateway: Gateway) -> None:
         model=MODEL, messages=conversation, tools=TOOLS, max_tokens=6, temperature=0
     ).choices[0]
     assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+    # The same call cut short inside its arguments (max_tokens): they are not JSON, and the
+    # conversation holding it still goes on, through the gateway's gRPC call too.
+    whole = client.chat.completions.create(**request)
+    assert whole.usage is not None
+    arguments = calls[0].function.arguments
+    cut = whole.usage.completion_tokens - 5 - len(arguments) // 2
+    short = client.chat.completions.create(**{**request, "max_tokens": cut}).choices[0]
+    (partial,) = short.message.tool_calls or []
+    assert short.finish_reason == "length", short
+    assert (
+        arguments.startswith(partial.function.arguments) and partial.function.arguments != arguments
+    )
+    conversation = [
+        *QUESTION,
+        short.message,
+        {"role": "tool", "tool_call_id": partial.id, "content": "error: incomplete arguments"},
+    ]
+    again = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=2)
+    assert again.choices[0].finish_reason in ("stop", "length")
 
 
 def test_forced_calls_stream_argument_by_argument(tools_gateway: Gateway) -> None:

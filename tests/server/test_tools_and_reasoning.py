@@ -194,20 +194,31 @@ def test_null_content_only_for_an_assistant_with_tool_calls(tools_server: Runnin
     assert error["param"] == "messages[0].content"
     error = refusal(tools_server, {"messages": [{"role": "user", "content": []}]})
     assert error["param"] == "messages[0].content" and "empty array" in error["message"]
-    bad_args = [
-        *QUESTION,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[1"}}
-            ],
-        },
-    ]
-    error = refusal(tools_server, {"messages": bad_args})
-    assert error["param"] == "messages[1].tool_calls[0].function.arguments"
     no_id = [*QUESTION, {"role": "tool", "content": "sunny"}]
     assert refusal(tools_server, {"messages": no_id})["param"] == "messages[1].tool_call_id"
+
+
+def test_a_call_whose_arguments_are_not_an_object_goes_back_as_written(
+    tools_server: RunningServer,
+) -> None:
+    """A call cut short by max_tokens has arguments that are not JSON: sent back in the
+    conversation (as agent frameworks do, with an error as the tool's result), its text
+    reaches the template as it was written (it was a 400 that ended the conversation)."""
+    with tools_server.client() as c:
+        usages = []
+        for arguments in ('{"city": "Paris"}', '{"city": "Par', "[1"):
+            call = {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+            messages = [
+                *QUESTION,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "error: bad arguments"},
+            ]
+            body = {"model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 1}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            usages.append(r.json()["usage"]["prompt_tokens"])
+    assert usages[2] < usages[1]  # each text reaches the template as written
 
 
 # ---- bad tools ------------------------------------------------------------------------

@@ -56,8 +56,7 @@ def _message(i: int, m: ChatMessage) -> Message:
                 param=f"{where}.tool_calls",
             )
         out["tool_calls"] = [
-            _tool_call(c.id, c.function.name, c.function.arguments, f"{where}.tool_calls[{j}]")
-            for j, c in enumerate(m.tool_calls)
+            _tool_call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls
         ]
     if m.role == "tool":
         if not m.tool_call_id:
@@ -102,12 +101,21 @@ def _text_of_parts(parts: list[ContentPart], where: str, role: str) -> str:
     return "\n".join(texts)
 
 
-def _tool_call(call_id: str, name: str, arguments: str, where: str) -> Message:
-    param = f"{where}.function.arguments"
+def _tool_call(call_id: str, name: str, arguments: str) -> Message:
+    function = {"name": name, "arguments": tool_call_arguments(arguments)}
+    return {"id": call_id, "type": "function", "function": function}
+
+
+def tool_call_arguments(text: str) -> dict[str, Any] | str:
+    """A replayed call's arguments for the chat template: the object they spell (chat
+    templates write it back as JSON), or, when they are not a JSON object, the text as
+    the model wrote it. A call cut short by max_tokens has incomplete arguments, and a
+    conversation that holds one must still go on (agent frameworks send it back with an
+    error as the tool's result); OpenAI's API does not refuse it either."""
+    if not text.strip():
+        return {}
     try:
-        parsed = json.loads(arguments) if arguments.strip() else {}
-    except ValueError as exc:
-        raise OpenAIError(400, f"{param} is not valid JSON: {exc}", param=param) from None
-    if not isinstance(parsed, dict):
-        raise OpenAIError(400, f"{param} must be a JSON object", param=param)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text

@@ -26,6 +26,7 @@ from kvserve.conversation import ChatEnding
 from kvserve.errors import InvalidRequestError
 from kvserve.openai.chat_output import ChatDelta
 from kvserve.openai.format import Echo, TokenText, ToolCallDelta
+from kvserve.openai.messages import tool_call_arguments
 from kvserve.openai.middleware import MAX_REQUEST_ID_LEN, valid_request_id
 from kvserve.openai.protocol import CHAT_ROLES, FUNCTION_NAME_PATTERN, MAX_CACHE_SALT_CHARS
 from kvserve.openai.structured import Constraint
@@ -174,7 +175,7 @@ def _message_to_proto(m: dict[str, Any]) -> pb.ChatMessage:
         pb.ToolCall(
             id=c["id"],
             name=c["function"]["name"],
-            arguments=json.dumps(c["function"]["arguments"], ensure_ascii=False),
+            arguments=_arguments_text(c["function"]["arguments"]),
         )
         for c in m.get("tool_calls") or ()
     )
@@ -194,21 +195,17 @@ def _message_from_proto(i: int, m: pb.ChatMessage) -> dict[str, Any]:
             {
                 "id": c.id,
                 "type": "function",
-                "function": {"name": c.name, "arguments": _arguments(c.arguments)},
+                "function": {"name": c.name, "arguments": tool_call_arguments(c.arguments)},
             }
             for c in m.tool_calls
         ]
     return out
 
 
-def _arguments(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise InvalidRequestError("a tool call's arguments must be a JSON object", "messages")
-    return value
+def _arguments_text(arguments: dict[str, Any] | str) -> str:
+    """A call's arguments on the wire: the object as JSON, or text that is not one as it is
+    (``openai.messages.tool_call_arguments`` reads both back)."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 def _constraint_to_proto(constraint: Constraint) -> pb.StructuredOutputs:
