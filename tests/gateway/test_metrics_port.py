@@ -54,7 +54,7 @@ def test_the_metrics_port_serves_metrics_and_the_api_port_does_not(
 
         api = httpx.get(f"{gw.url}/metrics")
         assert api.status_code == 404
-        assert api.json()["error"]["message"] == "Not Found"
+        assert api.json()["error"]["message"] == "Not Found: no route GET /metrics"
 
         with gw.client() as client:
             assert client.post("/v1/completions", json=COMPLETION).status_code == 200

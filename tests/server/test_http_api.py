@@ -51,6 +51,19 @@ def test_models_health_ready(server: RunningServer) -> None:
         assert wrong.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_an_endpoint_not_served_says_what_is(server: RunningServer) -> None:
+    """The OpenAI Agents SDK's default model calls the Responses API: its 404 says to use
+    Chat Completions (it said only "Not Found")."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=MODEL, input="hi")
+    assert "no route POST /v1/responses" in err.value.message
+    assert "OpenAIChatCompletionsModel" in err.value.message
+    with server.client() as c:
+        other = c.post("/v1/embeddings", json={"model": MODEL, "input": "hi"}).json()["error"]
+    assert "/v1/chat/completions, /v1/completions, /v1/models" in other["message"]
+
+
 def test_the_sdk_retrieves_a_model(server: RunningServer) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     listed = client.models.list().data

@@ -56,7 +56,7 @@ def test_the_metrics_port_serves_metrics_through_the_drain(checkpoint_dir) -> No
         assert httpx.post(f"{metrics_url}/metrics").status_code == 405
         api = httpx.get(f"{url}/metrics")
         assert api.status_code == 404
-        assert api.json()["error"]["message"] == "Not Found"
+        assert api.json()["error"]["message"] == "Not Found: no route GET /metrics"
 
         body = {"model": "m", "prompt": "count me", "max_tokens": 2, "temperature": 0}
         body |= {"ignore_eos": True}

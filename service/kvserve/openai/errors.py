@@ -112,7 +112,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = error_response(exc.status_code, str(exc.detail), request=request)
+        detail = str(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":  # no such route
+            detail = not_found_message(request.method, request.url.path)
+        response = error_response(exc.status_code, detail, request=request)
         response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 requires it)
         return response
 
@@ -123,6 +126,21 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             500, f"internal error while serving request {rid}: {exc}", request=request
         )
+
+
+def not_found_message(method: str, path: str) -> str:
+    """A 404 for a path with no route, saying what is served instead: clients written for
+    another OpenAI endpoint (the Agents SDK's default is the Responses API) get the fix."""
+    shown = path if len(path) <= 200 else path[:200] + "…"
+    text = f"Not Found: no route {method} {shown}"
+    if path.rstrip("/").endswith("/v1/responses"):
+        return (
+            f"{text}; the Responses API is not served here: use Chat Completions "
+            "(/v1/chat/completions; in the OpenAI Agents SDK, OpenAIChatCompletionsModel)"
+        )
+    if path.startswith("/v1/"):
+        return f"{text}; the OpenAI API here is /v1/chat/completions, /v1/completions, /v1/models"
+    return text
 
 
 def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
