@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +95,21 @@ def bound_problem(option: Option, value: float) -> str | None:
     bounds = [f"> {low:g}" if open_low else f">= {low:g}"] if low is not None else []
     bounds += [f"<= {high:g}"] if high is not None else []
     return f"must be {' and '.join(bounds)}"
+
+
+def value_type(hint: Any) -> tuple[Any, bool]:
+    """A field's type hint as its value type and whether None is a value of it:
+    ``int | None`` is ``(int, True)``, ``dict[str, Any]`` is ``(dict, False)``."""
+    args = typing.get_args(hint)
+    optional = isinstance(hint, types.UnionType) and type(None) in args
+    kind = next(a for a in args if a is not type(None)) if optional else hint
+    return typing.get_origin(kind) or kind, optional
+
+
+@functools.cache
+def _value_types() -> dict[str, Any]:
+    """Each ``EngineConfig`` field's value type (``value_type``)."""
+    return {name: value_type(h)[0] for name, h in typing.get_type_hints(EngineConfig).items()}
 
 
 def _option(default: Any, option: Option) -> Any:
@@ -417,7 +435,7 @@ class EngineConfig:
             option, value = f.metadata["option"], getattr(self, f.name)
             if value is None or (option.minimum is None and option.maximum is None):
                 continue
-            integer = "int" in str(f.type)
+            integer = _value_types()[f.name] is int
             if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
                 kind = "an integer" if integer else "a number"
                 raise ValueError(f"{f.name} must be {kind}, got {value!r}")

@@ -23,14 +23,13 @@ import functools
 import json
 import re
 import sys
-import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import EngineConfig, Option, bound_problem
+from kvserve.config import EngineConfig, Option, bound_problem, value_type
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KWARGS_MODULE = Path(__file__).resolve().parent / "engine_kwargs.py"
@@ -70,11 +69,7 @@ def engine_options() -> tuple[EngineOption, ...]:
     hints = typing.get_type_hints(EngineConfig)
     out = []
     for f in dataclasses.fields(EngineConfig):
-        hint = hints[f.name]
-        args = typing.get_args(hint)
-        optional = isinstance(hint, types.UnionType) and type(None) in args
-        kind = next(a for a in args if a is not type(None)) if optional else hint
-        kind = typing.get_origin(kind) or kind  # dict[str, Any] → dict (a JSON object)
+        kind, optional = value_type(hints[f.name])  # dict[str, Any] → dict (a JSON object)
         out.append(EngineOption(f.name, kind, optional, f.default, f.metadata["option"]))
     return tuple(out)
 

@@ -143,8 +143,7 @@ class UpstreamCall:
             if code in CLIENT_ERRORS:  # the engine refused the request itself
                 assert isinstance(first, grpc.aio.AioRpcError)
                 st.metrics.rejections.labels("invalid").inc()
-                trailers = first.trailing_metadata()
-                param, code = codec.error_param(trailers), codec.error_openai_code(trailers)
+                param, code = codec.error_fields(first.trailing_metadata())
                 raise OpenAIError(400, f"{detail}", param=param, code=code)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise OpenAIError(504, f"the replica did not answer within the timeout: {detail}")

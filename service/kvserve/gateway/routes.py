@@ -75,7 +75,7 @@ def gateway_router(state: GatewayState) -> APIRouter:
     @router.get("/ready", response_model=None)
     async def ready(request: Request) -> JSONResponse:
         routable = {
-            model: sum(v.healthy and not v.draining for v in state.fleet.views(model))
+            model: sum(v.routable for v in state.fleet.views(model))
             for model in state.fleet.models()
         }
         if not state.ready or not any(routable.values()):

@@ -3,9 +3,9 @@ onto ``SamplingParams``."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from kvserve.conversation import ChatEnding, chat_ending
@@ -54,18 +54,24 @@ def _defaults_to_a_value(field: FieldInfo) -> bool:
     return not field.is_required() and field.default is not None
 
 
+def _refused_if_true(why: str) -> AfterValidator:
+    """An OpenAI flag asking for something this server does not do: false and null are
+    taken, true is refused with ``why``."""
+
+    def check(value: bool | None) -> bool | None:
+        if value:
+            raise ValueError(f"{why}: send false or leave it out")
+        return value
+
+    return AfterValidator(check)
+
+
 class StreamOptions(OpenAIObject):
     include_usage: bool = False
-    # OpenAI's padding of stream events against size side channels: not done here, so
-    # only a request without it (false, null) is taken.
-    include_obfuscation: bool | None = None
-
-    @field_validator("include_obfuscation")
-    @classmethod
-    def _no_obfuscation(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("this server does not obfuscate streams: send false or leave it out")
-        return value
+    # OpenAI's padding of stream events against size side channels.
+    include_obfuscation: Annotated[
+        bool | None, _refused_if_true("this server does not obfuscate streams")
+    ] = None
 
 
 # vLLM's bound is "long enough to be unpredictable"; this one keeps a salt a key, not a body.
@@ -123,7 +129,7 @@ class CommonRequest(OpenAIObject):
     # OpenAI fields that ask nothing of the model, which SDKs and agent frameworks send:
     # accepted and ignored (README, "Parameters").
     # Only ``store: true`` is refused: nothing here stores completions.
-    store: bool | None = None
+    store: Annotated[bool | None, _refused_if_true("this server does not store completions")] = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
     service_tier: str | None = Field(None, max_length=64)
     safety_identifier: str | None = Field(None, max_length=256)
@@ -137,13 +143,6 @@ class CommonRequest(OpenAIObject):
             if not (key.isascii() and key.isdigit() and len(key) <= 10):
                 raise ValueError(f"keys must be token ids written as decimal numbers, got {key!r}")
         return bias
-
-    @field_validator("store")
-    @classmethod
-    def _nothing_is_stored(cls, store: bool | None) -> bool | None:
-        if store:
-            raise ValueError("this server does not store completions: send false or leave it out")
-        return store
 
     @property
     def stop_list(self) -> list[str]:

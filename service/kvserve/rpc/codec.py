@@ -78,6 +78,7 @@ _CHAT_ENDINGS: dict[ChatEnding, pb.ChatEnding] = {
     "none": pb.CHAT_ENDING_NONE,
     "continue_final_message": pb.CHAT_ENDING_CONTINUE_FINAL_MESSAGE,
 }
+_ENDING_OF = {value: ending for ending, value in _CHAT_ENDINGS.items()}
 
 
 def encode_request(
@@ -285,10 +286,10 @@ def decode_chat_tools(request: pb.GenerateRequest) -> ChatTools:
 
 def decode_chat_ending(request: pb.GenerateRequest) -> ChatEnding:
     """How the chat's prompt ends; InvalidRequestError for a value this replica lacks."""
-    for ending, value in _CHAT_ENDINGS.items():
-        if request.chat_ending == value:
-            return ending
-    raise InvalidRequestError(f"unknown chat_ending {request.chat_ending}", "chat_ending")
+    ending = _ENDING_OF.get(request.chat_ending)
+    if ending is None:
+        raise InvalidRequestError(f"unknown chat_ending {request.chat_ending}", "chat_ending")
+    return ending
 
 
 def decode_template_kwargs(request: pb.GenerateRequest) -> dict[str, Any] | None:
@@ -567,29 +568,26 @@ def status_code(error: pb.Error) -> grpc.StatusCode:
     return _STATUS_BY_VALUE.get(error.code, grpc.StatusCode.UNKNOWN)
 
 
-def error_of(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.Error | None:
-    """A failed call's ``Error`` (None if the replica sent none: an older one, or a
+def error_fields(
+    trailing_metadata: Iterable[tuple[str, str | bytes]] | None,
+) -> tuple[str | None, str | None]:
+    """The parameter a failed call's ``Error`` names and OpenAI's error code it carries
+    (None each when unset, or when the replica sent no ``Error``: an older one, or a
     failure outside the engine)."""
     for key, value in trailing_metadata or ():
         if key == ERROR_METADATA_KEY and isinstance(value, bytes):
             try:
-                error: pb.Error = pb.Error.FromString(value)
+                error = pb.Error.FromString(value)
             except DecodeError:
-                return None
-            return error
-    return None
+                break
+            param = error.param if error.HasField("param") else None
+            return param, error.openai_code if error.HasField("openai_code") else None
+    return None, None
 
 
 def error_param(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The parameter a failed call's ``Error`` names (None if it names none)."""
-    error = error_of(trailing_metadata)
-    return error.param if error is not None and error.HasField("param") else None
-
-
-def error_openai_code(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """OpenAI's error code a failed call's ``Error`` carries (None if none)."""
-    error = error_of(trailing_metadata)
-    return error.openai_code if error is not None and error.HasField("openai_code") else None
+    return error_fields(trailing_metadata)[0]
 
 
 _STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}

@@ -177,10 +177,9 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.telemetry.prometheus import EngineMetrics
 
     configure_logging(args.log_level)
-    problem = grpc_problem(args)
-    if args.grpc_port is None:
-        args.grpc_port = DEFAULT_GRPC_PORT
-    problem = problem or port_clash_problem(args) or lora_problem(args)
+    if (problem := grpc_problem(args)) is None:
+        args.grpc_port = args.grpc_port or DEFAULT_GRPC_PORT  # None: not given
+        problem = port_clash_problem(args) or lora_problem(args)
     if problem is not None:  # before loading the model: a wrong flag fails fast
         print(f"kvserve serve: error: {problem}", file=sys.stderr)
         return 2
