@@ -4,14 +4,17 @@ Everything comes from the Go module proxy, at the versions pinned below, and lan
 ``$KVSERVE_CACHE/k8s/<component>-<version>/bin`` (default ``~/.cache/kvserve``), outside
 the clone, so CI runs and later sessions reuse it. Warm: nothing is built. Cold: the
 four Kubernetes binaries take 15–30 minutes on 2 cores, GIE's endpoint picker a few more;
-progress is printed. Each directory appears whole, by an atomic rename, so two runs at
-once (a `make test` and a manual run) may both build it and the first one's is kept.
+progress is printed. A build uses Go module and build caches of its own, removed when it
+ends: only the binaries (~0.9 GB) stay, where Go's default caches kept another 9 GB.
+Each directory appears whole, by an atomic rename, so two runs at once (a `make test`
+and a manual run) may both build it and the first one's is kept.
 
 Standard library only: it runs before any virtual environment exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,10 +98,41 @@ def go_available() -> bool:
     return shutil.which("go") is not None
 
 
+# GOCACHE and GOMODCACHE of the build in progress (`_build_caches`).
+_build_caches: list[Path] = []
+
+
 def _go_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(GOTOOLCHAIN="local", CGO_ENABLED="0", GOFLAGS="-buildvcs=false")
+    if _build_caches:
+        env.update(
+            GOCACHE=str(_build_caches[-1] / "build"), GOMODCACHE=str(_build_caches[-1] / "mod")
+        )
     return env
+
+
+@contextlib.contextmanager
+def _private_go_caches(work: Path) -> Iterator[None]:
+    """Go's module and build caches in a folder of this build's, removed when it ends.
+
+    A cold build fills Go's default caches with about 9 GB (measured 2026-12-06: 6.2 GB
+    build cache, 3.0 GB modules) that nothing here reads again, since the binaries are
+    cached themselves; on a machine that keeps its home folder between CI runs they
+    would stay for good. Go's caches are safe for concurrent use, but each build gets
+    its own folder so that removing it never pulls one from under another build.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    caches = Path(tempfile.mkdtemp(prefix="go-caches.", dir=work))
+    _build_caches.append(caches)
+    try:
+        yield
+    finally:
+        _build_caches.remove(caches)
+        # The module cache is read-only; its folders must be writable to empty them.
+        for folder, _, _ in os.walk(caches):
+            os.chmod(folder, 0o755)
+        shutil.rmtree(caches, ignore_errors=True)
 
 
 def _log(message: str) -> None:
@@ -288,6 +322,14 @@ def ensure_built() -> Binaries:
     root = cache_root()
     work = root / "build"
     started = time.monotonic()
+    with _private_go_caches(work):
+        _build_missing(bins, work)
+    if time.monotonic() - started > 1:
+        _log(f"all binaries ready in {time.monotonic() - started:.0f} s under {root}")
+    return bins
+
+
+def _build_missing(bins: Binaries, work: Path) -> None:
     kube_bin = bins.kubectl.parent
     if not kube_bin.is_dir():
         _log(f"building Kubernetes {KUBERNETES_VERSION} from the Go module proxy (cold: 15–30 min)")
@@ -318,9 +360,6 @@ def ensure_built() -> Binaries:
     if not bins.prometheus.parent.is_dir():
         _log(f"building Prometheus {PROMETHEUS_VERSION} (with Kubernetes service discovery)")
         _build_into(bins.prometheus.parent, work, _build_prometheus)
-    if time.monotonic() - started > 1:
-        _log(f"all binaries ready in {time.monotonic() - started:.0f} s under {root}")
-    return bins
 
 
 if __name__ == "__main__":
