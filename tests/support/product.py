@@ -202,6 +202,16 @@ class Product:
             and rp.pod["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == self.model
         ]
 
+    def gateway_log(self) -> str:
+        """What the gateway pods printed so far (the runner's logs of their containers)."""
+        texts = []
+        for rp in list(self.runner.pods.values()):
+            if rp.namespace == self.namespace and rp.name.startswith(f"{self.gateway_service}-"):
+                for c in rp.main:
+                    if c.proc is not None and c.proc.log.exists():
+                        texts.append(c.proc.log.read_text(errors="replace"))
+        return "\n".join(texts)
+
     def gateway_url(self) -> str:
         """The gateway Service's ready endpoint, from its EndpointSlice (Services route
         nowhere here, but the endpoint is the gateway pod's own IP)."""

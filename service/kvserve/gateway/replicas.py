@@ -93,7 +93,10 @@ class Fleet:
         for address, rep in current.items():
             if address not in wanted and not rep.removed:
                 rep.removed = True
-                log.info("replica %s of model %s is draining", address, model)
+                log.info(
+                    "replica %s of model %s is draining (%d in flight)",
+                    address, model, self.slots.in_flight(address),
+                )  # fmt: skip
         if self.has_replicas(model) and (appeared := self._appeared.pop(model, None)):
             appeared.set()
         self._changed()
@@ -211,7 +214,10 @@ class Fleet:
             return
         rep.reports_draining = draining
         if draining:
-            log.info("replica %s of model %s is draining (it said so)", rep.address, rep.model)
+            log.info(
+                "replica %s of model %s is draining (it said so; %d in flight)",
+                rep.address, rep.model, self.slots.in_flight(rep.address),
+            )  # fmt: skip
         else:
             log.info("replica %s of model %s takes requests again", rep.address, rep.model)
         self._changed()
