@@ -41,7 +41,7 @@ BUILD_TIMEOUT = 3600.0
 # layers, 2.9 GB of wheels kept for the next: docs/test-cluster.md, "Time and disk"), or
 # a rebuild over cached layers (a new layer of dependencies at most: 470 MB).
 COLD_ENGINE_BUILD_GB = 11.0
-REBUILD_GB = 1.5
+REBUILD_GB = 1.0
 
 
 class NotBuildable(Exception):
