@@ -4,12 +4,12 @@ The chart, the operator and an ``InferenceModel`` of the bundled demo model as i
 test_whole_product.py (tests/support/product.py), in a namespace of this module's own;
 the engine and gateway pods run on the pod runner's node (tests/cluster/pod_runner.py).
 
-- a rolling update (``spec.engine.maxNumSeqs``) of 2 replicas under load: four streams
+- a rolling update (``spec.engine.maxNumSeqs``) of 2 replicas under load: six streams
   loop through the gateway for the whole rollout; none fails, the gateway stops routing
   to the old pods with streams in flight on them (its log says how many), they drain and
   exit 0, and the new ones get requests only once Ready;
 - 2→3 replicas: the third pod gets requests once Ready, and none before;
-- 3→1 under load: four streams loop while two pods go; none fails.
+- 3→1 under load: six streams loop while two pods go; none fails.
 
 In this order each test starts where the one before left the model (each still sets its
 own starting point, so any one runs alone).
@@ -51,7 +51,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 NS = "kvserve-rollouts"
 RELEASE = "ro"
 MODEL = "travel"
-STREAMS = 4  # concurrent streams of the load
+STREAMS = 6  # concurrent streams of the load
 # Each stream lasts long enough that a pod leaving the gateway has one in flight, and
 # stays well inside the drain timeout (30 s), so the drain never has to abort one: 40
 # tokens took 2-16 s while each engine pod ran more threads than it had CPUs; with a
