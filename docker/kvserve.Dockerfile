@@ -55,10 +55,17 @@ RUN --mount=type=bind,from=pip-cache,target=/root/.cache/pip,rw \
  && /opt/pip/bin/pip download --no-deps --dest /opt/pip-wheel pip \
  && mv /opt/pip-wheel/pip-*.whl /opt/pip-wheel/pip.whl
 
+# ---- requirements: kvserve's dependency list alone, from pyproject.toml. The runtime
+# stage copies just this file, so its layer of dependencies is rebuilt when the list
+# changes, not when another part of pyproject.toml (a tool's settings) does.
+FROM pip AS requirements
+COPY pyproject.toml /tmp/deps/
+RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/deps/pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/deps/requirements.txt
+
 # ---- runtime: Python, the user, and a virtual environment with torch and kvserve's
 # dependencies: the final image's lower layers, built in place (no copy of ~6 GB), with
-# only pyproject.toml as input, so they are rebuilt when the dependencies change, not
-# when the code does.
+# only the dependency list as input, so they are rebuilt when the dependencies change,
+# not when the code does.
 FROM ${BASE_IMAGE} AS runtime
 ARG TORCH_INDEX_URL
 ENV DEBIAN_FRONTEND=noninteractive
@@ -97,7 +104,7 @@ RUN --mount=type=bind,from=pip-cache,target=/root/.cache/pip,rw \
  && pip() { /opt/venv/bin/python /tmp/pip/pip.whl/pip "$@"; } \
  && pip download --dest "$wheels" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch \
  && pip install --no-index torch
-COPY pyproject.toml /tmp/deps/
+COPY --from=requirements /tmp/deps/requirements.txt /tmp/deps/
 RUN --mount=type=bind,from=pip-cache,target=/root/.cache/pip,rw \
     --mount=type=bind,from=wheels,target=/run/wheels,rw \
     --mount=type=bind,from=find-links,target=/run/find-links \
@@ -108,7 +115,6 @@ RUN --mount=type=bind,from=pip-cache,target=/root/.cache/pip,rw \
  && wheels=/run/wheels/torch-$(printf %s "${TORCH_INDEX_URL:-pip}" | sha256sum | cut -c1-12) \
  && export PIP_FIND_LINKS="$wheels /run/find-links ${PIP_FIND_LINKS:-}" PIP_DISABLE_PIP_VERSION_CHECK=1 \
  && pip() { /opt/venv/bin/python /tmp/pip/pip.whl/pip "$@"; } \
- && /opt/venv/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/deps/pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/deps/requirements.txt \
  && pip download --dest "$wheels" -r /tmp/deps/requirements.txt \
  && pip install --no-index -r /tmp/deps/requirements.txt \
  && rm -rf /tmp/deps /tmp/pip
