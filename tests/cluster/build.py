@@ -127,7 +127,7 @@ def _check_buildable(bins: Binaries, root: Path) -> None:
         )
 
 
-# GOCACHE and GOMODCACHE of the build in progress (`_build_caches`).
+# The folder of Go caches of the build in progress (`_private_go_caches`), if any.
 _build_caches: list[Path] = []
 
 
