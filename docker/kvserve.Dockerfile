@@ -105,6 +105,8 @@ RUN --mount=type=bind,from=pip-cache,target=/root/.cache/pip,rw \
  && pip download --dest "$wheels" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch \
  && pip install --no-index torch
 COPY --from=requirements /tmp/deps/requirements.txt /tmp/deps/
+# The wheel directory (kept on the host between builds) keeps only the versions this
+# environment holds: the rest (earlier versions, from builds before) would pile up.
 RUN --mount=type=bind,from=pip-cache,target=/root/.cache/pip,rw \
     --mount=type=bind,from=wheels,target=/run/wheels,rw \
     --mount=type=bind,from=find-links,target=/run/find-links \
@@ -117,6 +119,7 @@ RUN --mount=type=bind,from=pip-cache,target=/root/.cache/pip,rw \
  && pip() { /opt/venv/bin/python /tmp/pip/pip.whl/pip "$@"; } \
  && pip download --dest "$wheels" -r /tmp/deps/requirements.txt \
  && pip install --no-index -r /tmp/deps/requirements.txt \
+ && /opt/venv/bin/python -c 'import importlib.metadata as md, pathlib, re, sys; key = lambda name, version: (re.sub(r"[-_.]+", "_", name).lower(), version); have = {key(d.metadata["Name"], d.version) for d in md.distributions()}; old = [p for p in pathlib.Path(sys.argv[1]).glob("*.whl") if key(*p.name.split("-")[:2]) not in have]; [p.unlink() for p in old]; print(f"wheel directory: removed {len(old)} wheels of versions not installed")' "$wheels" \
  && rm -rf /tmp/deps /tmp/pip
 
 # ---- build: kvserve itself, in /opt/kvserve (a small layer of the final image) -------
