@@ -215,10 +215,13 @@ def remove_stale_layers(base_image: str = BASE_IMAGE, keep: set[str] | None = No
     again and which filled the disk of machines that keep podman's store between runs.
     The last stages of the current builds are untagged as well (the `pip` and `build`
     stages, copied from), so each build's steps are kept in ``image-<name>.layers`` in
-    the cache and spared (``keep``: image IDs or their prefixes, by default those).
-    Images not built on ``base_image`` are never touched.
+    the cache and spared (``keep``: image IDs or their prefixes, by default those);
+    until both images' steps are kept, nothing is removed. Images not built on
+    ``base_image`` are never touched.
     """
     protected = keep if keep is not None else _recorded_steps()
+    if protected is None:
+        return []
     base = podman("image", "inspect", "--format", "{{.Id}}", base_image).stdout.strip()
     removed: list[str] = []
     while True:  # removing a stage's last image can leave its parent dangling
@@ -237,11 +240,13 @@ def remove_stale_layers(base_image: str = BASE_IMAGE, keep: set[str] | None = No
             return removed
 
 
-def _recorded_steps() -> set[str]:
+def _recorded_steps() -> set[str] | None:
+    """The steps of each image's last build, or None while one has not been recorded."""
     steps: set[str] = set()
     for spec in (ENGINE, OPERATOR):
-        if _layers_file(spec).exists():
-            steps.update(_layers_file(spec).read_text().split())
+        if not _layers_file(spec).exists():
+            return None
+        steps.update(_layers_file(spec).read_text().split())
     return steps
 
 
