@@ -128,16 +128,14 @@ def _check_buildable(bins: Binaries, root: Path) -> None:
 
 
 # The folder of Go caches of the build in progress (`_private_go_caches`), if any.
-_build_caches: list[Path] = []
+_go_caches: Path | None = None
 
 
 def _go_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(GOTOOLCHAIN="local", CGO_ENABLED="0", GOFLAGS="-buildvcs=false")
-    if _build_caches:
-        env.update(
-            GOCACHE=str(_build_caches[-1] / "build"), GOMODCACHE=str(_build_caches[-1] / "mod")
-        )
+    if _go_caches is not None:
+        env.update(GOCACHE=str(_go_caches / "build"), GOMODCACHE=str(_go_caches / "mod"))
     return env
 
 
@@ -151,13 +149,13 @@ def _private_go_caches(work: Path) -> Iterator[None]:
     would stay for good. Go's caches are safe for concurrent use, but each build gets
     its own folder so that removing it never pulls one from under another build.
     """
+    global _go_caches
     work.mkdir(parents=True, exist_ok=True)
-    caches = Path(tempfile.mkdtemp(prefix="go-caches.", dir=work))
-    _build_caches.append(caches)
+    caches = _go_caches = Path(tempfile.mkdtemp(prefix="go-caches.", dir=work))
     try:
         yield
     finally:
-        _build_caches.remove(caches)
+        _go_caches = None
         # The module cache is read-only; its folders must be writable to empty them.
         for folder, _, _ in os.walk(caches):
             os.chmod(folder, 0o755)

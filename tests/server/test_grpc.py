@@ -147,7 +147,7 @@ def test_chat_is_rendered_with_the_models_template(llm_engine: LLMEngine) -> Non
                 assert dict(lp.top_tokens) == {t: tok.decode([t]) for t in lp.top}
         empty = pb.GenerateRequest(request_id="chat-2", chat=pb.ChatMessages())
         error = await expect_error(s.stub.Generate(empty), grpc.StatusCode.INVALID_ARGUMENT)
-        assert codec.error_param(error.trailing_metadata()) == "chat"
+        assert codec.error_fields(error.trailing_metadata())[0] == "chat"
 
     serve(llm_engine, body)
 
@@ -196,7 +196,7 @@ def test_invalid_argument_names_the_param(
                 setattr(req, name, value)
         error = await expect_error(s.stub.Generate(req), grpc.StatusCode.INVALID_ARGUMENT)
         # The parameter travels as a structured field, never inside the message.
-        assert codec.error_param(error.trailing_metadata()) == param
+        assert codec.error_fields(error.trailing_metadata())[0] == param
 
     serve(llm_engine, body)
 
@@ -206,7 +206,7 @@ def test_stop_strings_over_the_limits_are_refused(llm_engine: LLMEngine) -> None
         for stop in ([f"s{i}" for i in range(17)], ["x" * 257]):
             call = s.stub.Generate(request("many-stops", 4, stop=stop))
             error = await expect_error(call, grpc.StatusCode.INVALID_ARGUMENT)
-            assert codec.error_param(error.trailing_metadata()) == "stop"
+            assert codec.error_fields(error.trailing_metadata())[0] == "stop"
 
     serve(llm_engine, body)
 
@@ -217,7 +217,7 @@ def test_missing_prompt(llm_engine: LLMEngine) -> None:
             s.stub.Generate(pb.GenerateRequest(request_id="no-prompt", max_tokens=4)),
             grpc.StatusCode.INVALID_ARGUMENT,
         )
-        assert codec.error_param(error.trailing_metadata()) == "prompt"
+        assert codec.error_fields(error.trailing_metadata())[0] == "prompt"
 
     serve(llm_engine, body)
 

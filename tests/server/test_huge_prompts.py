@@ -93,5 +93,5 @@ def test_grpc_refuses_a_prompt_of_megabytes_by_its_length(
 
     error = asyncio.run(call())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert codec.error_param(error.trailing_metadata()) == "prompt"
+    assert codec.error_fields(error.trailing_metadata())[0] == "prompt"
     assert "characters" in (error.details() or "")

@@ -38,7 +38,7 @@ def rpc_error(
     code: grpc.StatusCode, details: str, error: pb.Error | None = None
 ) -> grpc.aio.AioRpcError:
     """The error a failed request raises; an engine's ``Error`` rides in its trailing
-    metadata, as on a failed ``Generate`` call (``codec.error_param`` reads it)."""
+    metadata, as on a failed ``Generate`` call (``codec.error_fields`` reads it)."""
     trailers = grpc.aio.Metadata(*codec.error_metadata(error)) if error else grpc.aio.Metadata()
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details)
 

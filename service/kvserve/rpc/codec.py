@@ -585,9 +585,4 @@ def error_fields(
     return None, None
 
 
-def error_param(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The parameter a failed call's ``Error`` names (None if it names none)."""
-    return error_fields(trailing_metadata)[0]
-
-
 _STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
