@@ -1,8 +1,9 @@
 """The gateway's HTTP app: the OpenAI API in front of the engine replicas (gRPC).
 
-This module builds the app and runs its lifespan. The routes and the order of a
-request's checks are ``kvserve.gateway.routes``; the upstream call and its retries
-``call``; the response translation ``relay``; the background tasks ``background``.
+This module builds the app and runs its lifespan. The routes are
+``kvserve.gateway.routes``; the order of a completion's checks ``completion``; the
+upstream call and its retries ``call``; the response translation ``relay``; the
+background tasks ``background``.
 """
 
 from __future__ import annotations
