@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve.bench.cpu import cpu_use
-from kvserve.config import blocks_for
+from kvserve.config import DEFAULT_BLOCK_SIZE, blocks_for
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class DecodePlan:
             "max_num_seqs": most,
             "max_model_len": max_len,
             "max_num_batched_tokens": most * (self.prompt + 1),
-            "num_kv_blocks": most * blocks_for(max_len, 16) + 1,
+            "num_kv_blocks": most * blocks_for(max_len, DEFAULT_BLOCK_SIZE) + 1,
         }
 
 

@@ -19,7 +19,7 @@ from kvserve.bench.cpu import cpu_use, usable_cpus
 from kvserve.bench.results import Column, Section, Table, Target, model_setup, table
 from kvserve.bench.suite import SuiteContext
 from kvserve.bench.timelines import greedy
-from kvserve.config import blocks_for, cpu_has_native_bf16, torch_dtype
+from kvserve.config import DEFAULT_BLOCK_SIZE, blocks_for, cpu_has_native_bf16, torch_dtype
 from kvserve.model.config import ModelConfig
 
 NAME = "roofline"
@@ -141,7 +141,7 @@ def measure_model(
         max_model_len=max_len,
         # One step admits a whole batch of prompts, or the whole prefill request.
         max_num_batched_tokens=max(s.prefill, max(BATCHES) * (s.prompt + 1)),
-        num_kv_blocks=(max(BATCHES) + 1) * blocks_for(max_len, 16),
+        num_kv_blocks=(max(BATCHES) + 1) * blocks_for(max_len, DEFAULT_BLOCK_SIZE),
     )
     engine, gen = llm.engine, torch.Generator().manual_seed(ctx.seed)
 
