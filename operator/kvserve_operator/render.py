@@ -30,6 +30,7 @@ import json
 import math
 import posixpath
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,15 +228,33 @@ def _model_dir(source: ModelSource) -> str:
     if source.kind == "pvc":
         base = f"{PVC_ROOT}/{source.claim}"
         return f"{base}/{source.path}" if source.path else base
-    path = posixpath.normpath(source.path)  # /opt/../models/x is /models/x
-    for mounted in (MODEL_CACHE_DIR, TMP_DIR, PVC_ROOT):
-        if path == mounted or path.startswith(f"{mounted}/"):
-            raise SpecError(
-                "spec.model.source",
-                f"file://{source.path} is hidden by the pod's {mounted} volume; "
-                f"a file:// model must live elsewhere in the image",
-            )
+    _check_not_hidden(
+        source.path, "spec.model.source", "model", (MODEL_CACHE_DIR, TMP_DIR, PVC_ROOT)
+    )
     return source.path
+
+
+def _check_not_hidden(path: str, field: str, what: str, mounted: Sequence[str]) -> None:
+    """A file:// path in the image is unreadable under any of the ``mounted`` folders: a
+    volume mounted there hides the image's files (SpecError on ``field``)."""
+    normal = posixpath.normpath(path)  # /opt/../models/x is /models/x
+    for folder in mounted:
+        if normal == folder or normal.startswith(f"{folder}/"):
+            raise SpecError(
+                field,
+                f"file://{path} is hidden by the pod's {folder} volume; "
+                f"a file:// {what} must live elsewhere in the image",
+            )
+
+
+def check_adapter_sources(spec: InferenceModelSpec) -> None:
+    """A file:// adapter must be readable by the adapter-sync container, which mounts
+    what the model pull does plus the adapters' own folders."""
+    mounted = (MODEL_CACHE_DIR, TMP_DIR, PVC_ROOT, LORA_DIR, ADAPTERS_CONFIG_DIR)
+    for i, adapter in enumerate(spec.adapters):
+        source = adapter.parsed_source
+        if source.kind == "file":
+            _check_not_hidden(source.path, f"spec.adapters[{i}].source", "adapter", mounted)
 
 
 def adapters_config_map_name(name: str) -> str:
@@ -731,6 +750,7 @@ def render_children(
     they should be applied."""
     check_name(name)
     check_adapter_names(spec.adapters, served_name(name, spec))
+    check_adapter_sources(spec)
     config = [render_adapters_config_map(name, namespace, uid, spec)] if spec.lora_enabled else []
     deployment = render_deployment(name, namespace, uid, spec, settings, replicas)
     return [

@@ -209,6 +209,21 @@ def test_an_adapter_may_not_take_the_served_name() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    "path",
+    ["/models/a", "/tmp/a", "/mnt/pvc/c/a", "/adapters/a", "/etc/kvserve/adapters/a",
+     "/opt/../adapters/a", "/adapters"],
+)  # fmt: skip
+def test_a_file_adapter_hidden_by_a_volume_is_refused(path: str) -> None:
+    """The adapter-sync container mounts volumes at these folders: an adapter baked into
+    the image there could never be read (it would show as not loaded, with no reason)."""
+    with pytest.raises(SpecError) as err:
+        children(spec(adapters=[SUPPORT, {"name": "other", "source": f"file://{path}"}]))
+    assert err.value.path == "spec.adapters[1].source"
+    assert "hidden by the pod's" in err.value.message
+    assert "ConfigMap" in children(spec(adapters=[SUPPORT]))  # /opt/adapters/support is read
+
+
 # ---- rendering --------------------------------------------------------------------------
 
 
