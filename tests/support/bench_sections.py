@@ -10,9 +10,11 @@ from kvserve.bench.results import Section, Table
 from kvserve.bench.suite import SuiteContext, run_sections
 
 
-def run_smoke_section(tmp_path: Path, name: str) -> Section:
-    """The section ``name``, end to end on tiny random checkpoints, one round."""
-    ctx = SuiteContext(out_dir=tmp_path / "out", work_dir=tmp_path / "work", smoke=True, rounds=1)
+def run_smoke_section(tmp_path: Path, name: str, rounds: int = 1) -> Section:
+    """The section ``name``, end to end on tiny random checkpoints."""
+    ctx = SuiteContext(
+        out_dir=tmp_path / "out", work_dir=tmp_path / "work", smoke=True, rounds=rounds
+    )
     (section,) = run_sections(ctx, [name])
     assert section.name == name
     return section

@@ -1,55 +1,31 @@
-"""What KV-cache events add to the engine's step time (docs/performance.md, "KV-cache
-events").
-
-One engine publishes KV-cache events to a subscriber in another process (as a router
-would be) in some rounds and not in others: an "off" round detaches the publisher
-(``engine.kv_events`` and the block pool's ``events`` set to None: the code path of an
-engine started without ``kv_events_endpoint``). Rounds alternate on, off, off, on, ...,
-so drift and warm-up fall on both alike, and both run on the same engine and memory (two
-engines differ between themselves by more than 2%). Each round is 64 requests over 4
-shared system prompts, under a cache salt of its own, so every round stores its blocks
-anew and, the pool being smaller than all rounds' blocks, evicts older rounds' blocks
-(BlockStored and BlockRemoved both flow).
-
-Measured per round: wall time inside ``step()``; CPU time of the engine's thread inside
-``step()``; CPU time of the whole process (the publisher's thread and torch's included).
-On a busy machine wall time mostly measures the other load: the CPU times are the
-figures to read, and even they are blurred by other load (caches, frequency). So the
-events' own work is also measured directly: the engine thread's CPU time inside the
-recorder's calls and the publisher's ``end_step()`` (building, encoding and queueing the
-events; the timers' own cost included, so it is an upper bound of that part), and the
-publisher thread's CPU time (from /proc, on Linux).
-
-    python -m kvserve.bench.kv_events [--model DIR] [--rounds N]
-
-Without ``--model``, a small random Llama checkpoint is built in a temp directory: its
-steps are short, so the events' share of a step is the largest there.
-"""
+"""KV-cache events: what publishing them adds to the engine's step time
+(docs/bench-methods.md, "kv_events")."""
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-from kvserve import LLM, SamplingParams
+from kvserve.bench.results import Section, Target, model_setup, table
+from kvserve.bench.suite import SuiteContext
+from kvserve.bench.timelines import greedy
 from kvserve.engine.kv_events import KVEventPublisher, KVEventRecorder
 from kvserve.engine.llm_engine import LLMEngine
 
-REQUESTS = 64
+NAME = "kv_events"
+TITLE = "KV-cache events: their cost in the engine's step"
 PREFIXES = 4
 PREFIX_TOKENS = 48
 QUESTION_TOKENS = 16
 OUTPUT_TOKENS = 32  # the prompt + output cross a block boundary while decoding
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 512  # about two rounds' blocks: later rounds evict
+TARGET_SHARE = 2.0  # % of the engine thread's CPU in step()
 
 # The subscriber: counts what arrives until its stdin closes, then prints the count.
 SUBSCRIBER = """
@@ -77,25 +53,27 @@ print(count, flush=True)
 
 @dataclass
 class Mode:
-    wall: list[float] = field(default_factory=list)  # per round: in step(), wall time
+    """Per round of one mode (events on or off): seconds."""
+
+    wall: list[float] = field(default_factory=list)  # in step(), wall time
     thread_cpu: list[float] = field(default_factory=list)  # in step(), the engine thread's
     process_cpu: list[float] = field(default_factory=list)  # the round, every thread's
     steps: list[int] = field(default_factory=list)
 
 
-def workload(vocab: int, seed: int = 0) -> list[list[int]]:
+def workload(requests: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
     return [
         prefixes[i % PREFIXES] + [rng.randrange(3, vocab) for _ in range(QUESTION_TOKENS)]
-        for i in range(REQUESTS)
+        for i in range(requests)
     ]
 
 
 def run_round(engine: LLMEngine, mode: Mode, prompts: list[list[int]], salt: str) -> None:
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    """The prompts under a cache salt of their own, so the round stores its blocks anew."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{salt}-{i}", prompt, params, cache_salt=salt)
+        engine.add_request(f"{salt}-{i}", prompt, greedy(OUTPUT_TOKENS), cache_salt=salt)
     wall = cpu = 0.0
     steps = 0
     process0 = time.process_time()
@@ -144,107 +122,125 @@ class Timers:
 
 
 def attach(engine: LLMEngine, publisher: KVEventPublisher | None) -> None:
+    """On: the publisher and its recorder in place. Off: the code path of an engine
+    started without ``kv_events_endpoint``."""
     engine.kv_events = publisher
     engine.kv.pool.events = publisher.recorder if publisher is not None else None
 
 
-def compare(name: str, on: list[float], off: list[float], unit: float, label: str) -> str:
-    ratios = [a / b - 1 for a, b in zip(on, off, strict=True)]
-    total = sum(on) / sum(off) - 1
-    return (
-        f"{name}: off {sum(off) / len(off) * unit:.1f} {label}, on "
-        f"{sum(on) / len(on) * unit:.1f} {label} per round; on/off {total * 100:+.2f}% "
-        f"(median of per-pair ratios {statistics.median(ratios) * 100:+.2f}%, "
-        f"quartiles {statistics.quantiles(ratios, n=4)[0] * 100:+.2f}% / "
-        f"{statistics.quantiles(ratios, n=4)[2] * 100:+.2f}%)"
+def compare(measure: str, on: list[float], off: list[float]) -> list[Any]:
+    """A table row: the mean per round off and on (ms), on/off over all rounds (%), and
+    the median and quartiles of the round pairs' ratios (% ; quartiles need 2 pairs)."""
+    ratios = [100 * (a / b - 1) for a, b in zip(on, off, strict=True)]
+    q1, q3 = (None, None)
+    if len(ratios) > 1:
+        quartiles = statistics.quantiles(ratios, n=4)
+        q1, q3 = round(quartiles[0], 2), round(quartiles[2], 2)
+    mean_ms = [round(1e3 * statistics.fmean(x), 1) for x in (off, on)]
+    total = round(100 * (sum(on) / sum(off) - 1), 2)
+    return [measure, *mean_ms, total, round(statistics.median(ratios), 2), q1, q3]
+
+
+def run(ctx: SuiteContext) -> Section:
+    requests = 8 if ctx.smoke else 64
+    model_dir, config = ctx.model("tiny")  # short steps: the events' share is largest
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    endpoint = f"ipc://{ctx.work_dir}/kv-events"
+    llm = ctx.llm(
+        model_dir,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_num_seqs=requests,
+        enable_prefix_caching=True,  # the cache's registrations and evictions are the events
+        kv_events_endpoint=endpoint,
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvserve.bench.kv_events", description=__doc__)
-    p.add_argument("--model", help="checkpoint directory (default: a small random Llama)")
-    p.add_argument("--rounds", type=int, default=20, help="rounds per mode (default: 20)")
-    p.add_argument("--device", default="cpu")
-    args = p.parse_args(argv)
-    if args.rounds < 2:
-        p.error("--rounds must be at least 2")
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            from kvserve.testing.checkpoints import build_random_checkpoint
-
-            model = str(build_random_checkpoint(Path(tmp) / "llama", "llama"))
-        endpoint = f"ipc://{tmp}/kv-events"
-        llm = LLM(
-            model,
-            dtype="float32",
-            device=args.device,
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=NUM_KV_BLOCKS,
-            max_num_seqs=REQUESTS,
-            kv_events_endpoint=endpoint,
-        )
-        engine = llm.engine
-        publisher = engine.kv_events
-        assert publisher is not None
-        subscriber = subprocess.Popen(
-            [sys.executable, "-c", SUBSCRIBER, endpoint],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert subscriber.stdout is not None and subscriber.stdin is not None
+    engine = llm.engine
+    publisher = engine.kv_events
+    assert publisher is not None
+    subscriber = subprocess.Popen(
+        [sys.executable, "-c", SUBSCRIBER, endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert subscriber.stdout is not None and subscriber.stdin is not None
+    try:
         subscriber.stdout.readline()  # connected (batches before the join are not counted)
-
         timers = Timers(publisher)
-        prompts = workload(engine.model_config.vocab_size)
-        warm = Mode()
-        run_round(engine, warm, prompts, "warm-on")  # warm-up, not counted
+        prompts = workload(requests, config.vocab_size, ctx.seed)
+        warm = Mode()  # a round of each mode first, not counted
+        run_round(engine, warm, prompts, "warm-on")
         attach(engine, None)
         run_round(engine, warm, prompts, "warm-off")
         timers.seconds = 0.0
         publisher_cpu0 = thread_cpu_seconds(publisher.thread_id)
         on, off = Mode(), Mode()
-        for r in range(args.rounds):
+        for r in range(ctx.rounds):  # on, off, off, on, ...: drift falls on both alike
             for events in (True, False) if r % 2 == 0 else (False, True):
                 attach(engine, publisher if events else None)
                 run_round(engine, on if events else off, prompts, f"round-{r}")
+        ctx.say(f"  {ctx.rounds} rounds per mode, {statistics.median(on.steps):.0f} steps each")
         published, dropped = publisher.next_seq, publisher.dropped_batches
         publisher_cpu1 = thread_cpu_seconds(publisher.thread_id)
         publisher.close()
         subscriber.stdin.close()
         received = int(subscriber.stdout.readline())
         subscriber.wait(timeout=30)
+    finally:
+        if subscriber.poll() is None:
+            subscriber.kill()
+            subscriber.wait()
 
-    print(f"model: {model if args.model else 'random llama (hidden 64, 2 layers)'}")
-    print(
-        f"{args.rounds} rounds per mode of {REQUESTS} requests ({PREFIXES} prefixes of "
-        f"{PREFIX_TOKENS} tokens + {QUESTION_TOKENS}, {OUTPUT_TOKENS} output tokens), "
-        f"block_size {BLOCK_SIZE}, {NUM_KV_BLOCKS} blocks; {statistics.median(on.steps):.0f} "
-        "steps per round"
-    )
-    print(compare("engine thread CPU in step()", on.thread_cpu, off.thread_cpu, 1e3, "ms"))
-    print(compare("process CPU", on.process_cpu, off.process_cpu, 1e3, "ms"))
-    print(compare("wall time in step()", on.wall, off.wall, 1e3, "ms"))
     step_cpu = sum(on.thread_cpu)
-    print(
-        f"engine thread CPU in the events' calls (record, encode, queue): "
-        f"{timers.seconds * 1e3:.1f} ms of {step_cpu * 1e3:.0f} ms in step() over the on "
-        f"rounds = {timers.seconds / step_cpu * 100:.2f}%"
+    publisher_cpu = (
+        None
+        if publisher_cpu0 is None or publisher_cpu1 is None
+        else publisher_cpu1 - publisher_cpu0
     )
-    if publisher_cpu0 is not None and publisher_cpu1 is not None:
-        spent = publisher_cpu1 - publisher_cpu0
-        print(
-            f"publisher thread CPU: {spent * 1e3:.1f} ms = {spent / step_cpu * 100:.2f}% of "
-            "the engine thread's CPU in step(); events' CPU in all: "
-            f"{(timers.seconds + spent) / step_cpu * 100:.2f}%"
-        )
-    print(
-        f"batches published {published}, dropped {dropped}, received by the subscriber {received}"
+    share = 100 * (timers.seconds + (publisher_cpu or 0.0)) / step_cpu
+    rounds = table(
+        "Per round, events off vs on (the same engine, alternating)",
+        "measure | events off (ms) | events on (ms) | on / off (%) | "
+        "round pairs: median (%) | first quartile (%) | third quartile (%)",
+        [
+            compare("engine thread's CPU in step()", on.thread_cpu, off.thread_cpu),
+            compare("process CPU, all threads", on.process_cpu, off.process_cpu),
+            compare("wall time in step()", on.wall, off.wall),
+        ],
     )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    own = table(
+        "The events' own work, timed directly over the on rounds",
+        "part | CPU (ms) | of the engine thread's CPU in step() (%)",
+        [
+            [
+                "engine thread in the events' calls (record, encode, queue)",
+                round(1e3 * timers.seconds, 1),
+                round(100 * timers.seconds / step_cpu, 2),
+            ],
+            [
+                "publisher thread",
+                None if publisher_cpu is None else round(1e3 * publisher_cpu, 1),
+                None if publisher_cpu is None else round(100 * publisher_cpu / step_cpu, 2),
+            ],
+        ],
+    )
+    setup = model_setup(config, "float32", ctx.device) | {
+        "requests per round": requests,
+        "shared prefixes": f"{PREFIXES} of {PREFIX_TOKENS} tokens + {QUESTION_TOKENS} each",
+        "output tokens": OUTPUT_TOKENS,
+        "block_size": BLOCK_SIZE,
+        "KV blocks": NUM_KV_BLOCKS,
+        "rounds per mode": ctx.rounds,
+        "steps per round": round(statistics.median(on.steps)),
+    }
+    notes = [
+        f"Batches published {published}, dropped {dropped}, received by the subscriber {received}.",
+        "A round-to-round comparison on a shared machine cannot resolve a few percent (the "
+        "quartiles of the pairs show how far rounds of one mode differ); the events' own "
+        "work, timed directly (timers' cost included, so an upper bound), is the figure the "
+        "target is about.",
+    ]
+    target = Target("events' own CPU, share of the engine's step CPU", round(share, 2),
+                    TARGET_SHARE, "%", "<=")  # fmt: skip
+    return Section(NAME, TITLE, setup, [rounds, own], [target], notes)

@@ -21,6 +21,8 @@ Sections (--only picks some; each is a module of kvserve.bench):
   kv_dtype                fp8 KV cache vs the fp32 cache: decode tokens/s at batch 1/16
   tensor_parallel         2 ranks × 1 thread vs 1 rank × 2 threads on this CPU: decode
                           tokens/s at batch 1/16 (the cost of TP's communication)
+  kv_events               KV-cache events published to a subscriber vs not: the engine's
+                          step CPU and wall time, and the events' own CPU share
 
 Each section runs the sides it compares in the same run, alternating them for --rounds
 rounds (this machine's speed drifts) and keeping each side's best, on random
@@ -71,6 +73,7 @@ SECTIONS = (
     "speculative",
     "kv_dtype",
     "tensor_parallel",
+    "kv_events",
 )
 
 # Model shapes (random Llama checkpoints). vocab_size None = the test tokenizer's own
