@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("--block-size", DEFAULT_BLOCK_SIZE, "KV block size of the replicas"),
         ("--max-num-seqs", None, "replicas' max_num_seqs (default: enough for --streams and "
          "--agents)"),
-        ("--max-num-batched-tokens", 2048, None),
+        ("--max-num-batched-tokens", None, "replicas' token budget per step (default: the "
+         "engine's)"),
         ("--seed", 0, None),
     ])  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
