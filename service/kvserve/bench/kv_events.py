@@ -27,7 +27,9 @@ BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 512  # about two rounds' blocks: later rounds evict
 TARGET_SHARE = 2.0  # % of the engine thread's CPU in step()
 
-# The subscriber: counts what arrives until its stdin closes, then prints the count.
+# The subscriber: counts what arrives until its stdin closes, then prints the count and
+# the first batch's sequence number (-1: none). A SUB socket joins a moment after it
+# connects: the batches published before that never reach it.
 SUBSCRIBER = """
 import sys, zmq
 ctx = zmq.Context()
@@ -38,16 +40,17 @@ poller = zmq.Poller()
 poller.register(sub, zmq.POLLIN)
 poller.register(sys.stdin.fileno(), zmq.POLLIN)
 print("ready", flush=True)
-count = 0
+count, first = 0, -1
 while True:
     ready = dict(poller.poll())
     if sub in ready:
         while sub.poll(0):
-            sub.recv_multipart()
+            _topic, seq, _payload = sub.recv_multipart()
+            first = int.from_bytes(seq, "big") if count == 0 else first
             count += 1
     elif ready:
         break
-print(count, flush=True)
+print(count, first, flush=True)
 """
 
 
@@ -185,7 +188,7 @@ def run(ctx: SuiteContext) -> Section:
         publisher_cpu1 = thread_cpu_seconds(publisher.thread_id)
         publisher.close()
         subscriber.stdin.close()
-        received = int(subscriber.stdout.readline())
+        received, first = map(int, subscriber.stdout.readline().split())
         subscriber.wait(timeout=30)
     finally:
         if subscriber.poll() is None:
@@ -235,7 +238,9 @@ def run(ctx: SuiteContext) -> Section:
         "steps per round": round(statistics.median(on.steps)),
     }
     notes = [
-        f"Batches published {published}, dropped {dropped}, received by the subscriber {received}.",
+        f"Batches published {published}, dropped {dropped}, received by the subscriber "
+        f"{received}, the first of them number {first} (a subscriber misses what is "
+        "published before it joins).",
         "A round-to-round comparison on a shared machine cannot resolve a few percent (the "
         "quartiles of the pairs show how far rounds of one mode differ); the events' own "
         "work, timed directly (timers' cost included, so an upper bound), is the figure the "
