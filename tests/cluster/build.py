@@ -347,7 +347,7 @@ def ensure_built() -> Binaries:
     bins = binaries()
     root = cache_root()
     work = root / "build"
-    if all(folder.is_dir() for folder in _folders(bins)):
+    if all(folder.is_dir() for folder, _, _ in _builds(bins)):
         return bins
     _check_buildable(bins, root)
     started = time.monotonic()
@@ -358,46 +358,36 @@ def ensure_built() -> Binaries:
     return bins
 
 
-def _folders(bins: Binaries) -> tuple[Path, ...]:
-    """The cached folders, each built whole (`_build_missing`)."""
-    return (
-        *(path.parent for path in (bins.kubectl, bins.etcd, bins.kwok, bins.helm, bins.epp)),
-        bins.kwok_stages,
-        bins.prometheus.parent,
+def _builds(bins: Binaries) -> list[tuple[Path, str, Callable[[Path, Path], None]]]:
+    """Each cached folder, what its build logs, and its build (for `_build_into`): every
+    folder is built whole, and only when absent."""
+    minor = KUBERNETES_VERSION.split(".")[1]
+    helm_ldflags = (  # without these, `helm version` says v3.21, `helm template` k8s 1.20
+        f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION} "
+        f"-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={minor}"
     )
+    return [
+        (bins.kubectl.parent,
+         f"building Kubernetes {KUBERNETES_VERSION} from the Go module proxy (cold: 15–30 min)",
+         _build_kubernetes),
+        (bins.etcd.parent, f"building etcd {ETCD_VERSION}", _build_etcd),
+        (bins.kwok.parent, f"building kwok {KWOK_VERSION}",
+         _go_install(f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "build kwok")),
+        (bins.kwok_stages, "copying kwok's stages", _copy_kwok_stages),
+        (bins.helm.parent, f"building helm {HELM_VERSION}",
+         _go_install(f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}", "build helm", helm_ldflags)),
+        (bins.epp.parent, f"building GIE's endpoint picker {GIE_VERSION}", _build_epp),
+        (bins.prometheus.parent,
+         f"building Prometheus {PROMETHEUS_VERSION} (with Kubernetes service discovery)",
+         _build_prometheus),
+    ]  # fmt: skip
 
 
 def _build_missing(bins: Binaries, work: Path) -> None:
-    kube_bin = bins.kubectl.parent
-    if not kube_bin.is_dir():
-        _log(f"building Kubernetes {KUBERNETES_VERSION} from the Go module proxy (cold: 15–30 min)")
-        _build_into(kube_bin, work, _build_kubernetes)
-    if not bins.etcd.parent.is_dir():
-        _log(f"building etcd {ETCD_VERSION}")
-        _build_into(bins.etcd.parent, work, _build_etcd)
-    if not bins.kwok.parent.is_dir():
-        _log(f"building kwok {KWOK_VERSION}")
-        kwok = _go_install(f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "build kwok")
-        _build_into(bins.kwok.parent, work, kwok)
-    if not bins.kwok_stages.is_dir():
-        _build_into(bins.kwok_stages, work, _copy_kwok_stages)
-    if not bins.helm.parent.is_dir():
-        _log(f"building helm {HELM_VERSION}")
-        minor = KUBERNETES_VERSION.split(".")[1]
-        helm = _go_install(
-            f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}",
-            "build helm",
-            # Without these, `helm version` says v3.21 and `helm template` assumes k8s 1.20.
-            ldflags=f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION} "
-            f"-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor={minor}",
-        )
-        _build_into(bins.helm.parent, work, helm)
-    if not bins.epp.parent.is_dir():
-        _log(f"building GIE's endpoint picker {GIE_VERSION}")
-        _build_into(bins.epp.parent, work, _build_epp)
-    if not bins.prometheus.parent.is_dir():
-        _log(f"building Prometheus {PROMETHEUS_VERSION} (with Kubernetes service discovery)")
-        _build_into(bins.prometheus.parent, work, _build_prometheus)
+    for folder, message, build in _builds(bins):
+        if not folder.is_dir():
+            _log(message)
+            _build_into(folder, work, build)
 
 
 if __name__ == "__main__":

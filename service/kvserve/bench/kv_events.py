@@ -147,8 +147,7 @@ def compare(measure: str, on: list[float], off: list[float]) -> list[Any]:
 def run(ctx: SuiteContext) -> Section:
     requests = 8 if ctx.smoke else 64
     model_dir, config = ctx.model("tiny")  # short steps: the events' share is largest
-    ctx.work_dir.mkdir(parents=True, exist_ok=True)
-    endpoint = f"ipc://{ctx.work_dir}/kv-events"
+    endpoint = f"ipc://{ctx.work_dir}/kv-events"  # the checkpoint is in work_dir: it exists
     llm = ctx.llm(
         model_dir,
         dtype="float32",
