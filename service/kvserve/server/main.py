@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from kvserve import engine_options
+from kvserve.config import EngineConfig
 from kvserve.lora.request import name_problem
 from kvserve.names import model_name_problem
 from kvserve.openai.chat_output import ChatParsing
@@ -166,16 +167,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    import uvicorn
-
-    from kvserve.engine.cpu_threads import call_in_short_lived_thread
-    from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.heap import freeze_startup_heap
-    from kvserve.server.app import create_app
-    from kvserve.server.shutdown import DrainingServer
-    from kvserve.telemetry.prometheus import EngineMetrics
-
     configure_logging(args.log_level)
     if (problem := grpc_problem(args)) is None:
         args.grpc_port = args.grpc_port or DEFAULT_GRPC_PORT  # None: not given
@@ -214,6 +205,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if (warning := lora_dir_warning(args)) is not None:
         print(f"kvserve serve: warning: {warning}", file=sys.stderr)
+    return _serve(args, engine_config, launch, name)
+
+
+def _serve(args: argparse.Namespace, engine_config: EngineConfig, launch: Launch, name: str) -> int:
+    """Load the model and serve until drained. Imported here, not above: every check in
+    ``run`` answers a wrong flag in a fraction of a second, before torch (seconds) loads."""
+    import torch
+    import uvicorn
+
+    from kvserve.engine.cpu_threads import call_in_short_lived_thread
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.heap import freeze_startup_heap
+    from kvserve.server.app import create_app
+    from kvserve.server.shutdown import DrainingServer
+    from kvserve.telemetry.prometheus import EngineMetrics
+
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
