@@ -18,7 +18,7 @@ def test_every_phase_runs_and_is_reported(checkpoint_dir: Callable[[str], Path])
             sys.executable, "-m", "kvserve", "bench", "attacks",
             "--model", str(checkpoint_dir("llama")), "--attackers", "1",
             "--victim-tokens", "8", "--victim-streams", "1", "--flood-mb", "1",
-            "--stalled-streams", "2", "--stalled-tokens", "8",
+            "--stalled-streams", "2", "--stalled-tokens", "8", "--header-timeout", "2",
         ],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -31,6 +31,7 @@ from kvserve.bench.sse_client import (
     run_on_uvloop,
 )
 from kvserve.config import DTYPES
+from kvserve.openai.http_limits import HttpLimits
 from kvserve.openai.refusal_pacing import REPLICA_REFUSALS_PER_SECOND
 from kvserve.telemetry import definitions
 
@@ -55,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=REPLICA_REFUSALS_PER_SECOND,
         help="the replica's pace of refusals (kvserve serve's flag; 0: unpaced) "
         f"(default: {REPLICA_REFUSALS_PER_SECOND:g})",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HttpLimits.head_timeout,
+        help="the replica's seconds for a request head (kvserve serve's flag), which the "
+        f"head sent a byte a second runs into (default: {HttpLimits.head_timeout:g})",
     )
 
 
@@ -229,7 +237,10 @@ def run(args: argparse.Namespace) -> int:
             1,
             grpc=False,
             cpus=replica_cpus,
-            extra_flags=["--refusals-per-second", str(args.refusals_per_second)],
+            extra_flags=[
+                *("--refusals-per-second", str(args.refusals_per_second)),
+                *("--header-timeout", str(args.header_timeout)),
+            ],
         )
         url, port = replica.http_url, int(replica.http_url.rsplit(":", 1)[1])
         _victim_itl(url, 8)  # warm-up
