@@ -6,6 +6,7 @@ import functools
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.sampling_params import INT32_MAX
@@ -55,6 +56,19 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, capped at what max_num_seqs full requests need
+
+
+def model_dir_problem(model: str) -> str | None:
+    """Why ``model`` is not a checkpoint directory the engine could load, or None; a
+    command checks it before it imports torch, so a mistyped path fails at once."""
+    path = Path(model)
+    if path.is_dir():
+        return None
+    what = "is a file, not a directory" if path.exists() else "does not exist"
+    return (
+        f"model directory {model!r} {what} (pass a local Hugging Face checkpoint directory; "
+        "nothing is downloaded)"
+    )
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

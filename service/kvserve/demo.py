@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 
+from kvserve.config import model_dir_problem
 from kvserve.telemetry import definitions as d
 
 
@@ -24,13 +25,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve import LLM, SamplingParams
-    from kvserve.demo_model import corpus, default_model_dir
+    from kvserve.demo_model import default_model_dir
 
     if args.num_requests < 1 or args.max_tokens < 1:
         print("kvserve demo: error: --num-requests and --max-tokens must be ≥ 1", file=sys.stderr)
         return 2
     model = args.model or str(default_model_dir())
+    if (problem := model_dir_problem(model)) is not None:  # before torch loads (seconds)
+        print(f"kvserve demo: error: {problem}", file=sys.stderr)
+        return 2
+    from kvserve import LLM, SamplingParams
+    from kvserve.demo_model import corpus
+
     print(f"loading {model} ...", file=sys.stderr)
     try:
         llm = LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=16)

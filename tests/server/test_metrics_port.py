@@ -1,6 +1,6 @@
 """``kvserve serve --metrics-port``: ``/metrics`` on a listener of its own, the API port
-without it, through a drain to the process's exit (docs/security.md); ports that cannot
-work fail before the model loads."""
+without it, through a drain to the process's exit (docs/security.md); flags that cannot work (ports,
+names, a --model that is no directory) fail before the model loads."""
 
 from __future__ import annotations
 
@@ -171,3 +171,20 @@ def test_a_tokenizer_flag_naming_no_tokenizer_fails_before_loading(checkpoint_di
     assert out.returncode == 2, out.stderr
     assert "kvserve serve: error: tokenizer '/nonexistent': no tokenizer there" in out.stderr
     assert "serving" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("model", "what"), [("/nonexistent", "does not exist"), (__file__, "is a file")]
+)
+def test_a_model_that_is_no_directory_fails_before_loading(model: str, what: str) -> None:
+    """A mistyped --model was reported after torch and the engine had been imported."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve", "serve", "--model", model, "--port", str(free_port()),
+         "--no-grpc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert f"kvserve serve: error: model directory {model!r} {what}" in out.stderr, out.stderr
+    assert "loading" not in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -32,6 +32,7 @@ from kvserve.config import (
     EngineConfig,
     blocks_for,
     kv_cache_torch_dtype,
+    model_dir_problem,
     speculative_settings,
 )
 from kvserve.conversation import ChatEnding, text_chars
@@ -108,13 +109,9 @@ class ModelSetup:
 
     @classmethod
     def resolve(cls, config: EngineConfig, rank: int = 0) -> ModelSetup:
+        if (problem := model_dir_problem(config.model)) is not None:
+            raise FileNotFoundError(problem)
         model_dir = Path(config.model)
-        if not model_dir.is_dir():
-            what = "is a file, not a directory" if model_dir.exists() else "does not exist"
-            raise FileNotFoundError(
-                f"model directory {config.model!r} {what} (pass a local Hugging Face "
-                "checkpoint directory; nothing is downloaded)"
-            )
         model_config = ModelConfig.from_file(model_dir)
         max_pos = model_config.max_position_embeddings
         max_model_len = config.max_model_len or max_pos

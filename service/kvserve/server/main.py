@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kvserve import engine_options
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, model_dir_problem
 from kvserve.lora.request import name_problem
 from kvserve.names import model_name_problem
 from kvserve.openai.chat_output import ChatParsing
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.parallel.node import serve_worker_node
 
         return serve_worker_node(engine_config, launch, args.host, args.port)
-    problem = ports_problem(args)
+    problem = ports_problem(args) or model_dir_problem(args.model)
     if problem is not None:  # before the model loads, which can take minutes
         print(f"kvserve serve: error: {problem}", file=sys.stderr)
         return 2
