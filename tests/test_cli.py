@@ -133,6 +133,26 @@ def test_bad_model_arguments_are_one_error_line(
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--model", "/nonexistent", "--no-grpc"],
+        ["serve", "--model", "/nonexistent", "--port", "70000"],
+        ["demo", "--model", "/nonexistent"],
+        ["eval-demo", "--model", "/nonexistent"],
+        ["train-demo", "--steps", "0"],
+    ],
+)
+def test_a_wrong_argument_is_refused_before_torch_loads(argv: list[str]) -> None:
+    """Refusing a mistyped path or flag took seconds, spent importing torch first."""
+    code = (
+        "from kvserve.cli import main\n"
+        f"try:\n    rc = main({argv!r})\nexcept SystemExit as exit:\n    rc = exit.code\n"
+        "assert rc == 2, rc"
+    )
+    assert heavy_modules_after(code, {"torch", "transformers"}) == set()
+
+
 def test_demo_refuses_a_zero_token_budget() -> None:
     out = run_kvserve("demo", "--max-tokens", "0")
     assert out.returncode == 2 and "--max-tokens must be ≥ 1" in out.stderr, out.stderr

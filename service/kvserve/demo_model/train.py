@@ -35,9 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvserve.demo_model import corpus
 from kvserve.demo_model.tokenizer import (
@@ -50,6 +48,9 @@ from kvserve.demo_model.tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
+
+if TYPE_CHECKING:  # imported where it runs: eval-demo reads this module's recipes only
+    import torch
 
 #: The files that make up the checkpoint (what ``--check`` compares).
 CHECKPOINT_FILES = (
@@ -157,6 +158,8 @@ def batches(
     generator: torch.Generator,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One epoch of padded batches, shuffled; similar lengths share a batch (less padding)."""
+    import torch
+
     order = torch.randperm(len(examples), generator=generator).tolist()
     # sort within windows of 64 batches, then shuffle the batches
     window = batch_size * 64
@@ -223,6 +226,7 @@ def _write_json(obj: Any, path: Path) -> None:
 
 def train(cfg: TrainConfig, out_dir: Path, progress: Progress = print) -> TrainResult:
     """Build the whole checkpoint in ``out_dir`` from ``cfg``; returns what it measured."""
+    import torch
     import transformers
     from safetensors.torch import save_file
 
