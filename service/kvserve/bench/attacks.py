@@ -238,8 +238,10 @@ def run(args: argparse.Namespace) -> int:
             grpc=False,
             cpus=replica_cpus,
             extra_flags=[
-                *("--refusals-per-second", str(args.refusals_per_second)),
-                *("--header-timeout", str(args.header_timeout)),
+                "--refusals-per-second",
+                str(args.refusals_per_second),
+                "--header-timeout",
+                str(args.header_timeout),
             ],
         )
         url, port = replica.http_url, int(replica.http_url.rsplit(":", 1)[1])

@@ -46,7 +46,8 @@ while True:
     if sub in ready:
         while sub.poll(0):
             _topic, seq, _payload = sub.recv_multipart()
-            first = int.from_bytes(seq, "big") if count == 0 else first
+            if count == 0:
+                first = int.from_bytes(seq, "big")
             count += 1
     elif ready:
         break
