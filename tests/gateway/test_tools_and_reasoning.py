@@ -234,6 +234,19 @@ def test_bad_input_is_refused_by_field(tools_gateway: Gateway) -> None:
         )
     assert refused.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
     assert "may not set 'chat_template'" in refused.value.body["message"]  # type: ignore[index]
+    # A variable the template fails on ("..." + eos_token with eos_token 5: a TypeError in
+    # Jinja) is the request's fault: a 400, and the replica stays in rotation for the
+    # next request (it was marked unhealthy, so that request got a 503).
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=2,
+            extra_body={"chat_template_kwargs": {"eos_token": 5}},
+        )
+    assert refused.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    assert "TypeError" in refused.value.body["message"]  # type: ignore[index]
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
 
 
 def test_chat_endings_reach_the_replica(tools_gateway: Gateway) -> None:

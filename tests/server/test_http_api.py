@@ -605,6 +605,7 @@ def test_chat_template_kwargs_reach_the_template(tmp_path: Path, checkpoint_dir)
         checkpoint_dir,
         "{% if enable_thinking is defined and not enable_thinking %}[no thinking]{% endif %}"
         "{% if reasoning_effort is defined %}[effort: {{ reasoning_effort }}]{% endif %}"
+        "{% if tag is defined %}{{ '[' + tag + ']' }}{% endif %}"
         "{% for m in messages %}{{ m['content'] }}{% endfor %}",
     )
     srv = start_server(model)
@@ -645,6 +646,14 @@ def test_chat_template_kwargs_reach_the_template(tmp_path: Path, checkpoint_dir)
                 )
                 assert r.status_code == 400, r.text
                 assert r.json()["error"]["param"] == "chat_template_kwargs"
+            # A variable the template fails on ('[' + 5: a TypeError in Jinja) is the
+            # request's fault, named as such: not a 500.
+            typed = c.post(
+                "/v1/chat/completions", json={**base, "chat_template_kwargs": {"tag": 5}}
+            )
+            assert typed.status_code == 400, typed.text
+            assert typed.json()["error"]["param"] == "chat_template_kwargs"
+            assert "TypeError" in typed.json()["error"]["message"]
             stored = c.post("/v1/chat/completions", json={**base, "store": True})
             assert stored.status_code == 400 and stored.json()["error"]["param"] == "store"
             assert "does not store" in stored.json()["error"]["message"]

@@ -18,7 +18,7 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -446,12 +446,18 @@ class LLMEngine:
                 # No final message with text to continue, or a template that has none.
                 raise InvalidRequestError(str(exc), "continue_final_message") from None
             if "sanitize" not in str(exc):
-                raise
+                raise _template_failed(exc, kwargs) from None
             raise InvalidRequestError(
                 f"the messages hold a control token of this model that its tokenizer "
                 f"cannot encode as text ({exc})",
                 "messages",
             ) from None
+        except Exception as exc:
+            # The template rendered this request's values and failed on them (a variable of
+            # the wrong type: {"eos_token": 5} meets "'...' + eos_token" as a TypeError).
+            # The request's fault, never the server's: a 500 would tell the gateway that
+            # the replica is broken.
+            raise _template_failed(exc, kwargs) from None
         return list(ids)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -876,6 +882,16 @@ def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> set[
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return {int(tokenizer.eos_token_id)}
     return set()
+
+
+def _template_failed(exc: Exception, template_kwargs: Mapping[str, Any]) -> InvalidRequestError:
+    """The 400 for a chat template that failed while rendering a request: it names
+    ``chat_template_kwargs`` when the request set template variables (the likelier
+    cause), else ``messages``."""
+    return InvalidRequestError(
+        f"the model's chat template failed on this request ({type(exc).__name__}: {exc})",
+        "chat_template_kwargs" if template_kwargs else "messages",
+    )
 
 
 # Variables the chat-template renderer sets itself (besides apply_chat_template's own
