@@ -14,10 +14,12 @@ from kvserve.bench.processes import Proc, free_ports, spawn, stop, wait_listenin
 
 
 @contextmanager
-def stub_replica(log_dir: Path) -> Iterator[str]:
-    """The stub's ``host:port`` while the block runs (its output goes to ``log_dir``)."""
+def stub_replica(log_dir: Path, step_ms: float = 1.0) -> Iterator[str]:
+    """The stub's ``host:port`` while the block runs (its output goes to ``log_dir``);
+    ``step_ms``: the time between its output messages."""
     (port,) = free_ports(1)
     argv = [sys.executable, "-m", "kvserve.bench.stub_replica", "--port", str(port)]
+    argv += ["--step-ms", str(step_ms)]
     proc: Proc = spawn("stub-replica", argv, log_dir / "stub.log", {}, cpus=None)
     try:
         wait_listening(proc, port, time.monotonic() + 60)

@@ -1,5 +1,7 @@
 """A stand-in replica for measuring the gateway alone: the engine's gRPC API with canned
-output and no model (docs/bench-methods.md, "kvserve bench gateway")."""
+output and no model (docs/bench-methods.md, "kvserve bench gateway"). A prompt
+``stub:error:CODE`` is answered with the engine's ``Error`` of gRPC status CODE (e.g.
+``INTERNAL``), as a replica answers a request that failed there."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import grpc
 
 from kvserve.bench.sse_client import run_on_uvloop
 from kvserve.config import DEFAULT_BLOCK_SIZE
+from kvserve.rpc import codec
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc
 from kvserve.rpc.listen import bind, server_options
@@ -22,6 +25,7 @@ from kvserve.rpc.listen import bind, server_options
 TOKEN_ID = 42
 TOKEN_TEXT = " word"
 DEFAULT_MAX_TOKENS = 16  # the engine's default for a request without max_tokens
+ERROR_PROMPT = "stub:error:"
 
 
 def _prompt_tokens(start: pb.GenerateRequest) -> int:
@@ -65,6 +69,11 @@ class StubEngine(pb_grpc.EngineServiceServicer):
                 for command in message.commands:
                     if command.WhichOneof("kind") == "start":
                         start = command.start  # max_tokens unset reads 0
+                        if start.prompt_text.startswith(ERROR_PROMPT):
+                            code = grpc.StatusCode[start.prompt_text[len(ERROR_PROMPT) :]]
+                            error = codec.encode_error(code, f"the stub answers {code.name}")
+                            ended.append(pb.TaggedOutput(tag=command.tag, error=error))
+                            continue
                         max_tokens = start.max_tokens or DEFAULT_MAX_TOKENS
                         open_[command.tag] = _Open(max_tokens, _prompt_tokens(start))
                     elif open_.pop(command.tag, None) is not None:

@@ -9,6 +9,10 @@ A request for ``n`` samples is ``n`` upstream requests to one replica, started t
 ended together.
 A request for a LoRA adapter routed to a replica that does not serve it has the replica
 load it first (``kvserve.gateway.adapters``).
+What a failure upstream means (the request's, the replica's or the clock's) and what the
+client gets is ``kvserve.gateway.failures``; only a replica's failure marks it unhealthy.
+``request_timeout_seconds`` counts from the request's arrival: the queue, retries and the
+answer all fit in it.
 ``UpstreamCall.close`` runs exactly once, whatever ended the request, and settles its
 slot, its token reservation, its metrics and its span. Turning the replica's messages
 into the client's response is ``kvserve.gateway.relay``'s job.
@@ -29,15 +33,12 @@ from opentelemetry import trace
 from kvserve.gateway import adapters
 from kvserve.gateway.admission import AdmissionRejected, QueueFull, QueueTimeout, Slot
 from kvserve.gateway.auth import Tenant
+from kvserve.gateway.failures import client_error, refused, replica_broken, timed_out
 from kvserve.gateway.ratelimit import Admission
 from kvserve.gateway.replicas import Replica
 from kvserve.gateway.routing import ReplicaLoad
 from kvserve.gateway.state import GatewayState
 from kvserve.openai.errors import OpenAIError
-from kvserve.rpc import codec
-
-# Engine refusals that mean "this request is bad", not "this replica is bad": never retried.
-CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
 
 class UpstreamCall:
@@ -60,6 +61,7 @@ class UpstreamCall:
         self.state, self.model, self.tenant = state, model, tenant
         self.adapter = adapter
         self.admission, self.span, self.s = admission, span, s
+        self.deadline = s + state.config.request_timeout_seconds  # on time.monotonic()
         self.prompt_estimate = prompt_estimate
         self.samples = samples  # per prompt (n): the upstream requests are prompts × n
         self.output_tokens = 0  # seen so far (charged if the request never finishes)
@@ -116,7 +118,7 @@ class UpstreamCall:
             if self.adapter is not None and self.adapter not in self.replica.lora_adapters:
                 try:
                     await adapters.ensure_loaded(
-                        st, self.model, self.replica, self.adapter, cfg.request_timeout_seconds
+                        st, self.model, self.replica, self.adapter, self._time_left()
                     )
                 except adapters.AdapterLoadFailed as exc:
                     self._release_slot()
@@ -126,7 +128,7 @@ class UpstreamCall:
                     last_error = str(exc)
                     continue
             client = self.replica.client
-            timeout = cfg.request_timeout_seconds
+            timeout = self._time_left()
             self.grpc_calls = [client.generate(r, timeout, metadata) for r in requests]
             firsts = await asyncio.gather(*map(_first_message, self.grpc_calls))
             failed = [m for m in firsts if isinstance(m, grpc.aio.AioRpcError) or m is grpc.aio.EOF]
@@ -140,19 +142,17 @@ class UpstreamCall:
             detail = first.details() if isinstance(first, grpc.aio.AioRpcError) else "empty"
             st.metrics.upstream_errors.labels(self.model, code.name if code else "EOF").inc()
             self._release_slot()
-            if code in CLIENT_ERRORS:  # the engine refused the request itself
-                assert isinstance(first, grpc.aio.AioRpcError)
+            if isinstance(first, grpc.aio.AioRpcError) and (error := refused(first)):
                 st.metrics.rejections.labels("invalid").inc()
-                param, code = codec.error_fields(first.trailing_metadata())
-                raise OpenAIError(400, f"{detail}", param=param, code=code)
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise OpenAIError(504, f"the replica did not answer within the timeout: {detail}")
+                raise error
             if code == grpc.StatusCode.NOT_FOUND and self.adapter is not None:
                 # The adapter was unloaded there since the last poll: the replica is fine.
                 adapters.forget(self.replica, self.adapter)
                 exclude.add(self.replica.address)
                 last_error = f"replica {self.replica.address}: {detail}"
                 continue
+            if isinstance(first, grpc.aio.AioRpcError) and not replica_broken(first):
+                raise client_error(first, cfg.request_timeout_seconds)
             st.fleet.mark_failed(self.replica, f"{code.name if code else 'EOF'}: {detail}")
             exclude.add(self.replica.address)
             last_error = f"replica {self.replica.address}: {detail}"
@@ -185,6 +185,13 @@ class UpstreamCall:
             )
         self._check_served()
         return time.monotonic() - started
+
+    def _time_left(self) -> float:
+        """Seconds left of ``request_timeout_seconds``; 504 when none are."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise timed_out(self.state.config.request_timeout_seconds)
+        return left
 
     def _check_served(self) -> None:
         """404 ``model_not_found`` if the model was removed while the request waited."""
@@ -277,10 +284,13 @@ class UpstreamCall:
         prompt_tokens = sum(u.prompt_tokens for u in firsts)
         return prompt_tokens, output_tokens, sum(u.cached_tokens for u in firsts)
 
-    def failed_upstream(self, exc: grpc.aio.AioRpcError) -> None:
-        """The replica failed after the first output (never retried: output was sent)."""
-        self.status = 502
+    def failed_upstream(self, exc: grpc.aio.AioRpcError) -> OpenAIError:
+        """The request failed after its first output (never retried: output was sent):
+        counted, and the error the client gets."""
+        error = client_error(exc, self.state.config.request_timeout_seconds)
+        self.status = error.status
         self.state.metrics.upstream_errors.labels(self.model, exc.code().name).inc()
+        return error
 
     async def read(self, index: int) -> Any:
         """Sample ``index``'s next message."""

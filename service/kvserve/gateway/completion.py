@@ -22,6 +22,7 @@ which aborts the request in the engine and frees its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Sequence
@@ -223,10 +224,14 @@ async def serve(
             write_timeout=state.config.write_stall_timeout_seconds,
         )
     try:
-        collected = relay.collect(call, firsts, ids, chat, logprobs)
-        result = await until_disconnected(request, collected)
-    finally:
-        call.close(None, disconnected=not call.done)
+        result = await until_disconnected(request, relay.collect(call, firsts, ids, chat, logprobs))
+    except asyncio.CancelledError:  # the handler was cancelled: the client is gone
+        call.close(None, disconnected=True)
+        raise
+    except BaseException as exc:  # failed upstream: counted with the client's status
+        call.close(exc)
+        raise
+    call.close(None, disconnected=result is None)
     if result is None:
         raise OpenAIError(499, "client disconnected")
     return JSONResponse(result, headers=admission.headers)

@@ -34,13 +34,23 @@ log = logging.getLogger("kvserve.gateway")
 MAX_PENDING_OUTPUTS = 4096
 
 
+class ReplicaAnswered(grpc.aio.AioRpcError):  # type: ignore[misc]
+    """The replica ended this request with an ``Error`` of its own: the request failed
+    there, while the replica and its call go on serving the others. Any other
+    ``AioRpcError`` from ``read()`` comes from the call (broken, replica gone) or from the
+    gateway (deadline, cancel)."""
+
+
 def rpc_error(
     code: grpc.StatusCode, details: str, error: pb.Error | None = None
 ) -> grpc.aio.AioRpcError:
     """The error a failed request raises; an engine's ``Error`` rides in its trailing
-    metadata, as on a failed ``Generate`` call (``codec.error_fields`` reads it)."""
-    trailers = grpc.aio.Metadata(*codec.error_metadata(error)) if error else grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, details)
+    metadata, as on a failed ``Generate`` call (``codec.error_fields`` reads it), and
+    makes it a ``ReplicaAnswered``."""
+    if error is None:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    trailers = grpc.aio.Metadata(*codec.error_metadata(error))
+    return ReplicaAnswered(code, grpc.aio.Metadata(), trailers, details)
 
 
 class UpstreamRequest:

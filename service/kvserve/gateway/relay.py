@@ -81,10 +81,9 @@ async def sse(
                 yield event
             if text:
                 call.handed_over()
-    except grpc.aio.AioRpcError as exc:  # the replica failed mid-stream: never retried
-        call.failed_upstream(exc)
-        message = f"the replica failed: {exc.details()}"
-        error = encode_event(error_body(502, message, request_id=request_id))
+    except grpc.aio.AioRpcError as exc:  # failed mid-stream: never retried
+        e = call.failed_upstream(exc)
+        error = encode_event(error_body(e.status, e.message, e.param, e.code, request_id))
         yield error + SSE_DONE
 
 
@@ -125,8 +124,7 @@ async def collect(
             else:
                 call.finished(i, msg.final)
     except grpc.aio.AioRpcError as exc:
-        call.failed_upstream(exc)
-        raise OpenAIError(502, f"the replica failed: {exc.details()}") from None
+        raise call.failed_upstream(exc) from None
     if not call.done:
         call.status = 502
         raise OpenAIError(502, "the replica's stream ended without a final message")
