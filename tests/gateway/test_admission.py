@@ -54,9 +54,13 @@ async def settle() -> None:
 
 
 def start(
-    queue: AdmissionQueue, fleet: Fleet, tenant: str, priority: Priority = "standard"
+    queue: AdmissionQueue,
+    fleet: Fleet,
+    tenant: str,
+    priority: Priority = "standard",
+    pool: str | None = None,
 ) -> asyncio.Task[Slot]:
-    return asyncio.create_task(queue.acquire(tenant, priority, fleet.pick))
+    return asyncio.create_task(queue.acquire(tenant, priority, fleet.pick, pool=pool))
 
 
 async def admission_order(
@@ -158,6 +162,37 @@ def test_new_request_does_not_overtake_waiters() -> None:
         queue.release(admitted)
         queue.release(waiter.result())
         assert queue.slots.total == 0
+
+    run(main)
+
+
+def test_a_waiter_never_waits_behind_another_pools_blocked_waiter() -> None:
+    """Two models (pools) behind one queue: the busy one's waiters keep their order, and
+    the idle one's requests pass them (they pick from other replicas)."""
+
+    async def main() -> None:
+        queue = AdmissionQueue(max_size=10, timeout=DEADLINE)
+        busy, idle = Fleet(queue, {"a:1": 1}), Fleet(queue, {"b:1": 1})
+        held_busy = await queue.acquire("t", "standard", busy.pick, pool="busy")
+        blocked = asyncio.create_task(queue.acquire("t", "standard", busy.pick, pool="busy"))
+        await settle()
+        # Admitted at once although a request of the busy model heads the queue.
+        held_idle = await asyncio.wait_for(
+            queue.acquire("u", "standard", idle.pick, pool="idle"), DEADLINE
+        )
+        assert held_idle.address == "b:1" and not blocked.done()
+        # Queued behind the blocked waiter, admitted as soon as its own model frees a slot.
+        behind = asyncio.create_task(queue.acquire("u", "standard", idle.pick, pool="idle"))
+        await settle()
+        assert queue.queue_length == 2
+        queue.release(held_idle)
+        assert (await asyncio.wait_for(behind, DEADLINE)).address == "b:1"
+        assert not blocked.done()
+        queue.release(held_busy)
+        assert (await asyncio.wait_for(blocked, DEADLINE)).address == "a:1"
+        queue.release(behind.result())
+        queue.release(blocked.result())
+        assert queue.slots.total == 0 and queue.queue_length == 0
 
     run(main)
 
@@ -391,10 +426,13 @@ OPERATIONS = st.lists(
             st.just("acquire"),
             st.sampled_from(["t1", "t2", "t3"]),
             st.sampled_from(["critical", "standard", "sheddable"]),
+            st.sampled_from(["p", "q"]),  # the pool (model), each with replicas of its own
         ),
         st.tuples(st.just("release"), st.integers(0, 20), st.booleans()),
         st.tuples(st.just("cancel"), st.integers(0, 20), st.booleans()),
-        st.tuples(st.just("grow"), st.sampled_from(["a:1", "b:1", "c:1"]), st.integers(1, 2)),
+        st.tuples(
+            st.just("grow"), st.sampled_from(["a:1", "b:1", "c:1", "q:1"]), st.integers(1, 2)
+        ),
     ),
     max_size=40,
 )
@@ -409,7 +447,7 @@ def test_slots_never_exceed_capacity_and_each_is_released_once(
         slots = CountingSlots()
         queue = AdmissionQueue(max_size=max_size, timeout=60.0, slots=slots)
         capacity = {"a:1": 1, "b:1": 0}
-        fleet = Fleet(queue, capacity)
+        pools = {"p": Fleet(queue, capacity), "q": Fleet(queue, {"q:1": 1})}
         tasks: list[asyncio.Task[Slot]] = []
         released: list[Slot] = []
 
@@ -427,7 +465,8 @@ def test_slots_never_exceed_capacity_and_each_is_released_once(
         for operation in operations:
             kind = operation[0]
             if kind == "acquire":
-                tasks.append(start(queue, fleet, operation[1], operation[2]))
+                fleet = pools[operation[3]]
+                tasks.append(start(queue, fleet, operation[1], operation[2], operation[3]))
             elif kind == "release" and (held := holding()):
                 slot = held[operation[1] % len(held)]
                 queue.release(slot)
@@ -440,11 +479,13 @@ def test_slots_never_exceed_capacity_and_each_is_released_once(
             elif kind == "cancel" and (pending := waiting()):
                 pending[operation[1] % len(pending)].cancel()
             elif kind == "grow":
-                capacity[operation[1]] = capacity.get(operation[1], 0) + operation[2]
+                grown = pools["q"].capacity if operation[1] == "q:1" else capacity
+                grown[operation[1]] = grown.get(operation[1], 0) + operation[2]
                 queue.notify()
             await settle()
-            for address, limit in capacity.items():
-                assert slots.in_flight(address) <= limit
+            for fleet in pools.values():
+                for address, limit in fleet.capacity.items():
+                    assert slots.in_flight(address) <= limit
             assert queue.queue_length <= max_size
         for task in waiting():
             task.cancel()

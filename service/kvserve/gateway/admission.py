@@ -10,16 +10,18 @@ their latency.
 Design, on one asyncio event loop (no locks: every state change is a plain method call
 between two awaits):
 
-- ``acquire(tenant, priority, pick)``: ``pick()`` is the caller's routing + capacity
-  check; it returns an address with a free slot or ``None``. With nobody queued and an
-  address, the slot is taken at once. Otherwise the request waits on a future.
+- ``acquire(tenant, priority, pick, pool=...)``: ``pick()`` is the caller's routing +
+  capacity check; it returns an address with a free slot or ``None``. ``pool`` names the
+  replicas it picks from (the gateway's: the model). With nobody of its pool queued and
+  an address, the slot is taken at once. Otherwise the request waits on a future.
 - Order: priority first (``critical`` > ``standard`` > ``sheddable``); within a
   priority, tenants take turns (round robin, one request each), so a tenant with 100
   queued requests delays another tenant's single request by at most one admission;
   FIFO within a tenant.
-- Head of line: admission stops at the first waiter whose ``pick()`` finds no slot.
-  All picks look at the same fleet, so letting later waiters overtake would only
-  starve the head.
+- Head of line, per pool: a waiter whose ``pick()`` finds no slot blocks the later
+  waiters of its pool (letting them overtake would only starve it: they pick from the
+  same replicas), and admission goes on with the waiters of other pools, whose replicas
+  may have free slots: a request for an idle model never waits behind a busy one's.
 - Full queue: the request fails at once (``QueueFull``, reason ``full``), unless a
   higher-priority request can evict the newest waiter of a lower priority (lowest
   first); the evicted one fails with ``QueueFull`` (reason ``shed``). So ``critical``
@@ -38,8 +40,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -87,6 +89,7 @@ class _Waiter:
     future: asyncio.Future[Slot]
     enqueued_at: float
     seq: int
+    pool: Hashable = None
     timer: asyncio.TimerHandle | None = None
 
 
@@ -106,20 +109,23 @@ class _Lane:
         queue.append(waiter)
         self.size += 1
 
-    def peek(self) -> _Waiter | None:
-        return self.by_tenant[self.rotation[0]][0] if self.rotation else None
+    def in_order(self) -> Iterator[_Waiter]:
+        """The waiters in the order they would be served if each were admitted in turn:
+        the rotation's tenants one request each, round after round."""
+        queues = [self.by_tenant[tenant] for tenant in self.rotation]
+        for round_ in range(max(map(len, queues), default=0)):
+            yield from (queue[round_] for queue in queues if round_ < len(queue))
 
-    def pop(self) -> _Waiter:
-        """Take the next waiter and move its tenant to the back of the rotation."""
-        tenant = self.rotation.popleft()
-        queue = self.by_tenant[tenant]
-        waiter = queue.popleft()
+    def take(self, waiter: _Waiter) -> None:
+        """Take an admitted waiter out and move its tenant to the back of the rotation."""
+        queue = self.by_tenant[waiter.tenant]
+        queue.remove(waiter)
+        self.rotation.remove(waiter.tenant)
         if queue:
-            self.rotation.append(tenant)
+            self.rotation.append(waiter.tenant)
         else:
-            del self.by_tenant[tenant]
+            del self.by_tenant[waiter.tenant]
         self.size -= 1
-        return waiter
 
     def remove(self, waiter: _Waiter) -> bool:
         """Take a waiter out of the middle (timeout, cancel, shed); False if not here."""
@@ -168,6 +174,7 @@ class AdmissionQueue:
         self.slots = slots if slots is not None else ReplicaSlots()
         self.retry_after = retry_after if retry_after is not None else max(1, math.ceil(timeout))
         self._lanes: dict[Priority, _Lane] = {priority: _Lane() for priority in PRIORITIES}
+        self._queued_by_pool: Counter[Hashable] = Counter()
         self._seq = itertools.count()
         self._admitting = False
         self._admit_again = False
@@ -186,18 +193,21 @@ class AdmissionQueue:
         priority: Priority,
         pick: Callable[[], str | None],
         *,
+        pool: Hashable = None,
         held: float = 0.0,
     ) -> Slot:
         """A slot on the replica ``pick()`` chose, waiting in the queue if none is free.
 
-        ``held``: seconds the request already waited before the queue for its model's
-        first replica (scale from zero); they count in its reported wait.
+        ``pool``: what ``pick()`` picks from (waiters of one pool keep their order; see
+        the module docstring). ``held``: seconds the request already waited before the
+        queue for its model's first replica (scale from zero); they count in its reported
+        wait.
         Raises ``QueueFull`` (at once, or later if shed) or ``QueueTimeout``.
         """
         if priority not in _RANK:
             raise ValueError(f"unknown priority {priority!r}; allowed: {', '.join(PRIORITIES)}")
         loop = asyncio.get_running_loop()
-        if self.queue_length == 0:
+        if self._queued_by_pool[pool] == 0:
             address = pick()
             if address is not None:
                 return self._grant_now(address, held)
@@ -208,10 +218,11 @@ class AdmissionQueue:
                 retry_after=self.retry_after,
             )
         waiter = _Waiter(
-            tenant, priority, pick, loop.create_future(), loop.time() - held, next(self._seq)
+            tenant, priority, pick, loop.create_future(), loop.time() - held, next(self._seq), pool
         )
         waiter.timer = loop.call_later(self.timeout, self._expire, waiter)
         self._lanes[priority].push(waiter)
+        self._queued_by_pool[pool] += 1
         self._admit()  # capacity may exist for waiters ahead of us, or for us
         try:
             return await waiter.future
@@ -260,7 +271,15 @@ class AdmissionQueue:
     def _drop(self, waiter: _Waiter) -> bool:
         if waiter.timer is not None:
             waiter.timer.cancel()
-        return self._lanes[waiter.priority].remove(waiter)
+        removed = self._lanes[waiter.priority].remove(waiter)
+        if removed:
+            self._left(waiter)
+        return removed
+
+    def _left(self, waiter: _Waiter) -> None:
+        self._queued_by_pool[waiter.pool] -= 1
+        if not self._queued_by_pool[waiter.pool]:
+            del self._queued_by_pool[waiter.pool]
 
     def _expire(self, waiter: _Waiter) -> None:
         if self._drop(waiter) and not waiter.future.done():
@@ -284,13 +303,6 @@ class AdmissionQueue:
         else:
             future.cancel()
 
-    def _next_waiter(self) -> _Waiter | None:
-        for priority in PRIORITIES:
-            waiter = self._lanes[priority].peek()
-            if waiter is not None:
-                return waiter
-        return None
-
     def _admit(self) -> None:
         """Grant slots to waiters in order until the head finds none (see module doc)."""
         if self._admitting:  # re-entered from a pick()/on_wait(): the outer loop reruns
@@ -305,29 +317,44 @@ class AdmissionQueue:
         finally:
             self._admitting = False
 
-    def _take_head(self, waiter: _Waiter) -> None:
-        """Dequeue the head waiter, moving its tenant to the back of the rotation."""
+    def _take(self, waiter: _Waiter) -> None:
+        """Dequeue an admitted (or failed) waiter; its tenant goes to the back of the
+        rotation."""
         if waiter.timer is not None:
             waiter.timer.cancel()
-        head = self._lanes[waiter.priority].pop()
-        assert head is waiter, "the head waiter changed during admission"
+        self._lanes[waiter.priority].take(waiter)
+        self._left(waiter)
+
+    def _in_order(self) -> Iterator[_Waiter]:
+        for priority in PRIORITIES:
+            yield from self._lanes[priority].in_order()
 
     def _admit_in_order(self) -> None:
-        while (waiter := self._next_waiter()) is not None:
-            if waiter.future.done():  # cancelled; its task has not run its cleanup yet
-                self._take_head(waiter)
-                continue
-            try:
-                address = waiter.pick()
-            except Exception as exc:  # a broken pick fails its own request, not the queue
-                self._take_head(waiter)
-                waiter.future.set_exception(exc)
-                continue
-            if address is None:
+        """Grant slots in order; a waiter that finds none blocks its pool for the rest of
+        this pass (no slot frees during it)."""
+        blocked: set[Hashable] = set()
+        while True:
+            for waiter in self._in_order():
+                if waiter.pool in blocked:
+                    continue
+                if waiter.future.done():  # cancelled; its task has not run its cleanup yet
+                    self._take(waiter)
+                    break  # the order changed: start over
+                try:
+                    address = waiter.pick()
+                except Exception as exc:  # a broken pick fails its own request, not the queue
+                    self._take(waiter)
+                    waiter.future.set_exception(exc)
+                    break
+                if address is None:
+                    blocked.add(waiter.pool)
+                    continue
+                self._take(waiter)
+                self.slots.take(address)
+                waited = waiter.future.get_loop().time() - waiter.enqueued_at
+                waiter.future.set_result(Slot(address, waited))
+                if self.on_wait is not None:
+                    self.on_wait(waited)
+                break
+            else:
                 return
-            self._take_head(waiter)
-            self.slots.take(address)
-            waited = waiter.future.get_loop().time() - waiter.enqueued_at
-            waiter.future.set_result(Slot(address, waited))
-            if self.on_wait is not None:
-                self.on_wait(waited)

@@ -94,12 +94,12 @@ class UpstreamCall:
                 st.metrics.retries.labels(self.model).inc()
             decisions: list[Any] = []
             pick = functools.partial(self._pick, key, exclude, decisions)
-            # Also checked by pick(), but that runs only once this request heads the
-            # queue: behind other models' waiters it would wait for nothing.
+            # Also checked by pick(), but that runs only once this request heads its
+            # model's waiters: behind them it would wait for nothing.
             self._check_routable(st.fleet.views(self.model), exclude, last_error if attempt else "")
             try:
                 self.slot = await st.queue.acquire(
-                    self.tenant.name, self.tenant.priority, pick, held=held
+                    self.tenant.name, self.tenant.priority, pick, pool=self.model, held=held
                 )
                 held = 0.0  # a retry's wait is its own
             except AdmissionRejected as exc:
