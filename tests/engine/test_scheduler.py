@@ -160,6 +160,55 @@ def test_a_dry_pool_preempts_the_most_recently_admitted_request() -> None:
     assert sched.num_preemptions == 1
 
 
+class FixedDrafts:
+    """A proposer that drafts ``k`` tokens (fewer if the scheduler allows fewer)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def draft(self, req: Request, limit: int) -> list[int]:
+        return [SAMPLED_TOKEN] * min(self.k, limit)
+
+    def finished(self, req: Request) -> None:
+        pass
+
+
+def speculating(sched: Scheduler, k: int) -> Scheduler:
+    sched.proposer = FixedDrafts(k)
+    sched.speculative_max_batch = 100
+    return sched
+
+
+def test_drafts_take_only_the_blocks_nobody_needs_for_their_next_token() -> None:
+    # Four blocks: a and b hold one each; each one's 5th token needs a second, and a's
+    # four drafts would need a third: they would leave b no block for its token.
+    sched = speculating(make_scheduler(num_blocks=4), k=4)
+    a, b = make_request("a", tokens(100, 4)), make_request("b", tokens(200, 4))
+    add(sched, a, b)
+    step(sched)
+
+    out = step(sched)
+    assert plan(out) == [("a", 1), ("b", 1)]  # a runs without its drafts
+    assert out.preempted == [] and a.spec_token_ids == []
+    # Three drafts fit in the second block each one took for its token: both draft.
+    sched = speculating(make_scheduler(num_blocks=4), k=3)
+    a, b = make_request("a", tokens(100, 4)), make_request("b", tokens(200, 4))
+    add(sched, a, b)
+    step(sched)
+    out = step(sched)
+    assert plan(out) == [("a", 4), ("b", 4)] and out.preempted == []
+
+
+def test_drafts_take_only_the_budget_left_after_every_request_has_its_token() -> None:
+    sched = speculating(make_scheduler(num_blocks=16, budget=4), k=8)
+    a, b = make_request("a", tokens(100, 2)), make_request("b", tokens(200, 2))
+    add(sched, a, b)
+    step(sched)
+
+    out = step(sched)
+    assert plan(out) == [("a", 3), ("b", 1)]  # b's token first; a's drafts fill the rest
+
+
 def test_the_newest_request_preempts_itself_when_it_cannot_grow() -> None:
     # Three blocks, one each; only c's next token (its 5th) needs a second block.
     sched = make_scheduler(num_blocks=3)

@@ -22,8 +22,10 @@ held only rejected positions are given back (``KVCacheManager.trim``). Prefix-ca
 hashes only ever cover ``all_token_ids`` (committed tokens), never drafts. Drafts are
 proposed only when fewer than ``speculative_max_batch`` requests decode in the step
 (beyond that, verifying costs more than it saves), only for requests that
-``can_speculate``, and never beyond ``max_tokens`` or ``max_model_len``. A request whose
-drafts do not fit in the KV pool runs without them rather than preempt anyone.
+``can_speculate``, and never beyond ``max_tokens`` or ``max_model_len``. Drafts come after
+every running request has its token or chunk, from what is left of the budget and the
+pool: a request whose drafts do not fit runs without them (or with fewer), and nobody is
+preempted or passed over for a draft.
 
 With LoRA adapters (``lora_slots``), a waiting request also needs its adapter in one of
 the device's slots. One that cannot get a slot this step is passed over, in its place in
@@ -106,11 +108,6 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if speculate and num_new == 1 and self._schedule_drafts(req, budget):
-                n = 1 + len(req.spec_token_ids)
-                scheduled[req.request_id] = n
-                budget -= n
-                continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]
                 if victim.request_id in scheduled:
@@ -122,6 +119,13 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 scheduled[req.request_id] = num_new
                 budget -= num_new
+        # Drafts, from what is left (see the module docstring).
+        for req in decodes if speculate else ():
+            if budget == 0:
+                break
+            if scheduled.get(req.request_id) == 1 and self._schedule_drafts(req, budget):
+                scheduled[req.request_id] += len(req.spec_token_ids)
+                budget -= len(req.spec_token_ids)
 
         # Waiting requests, first come first served. After a preemption the pool is
         # short, so admit nobody new this step. A request whose adapter has no slot yet
@@ -166,14 +170,15 @@ class Scheduler:
         return out
 
     def _schedule_drafts(self, req: Request, budget: int) -> bool:
-        """Propose drafts for a decoding request and give it KV slots for them and its
-        last token; False (and no drafts) when there are none or they do not fit."""
+        """Propose at most ``budget`` drafts for a decoding request already given KV slots
+        for its last token, and slots for them; False (and no drafts) when there are none
+        or they do not fit in the free blocks."""
         assert self.proposer is not None
         if not req.can_speculate:
             return False
-        # The drafts plus the token sampled after them stay within the budget,
-        # max_tokens and max_model_len.
-        limit = min(budget, req.params.max_tokens - req.num_output_tokens) - 1
+        # The drafts plus the token sampled after them stay within max_tokens and
+        # max_model_len.
+        limit = min(budget, req.params.max_tokens - req.num_output_tokens - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - req.num_tokens - 1)
         if limit <= 0:
