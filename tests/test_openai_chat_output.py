@@ -77,6 +77,9 @@ OUTPUTS = {
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call> after',
         '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
         '<tool_call>\n{"name": "add", "arguments": {"a": 1}}',  # cut by max_tokens
+        # Text before a malformed or unfinished call keeps its whitespace.
+        'Sure.\n\n<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
+        'Sure. \n<tool_call>\n{"name": "add", "arguments": ',
     ],
     "llama3_json": [
         '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "add", '

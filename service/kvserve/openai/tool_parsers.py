@@ -134,12 +134,12 @@ class HermesParser(ToolCallParser):
                 end = self.buffer.find(self.END)
                 if end < 0:
                     break
-                raw = self.buffer[: end + len(self.END)]
-                call = self._parse(raw)
-                if call is not None:
+                raw = self.buffer[: end + len(self.END)]  # the separator, then the call
+                call = self._parse(raw.lstrip())
+                if call is not None:  # the separator goes with it
                     out.calls.append(call)
                     self.num_calls += 1
-                else:
+                else:  # text, as written
                     out.content += raw
                 self.buffer = self.buffer[end + len(self.END) :]
                 self.in_call = False
@@ -152,8 +152,11 @@ class HermesParser(ToolCallParser):
                     out.content += visible
                     self.buffer = self.buffer[len(visible) :]
                     break
-                out.content += self.buffer[:start].rstrip()
-                self.buffer = self.buffer[start:]
+                # Whitespace before the call waits with it: it separates a call, or is
+                # text before a malformed or unfinished one.
+                content = self.buffer[:start].rstrip()
+                out.content += content
+                self.buffer = self.buffer[len(content) :]
                 self.in_call = True
         return out
 
