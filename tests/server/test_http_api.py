@@ -300,8 +300,11 @@ def test_echo_returns_the_prompt_scored_as_lm_eval_reads_it(server: RunningServe
     assert len(lp["tokens"]) == len(ids) + 2 and "".join(lp["tokens"]) == choice["text"]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
-    # (two ids may have one text, and the legacy format maps texts to logprobs)
-    assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+    # Each holds the top 2 and the token itself, as OpenAI's do ("the API will always
+    # return the logprob of the sampled token"); two ids may have one text, and the legacy
+    # format maps texts to logprobs.
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
+    assert all(t in top for t, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:], strict=True))
     answer = plain["choices"][0]["logprobs"]["token_logprobs"]  # (from cached blocks)
     assert lp["token_logprobs"][len(ids) :] == pytest.approx(answer, abs=1e-4)
     assert again["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"]

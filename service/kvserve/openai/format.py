@@ -66,7 +66,9 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """``choices[].logprobs`` of /v1/completions (legacy format). ``unscored``: tokens
     before ``entries`` that have no logprob (an echoed prompt's first): null in
-    ``token_logprobs`` and ``top_logprobs``, as OpenAI's API gives them."""
+    ``token_logprobs`` and ``top_logprobs``, as OpenAI's API gives them. Each
+    ``top_logprobs`` entry holds the chosen token too, as OpenAI's and vLLM's do ("the
+    API will always return the logprob of the sampled token"): up to logprobs + 1."""
     tokens = [token_text(t) for t in unscored] + [token_text(e.token_id) for e in entries]
     offsets = []
     for tok in tokens:
@@ -76,9 +78,15 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": nulls + [e.logprob for e in entries],
-        "top_logprobs": nulls + [{token_text(t): lp for t, lp in e.top.items()} for e in entries],
+        "top_logprobs": nulls + [_with_chosen(e, token_text) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _with_chosen(entry: TokenLogprob, token_text: TokenText) -> dict[str, float]:
+    top = {token_text(t): lp for t, lp in entry.top.items()}
+    top.setdefault(token_text(entry.token_id), entry.logprob)
+    return top
 
 
 @dataclass(frozen=True)
