@@ -25,6 +25,7 @@ from kvserve.rpc import codec
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.grpc_service import start_grpc_server
+from kvserve.testing.checkpoints import build_random_checkpoint
 from tests.support.grpc_engine import BLOCK_SIZE, LONG, PROMPT, Served, request, serve
 from tests.support.waiting import eventually
 
@@ -405,6 +406,44 @@ def test_generate_many_refuses_bad_commands_one_by_one(llm_engine: LLMEngine) ->
         call.cancel()
 
     serve(llm_engine, body)
+
+
+def test_a_request_slow_to_start_holds_up_no_other_request_on_the_call(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Through the gateway one GenerateMany call carries every tenant's requests to a
+    replica, so a start that takes long to build (here the longest prompt a 64k context
+    takes, about a second to tokenize) must not hold up the starts and cancels behind it;
+    a cancel ends it before it reaches the engine."""
+    model = build_random_checkpoint(
+        tmp_path_factory.mktemp("long-context"), "llama", max_position_embeddings=65536
+    )
+    cfg = EngineConfig(
+        model=str(model), dtype="float32", device="cpu", max_model_len=65536, num_kv_blocks=64
+    )
+    engine = LLMEngine(cfg)
+    assert engine.max_prompt_chars is not None
+    long = (PROMPT + " ") * (engine.max_prompt_chars // (len(PROMPT) + 1))
+    # transformers warns once per tokenizer of a text over its model_max_length: now,
+    # while pytest captures the log, not from the cancelled tokenization after the test.
+    engine.tokenize(long[: len(long) // 100])
+
+    async def body(s: Served) -> None:
+        call = s.stub.GenerateMany()
+        slow, quick = request("slow", 2, prompt_text=long), request("quick", 2)
+        await call.write(pb.GenerateManyRequest(commands=[start(1, slow), start(2, quick)]))
+        ends: list[tuple[int, str]] = []
+        while (2, "final") not in ends:
+            message = await call.read()
+            ends += [(o.tag, str(o.WhichOneof("kind"))) for o in message.outputs]
+        # The quick one ran to its end while the slow one was still being tokenized.
+        assert [end for end in ends if end[1] != "delta"] == [(2, "final")]
+        await call.write(pb.GenerateManyRequest(commands=[cancel(1)]))
+        outputs, _ = await read_until_ended(call, {1})
+        assert [o.final.finish_reason for o in outputs[1]] == ["abort"]
+        call.cancel()
+
+    serve(engine, body)
 
 
 def test_ending_a_generate_many_call_aborts_its_requests(llm_engine: LLMEngine) -> None:

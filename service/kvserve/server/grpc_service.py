@@ -383,6 +383,11 @@ class _ManyCall:
     callback per engine step; they are converted there and queued, and the writer sends
     whatever is queued in one message. Outputs that queue up while a write is in flight
     leave together in the next one.
+
+    Each start is built in a task of its own: a request whose building takes long (a
+    long prompt tokenized off the loop, a grammar compiled) must not hold up the starts
+    and cancels behind it on the call, which through the gateway carries every tenant's
+    requests to this replica. A cancel for a request still being built ends it there.
     """
 
     def __init__(self, servicer: EngineServicer, context: grpc.aio.ServicerContext) -> None:
@@ -391,6 +396,7 @@ class _ManyCall:
         self.context = context
         self.token_text = tokenizer_text(servicer.engine.engine.tokenizer)
         self.started: dict[int, _Started] = {}
+        self.starting: dict[int, asyncio.Task[None]] = {}  # being built
         self.ready: list[pb.TaggedOutput] = []
         self.echo_bytes: list[int] = []  # per ready output: its size if it echoes, else 0
         self.wake = asyncio.Event()
@@ -404,7 +410,8 @@ class _ManyCall:
                 self.wake.clear()
                 while self.ready:
                     await self.context.write(pb.GenerateManyResponse(outputs=self._batch()))
-                if reader.done() and (not self.started or reader.exception() is not None):
+                ended = not self.started and not self.starting
+                if reader.done() and (ended or reader.exception() is not None):
                     break  # the client half-closed and everything it started has ended
         finally:
             reader.cancel()
@@ -416,19 +423,28 @@ class _ManyCall:
             for command in message.commands:
                 kind = command.WhichOneof("kind")
                 if kind == "start":
-                    await self._start(command)
+                    if command.tag in self.started or command.tag in self.starting:
+                        refused = _Refused(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"tag {command.tag} is in use by a running request",
+                        )
+                        self._push(_error_output(command.tag, refused))
+                        continue
+                    task = asyncio.create_task(self._start(command))
+                    self.starting[command.tag] = task
+                    task.add_done_callback(functools.partial(self._built, command.tag))
                 elif kind == "cancel":
                     started = self.started.get(command.tag)
                     if started is not None:  # ends with a Final (finish_reason "abort")
                         await self.engine.abort(started.request_id)
+                    elif (building := self.starting.get(command.tag)) is not None:
+                        building.cancel()  # never reaches the engine
+                        final = pb.Final(finish_reason="abort", usage=pb.Usage())
+                        self._push(pb.TaggedOutput(tag=command.tag, final=final))
 
     async def _start(self, command: pb.TaggedCommand) -> None:
         tag = command.tag
         try:
-            if tag in self.started:
-                raise _Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is in use by a running request"
-                )
             req, started = await self.servicer.build_request(
                 command.start, lambda: dict(command.metadata)
             )
@@ -439,6 +455,10 @@ class _ManyCall:
             self._push(_error_output(tag, _refusal(exc)))
             return
         self.started[tag] = started
+
+    def _built(self, tag: int, task: asyncio.Task[None]) -> None:
+        del self.starting[tag]
+        self.wake.set()  # the call may be over now
 
     def _on_output(self, tag: int, started: _Started, out: RequestOutput | BaseException) -> None:
         try:
@@ -481,6 +501,8 @@ class _ManyCall:
         self.engine.release(started.request_id, abort=abort)
 
     def abort_all(self) -> None:
+        for task in list(self.starting.values()):
+            task.cancel()
         for tag, started in list(self.started.items()):
             self._end(tag, started, abort=True)
 
