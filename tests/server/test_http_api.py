@@ -971,6 +971,13 @@ def test_null_asks_for_the_default(server: RunningServer) -> None:
             assert r.status_code == status, r.text
         param = r.json()["error"]["param"]
         assert param == "stream_options.include_obfuscation", param
+        # vLLM's usage on every chunk: likewise.
+        for continuous, status in ((False, 200), (True, 400)):
+            options = {"include_usage": True, "continuous_usage_stats": continuous}
+            r = c.post("/v1/chat/completions", json={**streamed, "stream_options": options})
+            assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+        assert "usage only in the last chunk" in r.json()["error"]["message"]
         assistant = {"role": "assistant", "content": "x", "audio": {"id": "a1"}}
         r = c.post("/v1/chat/completions", json={**chat, "messages": [assistant]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.audio"

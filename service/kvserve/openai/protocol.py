@@ -72,6 +72,11 @@ class StreamOptions(OpenAIObject):
     include_obfuscation: Annotated[
         bool | None, _refused_if_true("this server does not obfuscate streams")
     ] = None
+    # vLLM's usage on every chunk: not sent; false (what clients that send every field
+    # send) asks for nothing.
+    continuous_usage_stats: Annotated[
+        bool | None, _refused_if_true("this server sends usage only in the last chunk")
+    ] = None
 
 
 # vLLM's bound is "long enough to be unpredictable"; this one keeps a salt a key, not a body.
