@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -643,8 +644,30 @@ def test_a_changed_keys_file_is_applied_without_a_restart(
             + entry.format(t="b", d=hash_key(KEY_B))
         )
         wait_until(lambda: post_as(gw, KEY_B, body).status_code == 200, timeout=30)
-        keys.write_text("keys:\n" + entry.format(t="b", d=hash_key(KEY_B)))
-        wait_until(lambda: post_as(gw, KEY_A, body).status_code == 401, timeout=30)
+        # A's request whose head came before A's key was revoked, and its body after: the
+        # key is checked again once the body is read (a slow body used to keep it alive).
+        head_sent, released = threading.Event(), threading.Event()
+
+        def slow_body() -> Iterator[bytes]:
+            text = json.dumps(body).encode()
+            yield text[:5]
+            head_sent.set()  # asked for more: the head and the first part are out
+            released.wait(60)
+            yield text[5:]
+
+        with ThreadPoolExecutor(1) as pool:
+            late = pool.submit(
+                httpx.post,
+                gw.url + "/v1/completions",
+                content=slow_body(),
+                headers={"authorization": f"Bearer {KEY_A}", "content-type": "application/json"},
+                timeout=60,
+            )
+            assert head_sent.wait(60)
+            keys.write_text("keys:\n" + entry.format(t="b", d=hash_key(KEY_B)))
+            wait_until(lambda: post_as(gw, KEY_A, body).status_code == 401, timeout=30)
+            released.set()
+            assert late.result().status_code == 401, late.result().text
     finally:
         gw.stop()
 

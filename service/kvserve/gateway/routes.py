@@ -1,6 +1,8 @@
 """The gateway's HTTP routes: health, readiness, metrics, the model list, and the OpenAI
 API, whose routes authenticate the key (before the body is read, so an anonymous client
-gets nothing parsed and no detailed errors), parse the body and hand it to
+gets nothing parsed and no detailed errors), parse the body, authenticate the key again
+(a key revoked or changed by a reload while the body arrived is refused, or serves under
+its new terms: a slow body must not extend an old key's life) and hand it to
 ``kvserve.gateway.completion``, which says the order of the rest of a request's path.
 """
 
@@ -93,7 +95,7 @@ def gateway_router(state: GatewayState) -> APIRouter:
         "/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest)
     )
     async def completions(request: Request) -> Response:
-        tenant = _authenticate(state, request)
+        _authenticate(state, request)
         try:
             body = await parse_body(request, CompletionRequest)
             prompts = checks.completion_prompts(body)
@@ -101,6 +103,7 @@ def gateway_router(state: GatewayState) -> APIRouter:
         except OpenAIError:
             state.metrics.rejections.labels("invalid").inc()
             raise
+        tenant = _authenticate(state, request)  # again: see the module docstring
         return await serve(state, request, tenant, body, prompts, constraint=constraint)
 
     @router.post(
@@ -109,7 +112,7 @@ def gateway_router(state: GatewayState) -> APIRouter:
         openapi_extra=body_schema(ChatCompletionRequest),
     )
     async def chat(request: Request) -> Response:
-        tenant = _authenticate(state, request)
+        _authenticate(state, request)
         try:  # the model's output is read by the replica; here only the input is checked
             body = await parse_body(request, ChatCompletionRequest)
             messages = template_messages(body.messages)
@@ -118,6 +121,7 @@ def gateway_router(state: GatewayState) -> APIRouter:
         except OpenAIError:
             state.metrics.rejections.labels("invalid").inc()
             raise
+        tenant = _authenticate(state, request)  # again: see the module docstring
         return await serve(
             state, request, tenant, body, [messages], tools=tools, constraint=constraint
         )
