@@ -15,7 +15,8 @@ a model adds replicas to it (warned about, as a fine-tune given another's name w
 mixed in the same way).
 
 The watches run in threads (the Kubernetes client is synchronous); ``on_change`` is
-called from those threads, so callers hop back to their event loop themselves.
+called from those threads, one at a time and in the order the snapshots were taken, so
+callers hop back to their event loop themselves, and must not block.
 """
 
 from __future__ import annotations
@@ -252,6 +253,11 @@ class KubernetesDiscovery:
             self._last = snapshot
             shared, before = self.state.shared_names(), self._shared
             self._shared = shared
+            # Delivered under the lock (on_change only schedules the update on the
+            # gateway's loop), so the watch threads' snapshots arrive in the order they
+            # were taken: the last one delivered is the latest, never an older one that
+            # lost a race to the loop.
+            self.on_change(snapshot)
         log.info("discovered replicas: %s", snapshot)
         for model, services in shared.items():
             if before.get(model) == services:
@@ -262,4 +268,3 @@ class KubernetesDiscovery:
                 len(services),
                 ", ".join(services),
             )
-        self.on_change(snapshot)
