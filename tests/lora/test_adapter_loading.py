@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.lora import LoRARequest
 from kvserve.lora.adapter import LoRAError, load_adapter, read_config
@@ -107,6 +112,9 @@ def test_missing_files_and_pickles_are_refused(good: Path, base: Path, tmp_path:
     (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
     with pytest.raises(LoRAError, match="pickle"):
         load(path, base)
+    (path / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(LoRAError, match="not valid JSON"):  # json's RecursionError
+        load(path, base)
     (path / "adapter_config.json").unlink()
     with pytest.raises(LoRAError, match=r"adapter_config\.json"):
         load(path, base)
@@ -170,3 +178,40 @@ def test_vllm_style_lora_requests_are_the_same_adapter(good: Path, base: Path) -
         ["hi", "hi"], params, lora_request=[ours, LoRARequest("good", 1, str(good))]
     )
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_an_adapter_that_cannot_be_read_back_fails_its_request_alone(
+    good: Path, base: Path, tmp_path: Path
+) -> None:
+    """An adapter dropped from host memory is read again from disk, on the engine thread,
+    by the next request for it: when that fails, that request fails (RequestFailedError:
+    the server's files, not the client's input) and the engine serves on. Any exception
+    there used to end the engine thread, and with it every request and the server."""
+    first, second = copy(good, tmp_path / "1"), copy(good, tmp_path / "2")
+    cfg = EngineConfig(
+        model=str(base), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8,
+        max_loras=1, max_cpu_loras=0,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=2)
+    long = SamplingParams(max_tokens=64, ignore_eos=True)
+
+    async def last(engine: AsyncEngine, params: SamplingParams, lora: LoRARequest | None) -> Any:
+        outputs = engine.stream(engine.make_request("hi", params, lora_request=lora))
+        return [out async for out in outputs][-1]
+
+    async def main() -> None:
+        engine = AsyncEngine(LLMEngine(cfg))
+        engine.start()
+        try:
+            for lora in (LoRARequest("first", str(first)), LoRARequest("second", str(second))):
+                await last(engine, params, lora)  # "first" leaves host memory for "second"
+            (first / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+            base_model = asyncio.ensure_future(last(engine, long, None))
+            with pytest.raises(RequestFailedError, match="not valid JSON"):
+                await last(engine, params, LoRARequest("first", str(first)))
+            assert (await base_model).outputs[0].finish_reason == "length"
+            assert (await last(engine, params, None)).finished  # and new ones run
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from kvserve.conversation import ChatEnding, text_chars
 from kvserve.engine.llm_engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request
+from kvserve.errors import InvalidRequestError
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.parallel.group import GroupFailedError
@@ -66,6 +67,15 @@ class GrammarFailedError(RequestFailedError):
     token, or the grammar grew past its limits (``a{1000000}`` passes its compile and
     fails on the first ``a``). The client's constraint, not the server: front ends answer
     it as bad input, naming the field the constraint came in."""
+
+
+def _enqueue_failure(exc: Exception) -> Exception:
+    """What a request that could not be queued fails with: the client's mistake as it
+    is (``InvalidRequestError``: a 400), anything else (an adapter that cannot be read
+    back from disk, say) as this request's failure inside the engine."""
+    if isinstance(exc, InvalidRequestError):
+        return exc
+    return RequestFailedError(f"the engine could not queue the request: {exc}")
 
 
 @dataclass
@@ -358,10 +368,10 @@ class AsyncEngine:
                 rid = cmd.request.request_id
                 try:
                     self.engine.enqueue(cmd.request)
-                except ValueError as exc:
+                except Exception as exc:  # fails this request, never the engine thread
                     if self.hooks.on_failed is not None:
                         self.hooks.on_failed(cmd.request)
-                    self._deliver(rid, exc)
+                    self._deliver(rid, _enqueue_failure(exc))
                     continue
                 if rid not in self._streams:  # the client left before the engine saw it
                     aborted += self.engine.abort_request(rid)

@@ -77,7 +77,9 @@ def read_config(path: Path, max_rank: int) -> tuple[int, float]:
         raise LoRAError(f"{path} is not a PEFT adapter: it has no {CONFIG_FILE}")
     try:
         cfg: dict[str, Any] = json.loads(where.read_text("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise LoRAError(f"{where} cannot be read: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nested too deep: the last
         raise LoRAError(f"{where} is not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise LoRAError(f"{where} must hold a JSON object")
@@ -160,7 +162,7 @@ def load_adapter(lora: LoRARequest, model: ModelConfig, max_rank: int) -> LoRAWe
                         f"{model.num_layers} layers"
                     )
                 halves.setdefault((layer, name), {})[half] = f.get_tensor(key)
-    except SafetensorError as exc:  # an empty, truncated or garbled file
+    except (SafetensorError, OSError) as exc:  # empty, truncated, garbled, unreadable
         raise LoRAError(f"{weights_file} is not a readable safetensors file: {exc}") from None
     if not halves:
         raise LoRAError(f"{weights_file} holds no LoRA weights")
