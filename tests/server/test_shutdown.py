@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import socket
+import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.server.app import create_app
+from kvserve.server.shutdown import DrainingServer
+from kvserve.server.state import ServerState
+from kvserve.telemetry.prometheus import EngineMetrics
 from tests.support.cli_server import sigterm_mid_stream, start_cli_server
+from tests.support.net import free_port
 from tests.support.prometheus import metric
 from tests.support.waiting import wait_until
 
@@ -107,6 +118,50 @@ def test_drain_timeout_aborts_the_rest(checkpoint_dir) -> None:  # type: ignore[
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_request_taken_in_but_not_yet_in_the_engine_is_drained(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """A request on its way to the engine when SIGTERM comes (its body still arriving here;
+    a batch of long prompts being tokenized, in life) is drained as one in the engine:
+    the drain used to see nothing in flight and shut the server down under it (a
+    plain-text 500). Its head came before the signal, so it is served; one whose head
+    comes after is refused at once, its body unread. In this process, to see the request
+    taken in before the signal."""
+    engine = LLMEngine(EngineConfig(model=str(checkpoint_dir("llama")), dtype="float32"))
+    app = create_app(engine, "m", metrics=EngineMetrics("m"))
+    state: ServerState = app.state.kvserve
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = DrainingServer(config, state, drain_timeout=600)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, timeout=60)
+    body = json.dumps({"model": "m", "prompt": "drain me", "max_tokens": 3}).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
+
+    def answer(sock: socket.socket) -> tuple[int, Any]:
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, json.loads(response.read())
+
+    with socket.create_connection(("127.0.0.1", port)) as taken_in:
+        taken_in.sendall(head + body[:8])
+        wait_until(lambda: state.preparing == 1)
+        server.handle_exit(signal.SIGTERM, None)
+        wait_until(lambda: not state.admitting)
+        with socket.create_connection(("127.0.0.1", port)) as late:
+            late.sendall(head)  # and no body: refused without waiting for it
+            status, refused = answer(late)
+        assert status == 503 and "shutting down" in refused["error"]["message"], refused
+        taken_in.sendall(body[8:])
+        status, served = answer(taken_in)
+    assert status == 200, served
+    assert served["usage"]["completion_tokens"] == 3
+    thread.join(timeout=60)
+    assert not thread.is_alive() and server.exit_code == 0
 
 
 def _read_all(sock: socket.socket) -> bytes:

@@ -137,6 +137,7 @@ def create_app(
                 chat_parsing=state.chat_parsing,
                 lora=adapters,
                 admitting=lambda: state.admitting,
+                preparing=state.prepared,
             )
             log.info("gRPC API on %s:%d", grpc_address[0], app.state.grpc_port)
         try:

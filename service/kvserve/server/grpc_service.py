@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -111,8 +111,11 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         chat_parsing: ChatParsing | None = None,
         lora: LoRAAdapters | None = None,
         admitting: Callable[[], bool] = lambda: True,
+        preparing: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         self.engine = engine
+        # Counts a request while it is built (ServerState.prepared): a drain waits for it.
+        self.preparing = preparing
         # False while the server drains (SIGTERM): new requests are refused UNAVAILABLE,
         # which the gateway retries on another replica, as HTTP answers them 503.
         self.admitting = admitting
@@ -123,6 +126,14 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self.lora = lora or LoRAAdapters("", enabled=False)
 
     async def build_request(
+        self, request: pb.GenerateRequest, metadata: Callable[[], Mapping[str, str]]
+    ) -> tuple[Request, _Started]:
+        """``_build``, counted as preparing (the caller submits the result before its next
+        await, so a drain always sees it in one count or the other)."""
+        with self.preparing():
+            return await self._build(request, metadata)
+
+    async def _build(
         self, request: pb.GenerateRequest, metadata: Callable[[], Mapping[str, str]]
     ) -> tuple[Request, _Started]:
         """The engine request for ``request`` and what its outputs need to become messages
@@ -546,9 +557,12 @@ def add_engine_service(
     chat_parsing: ChatParsing | None = None,
     lora: LoRAAdapters | None = None,
     admitting: Callable[[], bool] = lambda: True,
+    preparing: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> None:
     """Register the engine service on a grpc.aio server (running on the engine's loop)."""
-    servicer = EngineServicer(engine, telemetry, stop_limits, chat_parsing, lora, admitting)
+    servicer = EngineServicer(
+        engine, telemetry, stop_limits, chat_parsing, lora, admitting, preparing
+    )
     pb_grpc.add_EngineServiceServicer_to_server(servicer, server)
 
 
@@ -563,13 +577,16 @@ async def start_grpc_server(
     chat_parsing: ChatParsing | None = None,
     lora: LoRAAdapters | None = None,
     admitting: Callable[[], bool] = lambda: True,
+    preparing: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the engine service; ``port=0`` picks a free port.
 
     Returns the server and the bound port. Stop it with ``await server.stop(grace)``.
     """
     server = grpc.aio.server(options=server_options(min_ping_interval_ms))
-    add_engine_service(server, engine, telemetry, stop_limits, chat_parsing, lora, admitting)
+    add_engine_service(
+        server, engine, telemetry, stop_limits, chat_parsing, lora, admitting, preparing
+    )
     bound = bind(server, host, port)
     await server.start()
     log.info("gRPC engine service listening on %s:%d", host, bound)

@@ -20,6 +20,8 @@ class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: stop admitting (readiness fails, new requests get 503), let
     in-flight requests finish for up to ``drain_timeout`` seconds, then abort what is
     left (each stream and answer ends with finish reason "abort"), shut down and exit 0.
+    In flight are the engine's requests and those taken in and still on their way to it
+    (``ServerState.preparing``: a batch of long prompts being tokenized, say).
 
     A second signal ends the drain now: the requests still running are aborted (their
     streams end with finish reason "abort") and the server shuts down as after a drain,
@@ -58,7 +60,7 @@ class DrainingServer(uvicorn.Server):
             log.warning(
                 "signal %d again: ending the drain, aborting %d in-flight requests",
                 sig,
-                self.state.engine.num_in_flight,
+                self.state.in_flight,
             )
             self._loop.call_soon_threadsafe(self._end_drain)
             return
@@ -67,7 +69,7 @@ class DrainingServer(uvicorn.Server):
         log.info(
             "signal %d: draining %d in-flight requests (up to %.0f s)",
             sig,
-            self.state.engine.num_in_flight,
+            self.state.in_flight,
             self.drain_timeout,
         )
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
@@ -84,10 +86,10 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
-        while self.state.engine.num_in_flight and time.monotonic() < deadline:
+        while self.state.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # poll the in-flight count until the deadline
-        if self.state.engine.num_in_flight:
-            log.warning("drain timeout: aborting %d requests", self.state.engine.num_in_flight)
+        if self.state.in_flight:
+            log.warning("drain timeout: aborting %d requests", self.state.in_flight)
         # As a second signal does: aborted, each request still gets its whole answer
         # (finish reason "abort") in uvicorn's grace period, where left running it would be
         # cancelled there (a plain-text 500, a stream cut off before [DONE]).

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -28,10 +30,27 @@ class ServerState:
     # A stream whose client has not read for this long is ended (kvserve.openai.stalls).
     write_stall_timeout: float = DEFAULT_WRITE_STALL_SECONDS
     admitting: bool = True  # false while draining: readiness fails, new requests get 503
+    # Requests taken in and not yet in the engine (a body read, prompts tokenized, a
+    # template rendered, a grammar compiled): a drain waits for them as for the engine's.
+    preparing: int = 0
     # How a chat answer is read: tool calls and reasoning (--tool-call-parser, --reasoning-parser).
     chat_parsing: ChatParsing = field(default_factory=ChatParsing)
     # /v1/models' ``created`` (Unix seconds): when this server started serving the model.
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @contextmanager
+    def prepared(self) -> Iterator[None]:
+        """Count a request as ``preparing`` while the block runs (up to its submission)."""
+        self.preparing += 1
+        try:
+            yield
+        finally:
+            self.preparing -= 1
+
+    @property
+    def in_flight(self) -> int:
+        """What a drain waits for: the engine's requests and those on their way to it."""
+        return self.engine.num_in_flight + self.preparing
 
     @property
     def tokenizer(self) -> Any:

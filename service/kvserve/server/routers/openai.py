@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -35,6 +36,26 @@ from kvserve.server.chat import prepare_chat, validate_constraint
 from kvserve.server.state import ServerState, State, server_state
 
 router = APIRouter()
+Answer = JSONResponse | EventStreamResponse
+Route = Callable[[Request], Awaitable[Answer]]
+
+
+def _admitted(handler: Route) -> Route:
+    """A completion route: refused with a 503 while the server drains, as soon as the
+    request's head is in (its body unread); else counted in ``ServerState.preparing``
+    until the handler returns (a streamed answer is in the engine by then, a whole one
+    finished), so that a drain waits for a request still on its way to the engine: its
+    body arriving, its prompts being tokenized."""
+
+    @functools.wraps(handler)
+    async def admitted(request: Request) -> Answer:
+        state = server_state(request)
+        if not state.admitting:
+            raise OpenAIError(503, "the server is shutting down; retry on another replica")
+        with state.prepared():
+            return await handler(request)
+
+    return admitted
 
 
 @router.get("/v1/models")
@@ -50,6 +71,7 @@ async def retrieve_model(model: str, state: State) -> dict[str, Any]:
 
 
 @router.post("/v1/completions", response_model=None, openapi_extra=body_schema(CompletionRequest))
+@_admitted
 async def completions(request: Request) -> JSONResponse | EventStreamResponse:
     arrival = time.monotonic()
     body = await parse_body(request, CompletionRequest)
@@ -130,6 +152,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
 @router.post(
     "/v1/chat/completions", response_model=None, openapi_extra=body_schema(ChatCompletionRequest)
 )
+@_admitted
 async def chat_completions(request: Request) -> JSONResponse | EventStreamResponse:
     arrival = time.monotonic()
     body = await parse_body(request, ChatCompletionRequest)
@@ -227,8 +250,6 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
 # ---- shared pieces -------------------------------------------------------------------
 def _check_common(body: CommonRequest, state: ServerState) -> LoRARequest | None:
     """Checks both endpoints share; the LoRA adapter ``model`` names (None: the base)."""
-    if not state.admitting:
-        raise OpenAIError(503, "the server is shutting down; retry on another replica")
     lora = state.lora.resolve(body.model)  # 404 model_not_found for an unknown name
     checks.check_options(body)
     checks.check_stop(body, state.stop_limits)
