@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from kvserve.gateway.keys import hash_key
+from kvserve.gateway.ratelimit import Usage
 from tests.support.gateway import Gateway, keys_file, start_gateway
 from tests.support.replicas import REPLICA_MODEL, Replica, start_replicas
 from tests.support.waiting import wait_until
@@ -85,3 +86,40 @@ def test_a_burst_of_chats_without_max_tokens_stays_within_the_budget(
     # The clock is frozen (no refill): what was admitted fits the budget, give or take
     # the prompt estimate of the last admitted request.
     assert sum(used) <= TOKENS_PER_MINUTE + max(used), used
+
+
+def test_a_stream_left_after_its_first_chunk_is_charged_its_prompt_in_tokens(
+    short_replica: Replica,
+) -> None:
+    """A request that ends before its usage came (the client left) is charged the prompt
+    tokens its replica counted, which its first delta carries, not the gateway's estimate
+    of a token per 4 characters: a client that leaves early would otherwise pay a quarter
+    of a byte-level prompt."""
+    gw = gateway_for(short_replica, ceiling=None)
+    prompt, max_tokens = "x " * 40, 16
+    body = {"model": REPLICA_MODEL, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+    try:
+        with gw.client() as c:  # another tenant, unlimited
+            answer = c.post("/v1/completions", json={**body, "max_tokens": 1})
+        counted = answer.json()["usage"]["prompt_tokens"]
+        assert counted > len(prompt) // 4 + max_tokens  # the estimate would show
+        headers = {"authorization": f"Bearer {KEY_BUDGET}"}
+        streamed = {**body, "max_tokens": max_tokens, "stream": True}
+        with (
+            httpx.Client(base_url=gw.url, headers=headers, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json=streamed) as r,
+        ):
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        # Settled when the gateway ends the request (the clock is frozen: no refill).
+        wait_until(lambda: _usage(gw).in_flight == 0, timeout=30)
+        charged = TOKENS_PER_MINUTE - (_usage(gw).tokens_available or 0)
+        assert counted <= charged <= counted + max_tokens, (counted, charged)
+    finally:
+        gw.stop()
+
+
+def _usage(gw: Gateway) -> Usage:
+    usage = gw.state.limiter.usage("budget")
+    assert usage is not None
+    return usage

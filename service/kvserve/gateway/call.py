@@ -65,6 +65,7 @@ class UpstreamCall:
         self.prompt_estimate = prompt_estimate
         self.samples = samples  # per prompt (n): the upstream requests are prompts × n
         self.output_tokens = 0  # seen so far (charged if the request never finishes)
+        self.prompt_tokens: dict[int, int] = {}  # by sample, as its replica counted them
         self.slot: Slot | None = None
         self.grpc_calls: list[Any] = []  # one per sample
         self.replica: Replica | None = None
@@ -252,8 +253,11 @@ class UpstreamCall:
         return str(decision.address)
 
     # ---- what the relay reports while it hands the output over ---------------------------
-    def count(self, delta: Any) -> None:
+    def count(self, delta: Any, index: int = 0) -> None:
+        """Sample ``index`` relayed ``delta``."""
         self.output_tokens += len(delta.token_ids)
+        if delta.HasField("prompt_tokens"):
+            self.prompt_tokens[index] = delta.prompt_tokens
 
     def handed_over(self) -> None:
         """A delta with text reached the client (streaming) or the answer (whole): the
@@ -275,6 +279,16 @@ class UpstreamCall:
         self.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         self.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
         self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached_tokens)
+
+    def _prompt_used(self) -> int:
+        """The prompt tokens of a request that ends before its finals: each prompt's as
+        its replica counted them once it has, else (an older replica, or none computed
+        yet) at least the estimate."""
+        prompts = len(self.grpc_calls) // self.samples
+        counted = {i // self.samples: n for i, n in self.prompt_tokens.items()}
+        if len(counted) == prompts:
+            return sum(counted.values())
+        return max(self.prompt_estimate, sum(counted.values()))
 
     def usage(self) -> tuple[int, int, int]:
         """Prompt, output and cached prompt tokens of the finished samples: each prompt
@@ -311,8 +325,8 @@ class UpstreamCall:
                 upstream.cancel()
         self._release_slot()
         # Settle the token reservation to what was used: the replica's usage when it
-        # finished, else the prompt estimate and the tokens produced before the end.
-        used = self.usage_tokens if self.done else self.prompt_estimate + self.output_tokens
+        # finished, else the prompt tokens and the tokens produced before the end.
+        used = self.usage_tokens if self.done else self._prompt_used() + self.output_tokens
         self.admission.finish(used if self.grpc_calls else 0)
         m = self.state.metrics
         if disconnected:

@@ -205,20 +205,22 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Mapping[int, float]] = ..., token: _Optional[str] = ..., top_tokens: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "reasoning", "tool_calls", "echo")
+    __slots__ = ("token_ids", "text", "logprobs", "reasoning", "tool_calls", "echo", "prompt_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     reasoning: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
     echo: Echo
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., echo: _Optional[_Union[Echo, _Mapping]] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., echo: _Optional[_Union[Echo, _Mapping]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Echo(_message.Message):
     __slots__ = ("text", "first_token_id", "first_token", "logprobs")

@@ -355,6 +355,7 @@ class _Started:
     whole_calls: JoinedPieces | None = None
     grammar_param: str | None = None  # the field the request's constraint came in
     echo: str | None = None  # the prompt's text, until the first delta has echoed it
+    sent_prompt_tokens: bool = False  # the first delta carried the prompt's length
 
     def encode(
         self, out: RequestOutput, token_text: Callable[[int], str]
@@ -379,6 +380,9 @@ class _Started:
             delta = delta or pb.Delta()
             delta.echo.CopyFrom(codec.encode_echo(Echo.of(self.echo, out), token_text))
             self.echo = None
+        if delta is not None and not self.sent_prompt_tokens:
+            delta.prompt_tokens = len(out.prompt_token_ids)
+            self.sent_prompt_tokens = True
         final = codec.encode_final(out, finish_reason) if out.finished else None
         return delta, final
 
