@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -33,7 +32,14 @@ from opentelemetry import trace
 from kvserve.gateway import adapters
 from kvserve.gateway.admission import AdmissionRejected, QueueFull, QueueTimeout, Slot
 from kvserve.gateway.auth import Tenant
-from kvserve.gateway.failures import client_error, refused, replica_broken, timed_out
+from kvserve.gateway.failures import (
+    client_error,
+    no_healthy_replica,
+    queue_refusal,
+    refused,
+    replica_broken,
+    timed_out,
+)
 from kvserve.gateway.ratelimit import Admission
 from kvserve.gateway.replicas import Replica
 from kvserve.gateway.routing import ReplicaLoad
@@ -206,11 +212,9 @@ class UpstreamCall:
 
     def _rejected(self, exc: AdmissionRejected) -> OpenAIError:
         """The 503 a client gets when admission refuses it (counted by reason)."""
-        reason = "queue_timeout" if exc.reason == "timeout" else "queue_full"
-        self.state.metrics.rejections.labels(reason).inc()
-        return OpenAIError(
-            503, str(exc), code=reason, headers={"retry-after": str(exc.retry_after)}
-        )
+        error = queue_refusal(exc)
+        self.state.metrics.rejections.labels(error.code).inc()
+        return error
 
     def _check_routable(
         self, views: Sequence[ReplicaLoad], exclude: Collection[str], last_error: str = ""
@@ -223,14 +227,7 @@ class UpstreamCall:
             return
         self.state.metrics.rejections.labels("no_healthy_replica").inc()
         poll_seconds = self.state.config.load_poll_seconds
-        why = _states(views, exclude) + (f"; {last_error}" if last_error else "")
-        raise OpenAIError(
-            503,
-            f"no healthy replica of {self.model!r} can take the request now ({why})",
-            code="no_healthy_replica",
-            # The next load poll is the earliest the gateway can see a replica come back.
-            headers={"retry-after": str(max(1, math.ceil(poll_seconds)))},
-        )
+        raise no_healthy_replica(self.model, views, exclude, last_error, poll_seconds)
 
     def _pick(self, key: str, exclude: set[str], decisions: list[Any]) -> str | None:
         """The admission queue's ``pick``: route now, remember the decision. A model
@@ -341,20 +338,6 @@ class UpstreamCall:
             m.observe_timeline(self.model, self.s, self.f, self.e)
         self.span.set_attribute("http.response.status_code", self.status)
         self.span.end()
-
-
-def _states(views: Sequence[ReplicaLoad], exclude: Collection[str]) -> str:
-    """The model's replicas by why none can take a request: ``1 draining, 1 unhealthy``."""
-    counts: dict[str, int] = {}
-    for view in views:
-        if view.draining:
-            state = "draining"
-        elif not view.healthy:
-            state = "unhealthy"
-        else:  # routable, so excluded: this request failed there before
-            state = "already tried"
-        counts[state] = counts.get(state, 0) + 1
-    return ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none known"
 
 
 async def _first_message(upstream: Any) -> Any:

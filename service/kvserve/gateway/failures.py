@@ -1,4 +1,6 @@
-"""What a request that failed upstream means, and what its client gets.
+"""What a request that failed upstream means, and what its client gets; and the 503s
+of a request that could not go upstream at all (``queue_refusal``,
+``no_healthy_replica``).
 
 Three causes, told apart by where the error came from (``kvserve.gateway.multiplex``):
 
@@ -15,9 +17,14 @@ Three causes, told apart by where the error came from (``kvserve.gateway.multipl
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection, Sequence
+
 import grpc
 
+from kvserve.gateway.admission import AdmissionRejected
 from kvserve.gateway.multiplex import ReplicaAnswered
+from kvserve.gateway.routing import ReplicaLoad
 from kvserve.openai.errors import OpenAIError
 from kvserve.rpc import codec
 
@@ -57,4 +64,40 @@ def timed_out(timeout: float) -> OpenAIError:
         504,
         f"the request did not finish within the gateway's request timeout ({timeout:g} s)",
         code="timeout",
+    )
+
+
+def queue_refusal(exc: AdmissionRejected) -> OpenAIError:
+    """The 503 of a request the admission queue refused (full, shed, or timed out); its
+    ``code`` is the rejection metric's reason."""
+    reason = "queue_timeout" if exc.reason == "timeout" else "queue_full"
+    return OpenAIError(503, str(exc), code=reason, headers={"retry-after": str(exc.retry_after)})
+
+
+def no_healthy_replica(
+    model: str,
+    views: Sequence[ReplicaLoad],
+    exclude: Collection[str],
+    last_error: str,
+    poll_seconds: float,
+) -> OpenAIError:
+    """The 503 of a request no replica of ``model`` can take now (each unhealthy,
+    draining, or in ``exclude``: tried before, ``last_error`` saying why it failed)."""
+    counts: dict[str, int] = {}
+    for view in views:
+        if view.draining:
+            state = "draining"
+        elif not view.healthy:
+            state = "unhealthy"
+        else:  # routable, so excluded: this request failed there before
+            state = "already tried"
+        counts[state] = counts.get(state, 0) + 1
+    why = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none known"
+    return OpenAIError(
+        503,
+        f"no healthy replica of {model!r} can take the request now ({why}"
+        + (f"; {last_error})" if last_error else ")"),
+        code="no_healthy_replica",
+        # The next load poll is the earliest the gateway can see a replica come back.
+        headers={"retry-after": str(max(1, math.ceil(poll_seconds)))},
     )
