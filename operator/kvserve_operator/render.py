@@ -216,10 +216,10 @@ def model_dir(spec: InferenceModelSpec) -> str:
     path, so ``kvserve model pull`` only verifies it in place (no copy). Raises SpecError
     for a file:// path that a volume of the pod would hide.
     """
-    return _model_dir(spec.source)
+    return _model_dir(spec.source, spec.lora_enabled)
 
 
-def _model_dir(source: ModelSource) -> str:
+def _model_dir(source: ModelSource, lora: bool) -> str:
     if source.kind == "hf":
         assert source.repo_id is not None
         # parse_source forbids "--" in repo ids, so "org--name" cannot collide.
@@ -228,9 +228,9 @@ def _model_dir(source: ModelSource) -> str:
     if source.kind == "pvc":
         base = f"{PVC_ROOT}/{source.claim}"
         return f"{base}/{source.path}" if source.path else base
-    _check_not_hidden(
-        source.path, "spec.model.source", "model", (MODEL_CACHE_DIR, TMP_DIR, PVC_ROOT)
-    )
+    # With LoRA on, the engine also mounts the adapters' volume.
+    mounted = (MODEL_CACHE_DIR, TMP_DIR, PVC_ROOT, *((LORA_DIR,) if lora else ()))
+    _check_not_hidden(source.path, "spec.model.source", "model", mounted)
     return source.path
 
 
@@ -402,7 +402,7 @@ def pod_template(name: str, spec: InferenceModelSpec, settings: OperatorSettings
     """The engine pod's template (a Deployment's, or a LeaderWorkerSet's leader's): pull
     the model in an init container, then serve it."""
     source = spec.source
-    dest = _model_dir(source)
+    dest = _model_dir(source, spec.lora_enabled)
     image = spec.image or settings.engine_image
     pull_policy = spec.image_pull_policy or settings.image_pull_policy
     name_served = served_name(name, spec)

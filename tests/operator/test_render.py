@@ -374,6 +374,14 @@ def test_file_source_hidden_by_a_volume_is_refused(path: str) -> None:
         render_children(NAME, NAMESPACE, UID, s, SETTINGS, 1)
 
 
+def test_with_lora_a_file_model_under_the_adapters_volume_is_refused() -> None:
+    """The engine mounts the adapters' volume at /adapters when LoRA is on."""
+    s = spec(model={"source": "file:///adapters/base"}, lora={})
+    with pytest.raises(SpecError, match=r"^spec\.model\.source: .*hidden by the pod's /adapters"):
+        render_children(NAME, NAMESPACE, UID, s, SETTINGS, 1)
+    assert model_dir(spec(model={"source": "file:///adapters/base"})) == "/adapters/base"
+
+
 def test_hf_source_with_revision_and_token_secret() -> None:
     s = spec(model={"source": HF, "hfTokenSecret": {"name": "hf-token"}})
     token = {
