@@ -3,6 +3,9 @@
 The rule is the HorizontalPodAutoscaler's, applied to an engine metric:
 
 - recommendation = ceil(Σ metric over ready replicas / target), clamped to [min, max];
+  a ready replica whose metrics did not come counts as at target for a scale-down (and as
+  0 for a scale-up), as the HPA counts a pod without metrics: a replica too busy to
+  answer is not taken away for it;
 - scale up only to a level every recommendation of the last ``scaleUpStabilizationSeconds``
   supports (a sustained queue, not one burst);
 - scale down only to the highest recommendation of the last ``scaleDownDelaySeconds``
@@ -81,6 +84,24 @@ class Bounds:
 
 
 @dataclass(frozen=True)
+class Scrape:
+    """The engine gauges of a model's ready replicas: summed over those that answered
+    (``answered`` of them), and how many did not (``missing``)."""
+
+    totals: Mapping[str, float]
+    answered: int
+    missing: int = 0
+
+    def metric(self, metric: Metric) -> float:
+        """The sum of ``metric``'s gauges over the replicas that answered."""
+        return sum(self.totals[g] for g in METRICS[metric])
+
+    def per_replica(self, metric: Metric) -> float:
+        """``metric``'s average over the replicas that answered (status.currentMetric)."""
+        return round(self.metric(metric) / self.answered, 3)
+
+
+@dataclass(frozen=True)
 class Activity:
     """Requests for one model, beyond its replicas' queue metric (scale from zero)."""
 
@@ -117,7 +138,10 @@ class Autoscaler:
         metric_total: float | None,
         bounds: Bounds,
         activity: Activity | None = None,
+        missing: int = 0,
     ) -> Decision:
+        """``metric_total``: the metric summed over the ready replicas that answered
+        (None: none did); ``missing``: the ready replicas that did not."""
         if bounds.min_replicas == 0 and current == bounds.clamp(current):
             zero = self._zero(now, current, metric_total, bounds, activity)
             if zero is not None:
@@ -137,6 +161,9 @@ class Autoscaler:
         if self.observed_since is None:
             self.observed_since = now
         recommendation = bounds.clamp_running(math.ceil(metric_total / bounds.target))
+        if recommendation < current and missing:  # those at target (see the module doc)
+            at_target = math.ceil((metric_total + missing * bounds.target) / bounds.target)
+            recommendation = min(current, bounds.clamp_running(at_target))
         self.history.append((now, recommendation))
         horizon = now - max(bounds.up_window_s, bounds.down_window_s)
         while self.history and self.history[0][0] < horizon:

@@ -24,13 +24,13 @@ from kubernetes.client.exceptions import ApiException
 from kvserve_operator import metrics
 from kvserve_operator.adapters import replicas_adapters
 from kvserve_operator.autoscaler import (
-    METRICS,
     RUNNING,
     WAITING,
     Activity,
     Autoscaler,
     Bounds,
     Decision,
+    Scrape,
     pod_metrics_url,
     scrape_samples,
 )
@@ -209,6 +209,11 @@ class Reconciler:
                 error = pool.error
 
         deployment = self.kube.get(*workload, namespace, name)
+        if deployment is None and refused is not None:
+            # Nothing rendered: the counts are those of the workload still running (a
+            # Deployment left as it was while the LeaderWorkerSet it should become waits).
+            other = DEPLOYMENT if workload == LWS else LWS
+            deployment = self._get_optional(*other, namespace, name)
         status = self._status(
             generation if applied else previous.get("observedGeneration", 0),
             replicas,
@@ -216,15 +221,19 @@ class Reconciler:
             previous,
             error,
             pool.problem,
-            workload[1],
+            workload[1] if deployment is None else None,  # else its own kind
         )
         status["selector"] = selector_string(name)
         status["endpoint"] = endpoint_status(name, namespace, self.config.render)
         status.update(self._capacity(namespace, spec))
         status["adapters"] = adapters_status(spec, self._replicas_adapters(namespace, name, spec))
         status["inferencePool"] = pool.status
-        if not spec.autoscaling.enabled and previous.get("autoscaling") is not None:
-            status["autoscaling"] = None  # merge patch: removed
+        if not spec.autoscaling.enabled:
+            # Its history goes too: turned on again, it starts afresh (from minReplicas,
+            # each window observed in full), as for a new model.
+            self._autoscalers.pop((namespace, name), None)
+            if previous.get("autoscaling") is not None:
+                status["autoscaling"] = None  # merge patch: removed
         self._write_status(namespace, name, previous, status)
         if child_refused:  # past the CRD's schema, but not what the API server takes in a child
             assert error is not None
@@ -427,17 +436,18 @@ class Reconciler:
             # No decision yet (just created, or autoscaling turned on again): the
             # Deployment got minReplicas (render.desired_replicas), and so starts this.
             current = bounds.min_replicas
-        replicas = self._replica_gauges(namespace, name, logger)
-        metric = sum(replicas[g] for g in METRICS[bounds.metric]) if replicas is not None else None
+        scrape = self._replica_gauges(namespace, name, logger)
+        metric = scrape.metric(bounds.metric) if scrape is not None else None
         activity = None
         if bounds.min_replicas == 0:
             served = served_name(name, parse_spec(im.get("spec") or {}))
-            activity = self._activity(served, replicas, logger)
+            activity = self._activity(served, scrape, logger)
         scaler = self._autoscalers.setdefault(key, Autoscaler())
-        decision = scaler.decide(self.monotonic(), current, metric, bounds, activity)
+        missing = scrape.missing if scrape is not None else 0
+        decision = scaler.decide(self.monotonic(), current, metric, bounds, activity, missing)
         record: dict[str, Any] = {
             "desiredReplicas": decision.replicas,
-            "currentMetric": decision.metric,
+            "currentMetric": scrape.per_replica(bounds.metric) if scrape is not None else None,
             "reason": decision.reason,
             "lastScaleTime": previous.get("lastScaleTime"),
         }
@@ -454,23 +464,24 @@ class Reconciler:
                 decision.replicas,
                 decision.reason,
             )
-        if record != previous:
+        if _without_nones(record) != _without_nones(previous):  # as a merge patch leaves it
             self.kube.patch_status(namespace, name, {"autoscaling": record})
         if decision.changed(current):
             self.reconcile(namespace, name, "autoscale", logger)
         return decision if decision.changed(current) else None
 
-    def _replica_gauges(self, namespace: str, name: str, logger: Log) -> dict[str, float] | None:
-        """The engine queue gauges summed over the ready replicas; None when none answered."""
+    def _replica_gauges(self, namespace: str, name: str, logger: Log) -> Scrape | None:
+        """The engine queue gauges of the ready replicas; None when none answered."""
         pods = self.kube.list("v1", "Pod", namespace, selector_string(name))
-        pages = self._scrape(pods, self.config.metrics_url_template, (WAITING, RUNNING), logger)
+        template = self.config.metrics_url_template
+        pages = self._scrape(pods, template, (WAITING, RUNNING), logger)
         if not pages:
             return None
-        return {g: sum(page[g] for page in pages) for g in (WAITING, RUNNING)}
+        ready = sum(1 for pod in pods if pod_metrics_url(template, pod))
+        totals = {g: sum(page[g] for page in pages) for g in (WAITING, RUNNING)}
+        return Scrape(totals, len(pages), ready - len(pages))
 
-    def _activity(
-        self, served: str, replicas: Mapping[str, float] | None, logger: Log
-    ) -> Activity | None:
+    def _activity(self, served: str, replicas: Scrape | None, logger: Log) -> Activity | None:
         """What the gateways (and the replicas) say of the model's requests; None when no
         gateway is configured or none answered."""
         selector, namespace = self.config.gateway_selector, self.config.gateway_namespace
@@ -485,7 +496,7 @@ class Reconciler:
         return Activity(
             held=sum(page[HELD] for page in pages),
             answered=sum(page[ANSWERED] for page in pages),
-            in_replicas=sum(replicas.values()) if replicas is not None else 0.0,
+            in_replicas=sum(replicas.totals.values()) if replicas is not None else 0.0,
         )
 
     @staticmethod

@@ -7,9 +7,12 @@ import pytest
 from kvserve_operator import spec as spec_module
 from kvserve_operator.autoscaler import (
     METRICS,
+    RUNNING,
+    WAITING,
     Activity,
     Autoscaler,
     Bounds,
+    Scrape,
     metric_from_text,
     pod_metrics_url,
     samples_from_text,
@@ -67,6 +70,25 @@ def test_missing_metrics_reset_the_window() -> None:
     scaler = Autoscaler()
     samples = [(0, 6.0), (4, 6.0), (8, None), (12, 6.0), (16, 6.0), (20, 6.0), (24, 6.0)]
     assert run(scaler, samples, current=1) == [1, 1, 1, 1, 1, 1, 3]
+
+
+def test_a_ready_replica_without_metrics_counts_at_target_for_a_scale_down() -> None:
+    """3 replicas at target (2 waiting each); one stops answering: the 4 the others report
+    ask for 2, but the silent one counts as at target (as the HPA counts a pod without
+    metrics), so nothing is taken away. For a scale-up it counts as 0."""
+    scaler = Autoscaler()
+    down = [scaler.decide(t, 3, 4.0, BOUNDS, missing=1).replicas for t in range(0, 130, 10)]
+    assert down == [3] * len(down)
+    assert run(Autoscaler(), [(t, 4.0) for t in range(0, 130, 10)], current=3)[-1] == 2
+    scaler = Autoscaler()
+    up = [scaler.decide(t, 1, 6.0, BOUNDS, missing=1).replicas for t in range(0, 12, 2)]
+    assert up[-1] == 3  # the 6 reported want 3; the silent one adds nothing
+
+
+def test_the_reported_metric_is_the_average_over_the_replicas_that_answered() -> None:
+    scrape = Scrape({WAITING: 12.0, RUNNING: 3.0}, answered=3, missing=1)
+    assert (scrape.metric("queueDepth"), scrape.per_replica("queueDepth")) == (12.0, 4.0)
+    assert (scrape.metric("inFlight"), scrape.per_replica("inFlight")) == (15.0, 5.0)
 
 
 def test_out_of_bounds_is_corrected_at_once() -> None:

@@ -85,6 +85,36 @@ def test_without_the_crd_the_model_is_refused(
     assert condition(k8s_cluster, "Degraded").get("reason") != "ReconcileError"
 
 
+def test_a_deployment_asked_to_become_a_group_still_counts_while_refused(
+    k8s_cluster: Cluster, model: Any, operator: OperatorProcess
+) -> None:
+    """A model served by a Deployment whose spec asks for nodes: 2 without the CRD keeps
+    its Deployment, and its status keeps counting that Deployment's replicas (it counted
+    the missing LeaderWorkerSet's: 0 of everything, while the model served)."""
+    name = "was-one"
+    body = inference_model(name, NS, replicas=1, resources={"gpus": 4})
+    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+    def status_of(reason: str | None) -> dict[str, Any] | None:
+        status = (get(k8s_cluster, "inferencemodel", name) or {}).get("status") or {}
+        ready = condition(k8s_cluster, "Ready", name)
+        ok = status.get("readyReplicas") == 1 and (reason is None or ready.get("reason") == reason)
+        return status if ok else None
+
+    wait_for("one replica ready", lambda: status_of(None), operator)
+    k8s_cluster.kubectl(
+        "patch", "im", name, "-n", NS, "--type=merge", "-p", json.dumps({"spec": {"nodes": 2}})
+    )
+    status = wait_for(
+        "refused, still counting the Deployment",
+        lambda: status_of("LeaderWorkerSetCRDMissing"),
+        operator,
+    )
+    assert status["replicas"] == 1 and status["availableReplicas"] == 1, status
+    assert get(k8s_cluster, "deployment", name) is not None  # left as it was
+    k8s_cluster.kubectl("delete", "im", name, "-n", NS, "--timeout=60s")
+
+
 def test_the_api_server_accepts_the_leader_worker_set(
     k8s_cluster: Cluster, model: Any, operator: OperatorProcess, lws_crd_file: Path
 ) -> None:

@@ -235,6 +235,16 @@ def test_autoscaling_follows_the_fed_queue_within_bounds(
     im = get(k8s_cluster, "inferencemodel", ns, "auto")
     assert im is not None
     assert im["status"]["autoscaling"]["desiredReplicas"] == 3
+    # The per-replica average the target is compared with (it was the sum: 30).
+    poll(
+        "currentMetric 10.0 per replica",
+        lambda: (
+            (get(k8s_cluster, "inferencemodel", ns, "auto") or {})["status"]["autoscaling"][
+                "currentMetric"
+            ]
+            == 10.0
+        ),
+    )
     events = k8s_cluster.kubectl(
         "get", "events", "-n", ns, "--field-selector", "involvedObject.name=auto", "-o", "json"
     ).stdout
