@@ -60,16 +60,17 @@ class DrainingServer(uvicorn.Server):
             log.warning(
                 "signal %d again: ending the drain, aborting %d in-flight requests",
                 sig,
-                self.state.in_flight,
+                self.state.engine.num_in_flight,
             )
             self._loop.call_soon_threadsafe(self._end_drain)
             return
         self._draining = True
         self.state.admitting = False
         log.info(
-            "signal %d: draining %d in-flight requests (up to %.0f s)",
+            "signal %d: draining %d in-flight requests, %d API requests open (up to %.0f s)",
             sig,
-            self.state.in_flight,
+            self.state.engine.num_in_flight,
+            self.state.preparing,  # those on their way to the engine, and whole answers
             self.drain_timeout,
         )
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
@@ -89,7 +90,11 @@ class DrainingServer(uvicorn.Server):
         while self.state.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # poll the in-flight count until the deadline
         if self.state.in_flight:
-            log.warning("drain timeout: aborting %d requests", self.state.in_flight)
+            log.warning(
+                "drain timeout: aborting %d requests (%d API requests open)",
+                self.state.engine.num_in_flight,
+                self.state.preparing,
+            )
         # As a second signal does: aborted, each request still gets its whole answer
         # (finish reason "abort") in uvicorn's grace period, where left running it would be
         # cancelled there (a plain-text 500, a stream cut off before [DONE]).

@@ -30,8 +30,9 @@ class ServerState:
     # A stream whose client has not read for this long is ended (kvserve.openai.stalls).
     write_stall_timeout: float = DEFAULT_WRITE_STALL_SECONDS
     admitting: bool = True  # false while draining: readiness fails, new requests get 503
-    # Requests taken in and not yet in the engine (a body read, prompts tokenized, a
-    # template rendered, a grammar compiled): a drain waits for them as for the engine's.
+    # API requests taken in and not yet answered or streaming (their body read, prompts
+    # tokenized, a template rendered, a grammar compiled; a whole answer until it is
+    # sent): a drain waits for them as for the engine's requests.
     preparing: int = 0
     # How a chat answer is read: tool calls and reasoning (--tool-call-parser, --reasoning-parser).
     chat_parsing: ChatParsing = field(default_factory=ChatParsing)
