@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -149,12 +150,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = list(self.stop or [])  # None: none, as in vLLM
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         scoring = self.prompt_logprobs is not None and self.max_tokens == 0
-        if not isinstance(self.max_tokens, int) or (self.max_tokens < 1 and not scoring):
+        if self.max_tokens < 1 and not scoring:
             raise InvalidRequestError(
                 f"max_tokens must be an integer ≥ 1 (0 only to score the prompt, with "
                 f"prompt_logprobs), got {self.max_tokens!r}",
@@ -189,7 +191,7 @@ class SamplingParams:
             )
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}",
@@ -239,6 +241,39 @@ class SamplingParams:
                 "stop_token_ids",
             )
 
+    def _check_types(self) -> None:
+        """InvalidRequestError naming the first field of the wrong type (a float seed, a
+        string temperature, a stop list holding a number ...), before a value the checks
+        below compare or the engine computes with fails there as a TypeError. Booleans are
+        not numbers here."""
+        for name in ("max_tokens", "min_tokens", "top_k", "n"):
+            if not _is_int(getattr(self, name)):
+                raise InvalidRequestError(
+                    f"{name} must be an integer, got {getattr(self, name)!r}", name
+                )
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+        for name in (
+            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty",
+        ):  # fmt: skip
+            if not _is_real(getattr(self, name)):
+                raise InvalidRequestError(
+                    f"{name} must be a number, got {getattr(self, name)!r}", name
+                )
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (
+            not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop)
+        ):
+            raise InvalidRequestError("stop must be a string or a list of strings", "stop")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, Sequence) or not all(map(_is_int, ids))):
+            raise InvalidRequestError(
+                "stop_token_ids must be a list of token ids", "stop_token_ids"
+            )
+
     def samples(self) -> list[SamplingParams]:
         """The requests of one sample each that ``n`` stands for: ``[self]`` when n is 1,
         else n copies with n=1, the i-th with seed ``seed + i`` (when a seed is set)."""
@@ -264,6 +299,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Below this, dividing logits by the temperature overflows float32: treat as 0.
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _checked_logit_bias(bias: object) -> dict[int, float]:

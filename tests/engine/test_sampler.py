@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -203,3 +204,35 @@ def test_min_tokens_is_checked() -> None:
         with pytest.raises(InvalidRequestError) as err:
             SamplingParams(**params)  # type: ignore[arg-type]
         assert err.value.param == "min_tokens" and fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"seed": 1.5}, "seed"),
+        ({"logprobs": 2.5}, "logprobs"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"min_tokens": True}, "min_tokens"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": None}, "top_p"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": 7}, "stop"),
+        ({"stop_token_ids": ["5"]}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_by_name(
+    params: dict[str, object], param: str
+) -> None:
+    """Not accepted and left to fail in the engine as a TypeError (a float seed reached
+    the sampler's bit mask; a number in stop, the stop-string matcher)."""
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**params)  # type: ignore[arg-type]
+    assert err.value.param == param, err.value
+
+
+def test_none_stop_lists_are_empty_as_in_vllm() -> None:
+    params = SamplingParams(stop=None, stop_token_ids=None)  # type: ignore[arg-type]
+    assert (params.stop, params.stop_token_ids) == ([], [])
+    assert SamplingParams(seed=np.int64(3), stop_token_ids=[np.int32(5)]).stop_token_ids == [5]
