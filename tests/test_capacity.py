@@ -206,6 +206,17 @@ def test_weights_do_not_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "do not fit" in err and "14.95 GiB" in err and "8 GiB" in err
 
 
+@pytest.mark.parametrize("flag", ["--memory-gib", "--bandwidth-gbps"])
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_a_memory_or_bandwidth_that_is_not_a_finite_positive_number_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    path = write_config(tmp_path, LLAMA_8B)
+    rc, out, err = calc(["--config", str(path), flag, value], capsys)
+    assert (rc, out) == (2, "")
+    assert err.startswith("kvserve calc: error: ") and "finite number > 0" in err, err
+
+
 # ---- tensor parallelism ------------------------------------------------------------------
 
 

@@ -112,10 +112,10 @@ def estimate(
     for t in token_list:
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tokens must all be integers >= 1 (got {t!r})")
-    if bandwidth_gbps is not None and not bandwidth_gbps > 0:
-        raise ValueError(f"bandwidth_gbps must be > 0 (got {bandwidth_gbps!r})")
-    if memory_gib is not None and not memory_gib > 0:
-        raise ValueError(f"memory_gib must be > 0 (got {memory_gib!r})")
+    if bandwidth_gbps is not None and not 0 < bandwidth_gbps < math.inf:  # NaN too
+        raise ValueError(f"bandwidth_gbps must be a finite number > 0 (got {bandwidth_gbps!r})")
+    if memory_gib is not None and not 0 < memory_gib < math.inf:
+        raise ValueError(f"memory_gib must be a finite number > 0 (got {memory_gib!r})")
 
     tp = tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
