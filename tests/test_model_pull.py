@@ -186,6 +186,24 @@ def test_changed_content_or_source_pulls_again(model: Path, sharded: Path, tmp_p
     assert result.report is not None and len(result.report.safetensors_files) == 6
 
 
+def test_a_failed_pull_leaves_nothing_that_the_next_one_would_serve(
+    model: Path, sharded: Path, tmp_path: Path
+) -> None:
+    """A pull that fails has already removed DEST's marker (it no longer claims a complete
+    pull), and with it the list of the files an earlier pull wrote: the next pull of
+    another model must still leave only its own model files, or the loader would read the
+    earlier model's index and shards with the new config."""
+    dest = tmp_path / "dest"
+    pull(f"file://{sharded}", dest)
+    broken = Path(shutil.copytree(model, tmp_path / "broken"))
+    (broken / "config.json").unlink()
+    with pytest.raises(ModelPullError):
+        pull(f"file://{broken}", dest)
+    result = pull(f"file://{model}", dest)
+    assert result.report is not None and len(result.report.safetensors_files) == 1
+    assert sorted(p.name for p in dest.glob("*.safetensors*")) == ["model.safetensors"]
+
+
 def test_same_directory_only_verifies(model: Path, tmp_path: Path) -> None:
     dest = tmp_path / "link"
     dest.symlink_to(model)  # another name for the same directory

@@ -596,13 +596,15 @@ def _remove_stale_stages(dest: Path) -> None:
 
 
 def _remove_leftovers(dest: Path, previous: dict[str, Any] | None, files: dict[str, int]) -> None:
-    """Files an earlier pull wrote that this one did not (e.g. shards of another model)."""
+    """Files an earlier pull wrote that this one did not (e.g. shards of another model),
+    and any other model file in DEST: an earlier pull that failed had removed its marker,
+    and with it the list, and the loader reads whatever weights an index names, so a
+    stale index and its shards would be served with this model's config."""
     old = previous.get("files") if previous else None
-    if not isinstance(old, dict):
-        return
-    for name in old:
-        path = dest / str(name)
-        if str(name) not in files and "/" not in str(name) and path.is_file():
+    names = {str(name) for name in old} if isinstance(old, dict) else set()
+    for name in names | set(_model_files(dest)):
+        path = dest / name
+        if name not in files and "/" not in name and path.is_file():
             path.unlink()
 
 
