@@ -662,7 +662,7 @@ def slo_overview() -> Dashboard:
                         "ITL",
                         ITL,
                         "Inter-token latency: every gap between consecutive "
-                        "output tokens (a distribution, not a per-request mean).",
+                        "streamed outputs (a distribution, not a per-request mean).",
                         *engine,
                     ),
                     latency_panel(

@@ -28,8 +28,10 @@ def tpot(f: float, e: float, num_output_tokens: int) -> float | None:
 
 
 def itls(token_times: Sequence[float]) -> list[float]:
-    """Inter-token latencies: every gap between consecutive streamed outputs."""
-    return [b - a for a, b in itertools.pairwise(token_times)]
+    """Inter-token latencies: every gap between consecutive streamed outputs. Tokens of
+    one instant (a step's accepted drafts, with speculative decoding) left in one output:
+    no client waited between them, so they make no gap."""
+    return [b - a for a, b in itertools.pairwise(token_times) if b != a]
 
 
 def decode_rate(f: float, e: float, num_output_tokens: int) -> float | None:

@@ -14,8 +14,9 @@ Metric                                          Definition
 =============================================== ============================================
 ``kvserve_time_to_first_token_seconds``         histogram: TTFT = f − s (queueing + prefill)
 ``kvserve_inter_token_latency_seconds``         histogram: ITL, one observation per gap
-                                                between consecutive output tokens (O − 1
-                                                per request)
+                                                between consecutive streamed outputs (O − 1
+                                                per request, fewer when a step streams
+                                                several tokens: accepted drafts)
 ``kvserve_time_per_output_token_seconds``       histogram: TPOT = (e − f) / (O − 1), one per
                                                 request with O > 1
 ``kvserve_request_queue_time_seconds``          histogram: first scheduled − s
@@ -180,7 +181,7 @@ class EngineMetrics:
         ).labels(model_name)
         self._itl = hist(
             "kvserve_inter_token_latency_seconds",
-            "Inter-token latency: each gap between consecutive output tokens.",
+            "Inter-token latency: each gap between consecutive streamed outputs.",
             TOKEN_LATENCY_BUCKETS,
         ).labels(model_name)
         self._tpot = hist(
