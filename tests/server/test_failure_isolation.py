@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,7 +34,8 @@ class FaultyEngine(LLMEngine):
         return super().step()
 
 
-def test_engine_error_fails_only_that_batch(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+def test_engine_error_fails_only_that_batch(checkpoint_dir, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO, logger="kvserve.requests")
     engine = FaultyEngine(
         EngineConfig(model=str(checkpoint_dir("llama")), dtype="float32", device="cpu")
     )
@@ -69,6 +72,11 @@ def test_engine_error_fails_only_that_batch(checkpoint_dir) -> None:  # type: ig
             in metrics
         )
         assert httpx.get(f"{url}/health").status_code == 200
+        # Its request-log line, as every request gets one (the runbooks' first look).
+        lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvserve.requests"]
+        failed = [line for line in lines if line["request_id"] == "boom-1"]
+        assert len(failed) == 1 and failed[0]["finish_reason"] == "error", lines
+        assert failed[0]["prompt_tokens"] > 0
         pool_ = engine.kv.pool
         wait_until(lambda: pool_.num_free_blocks == pool_.num_blocks)
     finally:

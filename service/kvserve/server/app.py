@@ -99,7 +99,7 @@ def create_app(
 
     def failed(req: Request) -> None:
         metrics.observe_error(req.num_prompt_tokens)
-        telemetry.fail(req.request_id, "engine error")
+        telemetry.fail(req, "engine error")
 
     hooks = EngineHooks(on_finished=finished, on_failed=failed, on_stats=metrics.observe_engine)
     async_engine = AsyncEngine(engine, hooks)

@@ -1,4 +1,5 @@
-"""One JSON log line per finished request.
+"""One JSON log line per finished request, and per request that failed in the engine
+(``finish_reason`` ``"error"``: ``failed_record``).
 
 The record holds the request's counts (and ``lora_adapter``, the adapter's name, for a
 request that ran under one), its timeline instants (seconds on the engine's
@@ -12,9 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import TYPE_CHECKING
 
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.telemetry import definitions as d
+
+if TYPE_CHECKING:
+    from kvserve.engine.request import Request
 
 REQUEST_LOGGER = logging.getLogger("kvserve.requests")
 
@@ -23,20 +28,64 @@ def request_record(
     out: RequestOutput, model: str, trace_id: str | None = None
 ) -> dict[str, object]:
     """A flat, JSON-serialisable summary of one (finished) request."""
-    m = out.metrics
+    record = _record(
+        out.client_id,
+        out.request_id,
+        len(out.prompt_token_ids),
+        out.num_cached_tokens,
+        sum(len(c.token_ids) for c in out.outputs),
+        out.outputs[0].finish_reason if out.outputs else None,
+        out.metrics,
+        model,
+        trace_id,
+    )
+    if out.lora_request is not None:  # only under an adapter: base records keep their keys
+        record["lora_adapter"] = out.lora_request.lora_name
+    return record
+
+
+def failed_record(req: Request, model: str, trace_id: str | None = None) -> dict[str, object]:
+    """The record of a request that failed in the engine: what it had done, finish
+    reason ``"error"``."""
+    record = _record(
+        req.external_id,
+        req.request_id,
+        req.num_prompt_tokens,
+        max(req.num_cached_tokens, 0),  # -1 until admitted
+        req.num_output_tokens,
+        "error",
+        req.metrics,
+        model,
+        trace_id,
+    )
+    if req.lora is not None:
+        record["lora_adapter"] = req.lora.lora_name
+    return record
+
+
+def _record(
+    client_id: str | None,
+    engine_id: str,
+    prompt_tokens: int,
+    cached_tokens: int,
+    output_tokens: int,
+    finish_reason: str | None,
+    m: RequestMetrics,
+    model: str,
+    trace_id: str | None,
+) -> dict[str, object]:
     s = m.arrival_time
     f = m.first_token_time if m.token_times else None
     e = m.token_times[-1] if m.token_times else None
-    num_output = sum(len(c.token_ids) for c in out.outputs)
     record: dict[str, object] = {
-        "request_id": out.client_id,
-        "engine_request_id": out.request_id,
+        "request_id": client_id,
+        "engine_request_id": engine_id,
         "trace_id": trace_id,
         "model": model,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "cached_tokens": out.num_cached_tokens,
-        "output_tokens": num_output,
-        "finish_reason": out.outputs[0].finish_reason if out.outputs else None,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "output_tokens": output_tokens,
+        "finish_reason": finish_reason,
         "num_preemptions": m.num_preemptions,
         "arrival_time": s,
         "first_scheduled_time": m.first_scheduled_time,
@@ -50,8 +99,6 @@ def request_record(
             d.queue_time(s, m.first_scheduled_time) if m.first_scheduled_time is not None else None
         ),
     }
-    if out.lora_request is not None:  # only under an adapter: base records keep their keys
-        record["lora_adapter"] = out.lora_request.lora_name
     return record
 
 
@@ -63,5 +110,9 @@ def log_request(
 ) -> None:
     """Log the request's record as one compact JSON line at INFO."""
     if logger.isEnabledFor(logging.INFO):
-        record = request_record(out, model, trace_id)
-        logger.info(json.dumps(record, separators=(",", ":")))
+        log_record(request_record(out, model, trace_id), logger)
+
+
+def log_record(record: dict[str, object], logger: logging.Logger = REQUEST_LOGGER) -> None:
+    """Log a record (``request_record``'s or ``failed_record``'s) as one JSON line."""
+    logger.info(json.dumps(record, separators=(",", ":")))

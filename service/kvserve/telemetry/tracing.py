@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.propagate import extract
@@ -23,9 +24,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.telemetry.request_log import log_request
+from kvserve.telemetry.request_log import REQUEST_LOGGER, failed_record, log_record, log_request
+
+if TYPE_CHECKING:
+    from kvserve.engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -119,25 +123,45 @@ class RequestTelemetry:
         log_request(out, self.model, trace_id)
         if entry is None:
             return
-        span, m, c = entry.span, out.metrics, out.outputs[0]
-        span.set_attribute("gen_ai.response.finish_reasons", [c.finish_reason or "unknown"])
-        span.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
-        span.set_attribute("gen_ai.usage.output_tokens", len(c.token_ids))
-        span.set_attribute("gen_ai.usage.cache_read.input_tokens", out.num_cached_tokens)
-        span.set_attribute("kvserve.num_preemptions", m.num_preemptions)
-        span.add_event("queued", timestamp=_epoch_ns(m.arrival_time))
-        if m.first_scheduled_time is not None:
-            span.add_event("scheduled", timestamp=_epoch_ns(m.first_scheduled_time))
-        if m.first_token_time is not None:
-            span.add_event("first_token", timestamp=_epoch_ns(m.first_token_time))
-        end = m.token_times[-1] if m.token_times else (m.finished_time or time.monotonic())
-        span.end(end_time=_epoch_ns(max(end, m.finished_time or end)))
+        c = out.outputs[0]
+        _end_span(
+            entry.span,
+            c.finish_reason or "unknown",
+            (len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens),
+            out.metrics,
+        )
 
-    def fail(self, request_id: str, message: str) -> None:
-        """The request never finished normally (rejected or failed in the engine)."""
+    def fail(self, req: Request, message: str) -> None:
+        """The request failed in the engine: close its span with the error, and log its
+        line (finish reason "error"), as ``finish`` does for one that ended normally."""
         with self._lock:
-            entry = self._inflight.pop(request_id, None)
-        if entry is not None:
-            entry.span.set_status(Status(StatusCode.ERROR, message))
-            entry.span.set_attribute("error.type", "request_failed")
-            entry.span.end()
+            entry = self._inflight.pop(req.request_id, None)
+        trace_id = entry.trace_id if entry else None
+        if REQUEST_LOGGER.isEnabledFor(logging.INFO):
+            log_record(failed_record(req, self.model, trace_id))
+        if entry is None:
+            return
+        entry.span.set_status(Status(StatusCode.ERROR, message))
+        entry.span.set_attribute("error.type", "request_failed")
+        tokens = (req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0))
+        _end_span(entry.span, "error", tokens, req.metrics)
+
+
+def _end_span(
+    span: Span, finish_reason: str, tokens: tuple[int, int, int], m: RequestMetrics
+) -> None:
+    """The request's outcome on its span (``tokens``: prompt, output, cached), its
+    timeline as events, and the span's end at its last token."""
+    prompt_tokens, output_tokens, cached_tokens = tokens
+    span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
+    span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
+    span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+    span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached_tokens)
+    span.set_attribute("kvserve.num_preemptions", m.num_preemptions)
+    span.add_event("queued", timestamp=_epoch_ns(m.arrival_time))
+    if m.first_scheduled_time is not None:
+        span.add_event("scheduled", timestamp=_epoch_ns(m.first_scheduled_time))
+    if m.first_token_time is not None:
+        span.add_event("first_token", timestamp=_epoch_ns(m.first_token_time))
+    end = m.token_times[-1] if m.token_times else (m.finished_time or time.monotonic())
+    span.end(end_time=_epoch_ns(max(end, m.finished_time or end)))
