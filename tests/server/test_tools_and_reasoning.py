@@ -614,7 +614,8 @@ class SearchHotels(BaseModel):
 
 
 # Another tool whose "$defs" reuse the name "Budget" for another schema: in one grammar
-# document (mistral's), each tool's references must keep to its own definitions.
+# document (mistral's), each tool's references must keep to its own definitions. One of
+# its properties is named "default", as a JSON Schema keyword is: its reference is one.
 BOOK_TOOL: Any = {
     "type": "function",
     "function": {
@@ -622,8 +623,11 @@ BOOK_TOOL: Any = {
         "strict": True,
         "parameters": {
             "type": "object",
-            "properties": {"nights": {"$ref": "#/$defs/Budget"}},
-            "required": ["nights"],
+            "properties": {
+                "nights": {"$ref": "#/$defs/Budget"},
+                "default": {"$ref": "#/$defs/Budget"},
+            },
+            "required": ["nights", "default"],
             "additionalProperties": False,
             "$defs": {"Budget": {"type": "integer", "minimum": 1, "maximum": 9}},
         },
@@ -655,8 +659,9 @@ def test_tools_with_nested_models_are_called_through_their_grammar(
         if call.function.name == "SearchHotels":
             assert isinstance(call.function.parsed_arguments, SearchHotels)
         else:
-            nights = json.loads(call.function.arguments)["nights"]
-            assert isinstance(nights, int) and 1 <= nights <= 9, call
+            arguments = json.loads(call.function.arguments)
+            for nights in (arguments["nights"], arguments["default"]):
+                assert isinstance(nights, int) and 1 <= nights <= 9, call
 
 
 # ---- structured outputs ----------------------------------------------------------------

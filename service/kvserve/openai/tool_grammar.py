@@ -118,23 +118,40 @@ def _call_schema(tool: ToolSpec, args_key: str, exact: bool, index: int) -> dict
 
 # Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas: there a key is a name ("default" may name a
+# property), never a keyword, and every value is a schema.
+SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
-def _has_local_ref(schema: Any) -> bool:
+def _has_local_ref(schema: Any, names: bool = False) -> bool:
+    """Whether ``schema`` (with ``names``: a map of names to schemas) holds a
+    document-local ``$ref``."""
     if isinstance(schema, dict):
+        if names:
+            return any(_has_local_ref(v) for v in schema.values())
         if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
             return True
-        return any(_has_local_ref(v) for k, v in schema.items() if k not in DATA_KEYWORDS)
+        return any(
+            _has_local_ref(v, k in SCHEMA_MAPS) for k, v in schema.items() if k not in DATA_KEYWORDS
+        )
     return isinstance(schema, list) and any(_has_local_ref(v) for v in schema)
 
 
-def _rebase_refs(schema: Any, base: str) -> Any:
-    """``schema`` with every document-local ``$ref`` ("#..." ) made relative to ``base``."""
+def _rebase_refs(schema: Any, base: str, names: bool = False) -> Any:
+    """``schema`` with every document-local ``$ref`` ("#..." ) made relative to ``base``
+    (``names``: as for ``_has_local_ref``)."""
     if isinstance(schema, list):
         return [_rebase_refs(v, base) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in DATA_KEYWORDS else _rebase_refs(v, base) for k, v in schema.items()}
+    if names:
+        return {k: _rebase_refs(v, base) for k, v in schema.items()}
+    out = {
+        k: v if k in DATA_KEYWORDS else _rebase_refs(v, base, k in SCHEMA_MAPS)
+        for k, v in schema.items()
+    }
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         out["$ref"] = base + ref[1:]
