@@ -25,8 +25,10 @@ def test_undefined_cases() -> None:
     assert d.tpot(1.0, 1.0, 1) is None
     assert d.decode_rate(1.0, 1.0, 1) is None
     assert d.itls([1.0]) == []
-    # A step that streamed three tokens at once (accepted drafts): one gap, not three.
-    assert d.itls([1.0, 1.5, 1.5, 1.5, 2.0]) == pytest.approx([0.5, 0.5])
+    # A step that streamed three tokens at once (accepted drafts): one output, and no gap
+    # between its tokens.
+    assert d.output_times([1.0, 1.5, 1.5, 1.5, 2.0]) == [1.0, 1.5, 2.0]
+    assert d.itls(d.output_times([1.0, 1.5, 1.5, 1.5, 2.0])) == pytest.approx([0.5, 0.5])
     assert d.queue_time(2.0, 2.5) == pytest.approx(0.5)
 
 

@@ -27,11 +27,17 @@ def tpot(f: float, e: float, num_output_tokens: int) -> float | None:
     return (e - f) / (num_output_tokens - 1)
 
 
-def itls(token_times: Sequence[float]) -> list[float]:
-    """Inter-token latencies: every gap between consecutive streamed outputs. Tokens of
-    one instant (a step's accepted drafts, with speculative decoding) left in one output:
-    no client waited between them, so they make no gap."""
-    return [b - a for a, b in itertools.pairwise(token_times) if b != a]
+def itls(output_times: Sequence[float]) -> list[float]:
+    """Inter-token latencies: every gap between consecutive streamed outputs (a client's
+    chunk times; the engine's token times through ``output_times``)."""
+    return [b - a for a, b in itertools.pairwise(output_times)]
+
+
+def output_times(token_times: Sequence[float]) -> list[float]:
+    """The instants a request's outputs were streamed, from its tokens' times: the tokens
+    of one step (a step's accepted drafts, with speculative decoding) share its instant
+    and leave in one output, so no client waits between them."""
+    return [t for i, t in enumerate(token_times) if i == 0 or t != token_times[i - 1]]
 
 
 def decode_rate(f: float, e: float, num_output_tokens: int) -> float | None:

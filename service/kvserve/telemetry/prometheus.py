@@ -375,7 +375,7 @@ class EngineMetrics:
         tpot = d.tpot(f, e, len(m.token_times))
         if tpot is not None:
             self._tpot.observe(tpot)
-        for gap in d.itls(m.token_times):
+        for gap in d.itls(d.output_times(m.token_times)):
             self._itl.observe(gap)
 
     def observe_error(self, prompt_tokens: int) -> None:
