@@ -172,8 +172,6 @@ class SamplingParams:
             )
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if not isinstance(self.top_k, int):
-            raise InvalidRequestError(f"top_k must be an integer, got {self.top_k!r}", "top_k")
         if not INT32_MIN <= self.top_k <= INT32_MAX:
             raise InvalidRequestError(
                 f"top_k must be in [{INT32_MIN}, {INT32_MAX}], got {self.top_k}", "top_k"
@@ -207,7 +205,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}", "seed"
             )
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+        if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
         if self.seed is not None and self.seed + self.n - 1 > SEED_RANGE[1]:
             raise InvalidRequestError(

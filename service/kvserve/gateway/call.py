@@ -141,6 +141,13 @@ class UpstreamCall:
             failed = [m for m in firsts if isinstance(m, grpc.aio.AioRpcError) or m is grpc.aio.EOF]
             if not failed:
                 st.fleet.mark_ok(self.replica)
+                # A replica's first delta of each sample holds its prompt's length
+                # (charged if the request ends before its usage comes).
+                self.prompt_tokens = {
+                    i: m.delta.prompt_tokens
+                    for i, m in enumerate(firsts)
+                    if m.WhichOneof("kind") == "delta" and m.delta.HasField("prompt_tokens")
+                }
                 return firsts
             for upstream in self.grpc_calls:  # the samples move together
                 upstream.cancel()
@@ -250,11 +257,8 @@ class UpstreamCall:
         return str(decision.address)
 
     # ---- what the relay reports while it hands the output over ---------------------------
-    def count(self, delta: Any, index: int = 0) -> None:
-        """Sample ``index`` relayed ``delta``."""
+    def count(self, delta: Any) -> None:
         self.output_tokens += len(delta.token_ids)
-        if delta.HasField("prompt_tokens"):
-            self.prompt_tokens[index] = delta.prompt_tokens
 
     def handed_over(self) -> None:
         """A delta with text reached the client (streaming) or the answer (whole): the

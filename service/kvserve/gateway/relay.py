@@ -75,7 +75,7 @@ async def sse(
                 if call.done:
                     return
                 continue
-            call.count(msg.delta, i)
+            call.count(msg.delta)
             event, text = choices[i].delta(msg.delta)
             if event:
                 yield event
@@ -118,7 +118,7 @@ async def collect(
             if msg is grpc.aio.EOF:
                 break
             if msg.WhichOneof("kind") == "delta":
-                call.count(msg.delta, i)
+                call.count(msg.delta)
                 if choices[i].add(msg.delta):
                     call.handed_over()
             else:
