@@ -103,9 +103,10 @@ def _call_schema(tool: ToolSpec, args_key: str, exact: bool, index: int) -> dict
     ``$defs`` under ``tool_{index}`` and its references are rewritten to point there."""
     arguments = _arguments_schema(tool, exact)
     defs: dict[str, Any] = {}
-    if _has_local_ref(arguments):
-        name = f"tool_{index}"
-        defs[name] = _rebase_refs(arguments, f"#/$defs/{name}")
+    name = f"tool_{index}"
+    rebased = _rebase_refs(arguments, f"#/$defs/{name}")
+    if rebased != arguments:  # it has a document-local reference
+        defs[name] = rebased
         arguments = {"$ref": f"#/$defs/{name}"}
     return {
         "type": "object",
@@ -125,23 +126,10 @@ SCHEMA_MAPS = frozenset(
 )
 
 
-def _has_local_ref(schema: Any, names: bool = False) -> bool:
-    """Whether ``schema`` (with ``names``: a map of names to schemas) holds a
-    document-local ``$ref``."""
-    if isinstance(schema, dict):
-        if names:
-            return any(_has_local_ref(v) for v in schema.values())
-        if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
-            return True
-        return any(
-            _has_local_ref(v, k in SCHEMA_MAPS) for k, v in schema.items() if k not in DATA_KEYWORDS
-        )
-    return isinstance(schema, list) and any(_has_local_ref(v) for v in schema)
-
-
 def _rebase_refs(schema: Any, base: str, names: bool = False) -> Any:
     """``schema`` with every document-local ``$ref`` ("#..." ) made relative to ``base``
-    (``names``: as for ``_has_local_ref``)."""
+    (``names``: ``schema`` is a map of names to schemas, the value of a SCHEMA_MAPS
+    keyword)."""
     if isinstance(schema, list):
         return [_rebase_refs(v, base) for v in schema]
     if not isinstance(schema, dict):
