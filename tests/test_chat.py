@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
 import logging
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -177,6 +179,51 @@ def test_in_process_repl_keeps_the_history_and_aborts(checkpoint_dir: Checkpoint
         wait_until(lambda: pool.num_free_blocks == pool.num_blocks)
     finally:
         backend.close()
+
+
+class _BurstHandler(http.server.BaseHTTPRequestHandler):
+    """A server whose whole answer, six content events and [DONE], is one socket write."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, as the client expects between requests
+
+    def do_GET(self) -> None:
+        self._send(b"application/json", json.dumps({"data": [{"id": "burst"}]}).encode())
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        chunk = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+        self._send(
+            b"text/event-stream",
+            f"data: {json.dumps(chunk)}\n\n".encode() * 6 + b"data: [DONE]\n\n",
+        )
+
+    def _send(self, content_type: bytes, body: bytes) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+        self.wfile.write(head % (content_type, len(body)) + body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_abort_drops_the_events_already_read() -> None:
+    # httpx reads the whole burst at once; closing the response must not let the lines
+    # already in its decoder through (a fresh clone once saw two pieces after abort()).
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BurstHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    backend = HTTPBackend(f"http://127.0.0.1:{httpd.server_address[1]}")
+    try:
+        stream = backend.stream([{"role": "user", "content": "hi"}], ChatParams())
+        assert next(stream) == "x"
+        backend.abort()
+        assert list(stream) == []
+        # Without the abort the same answer is all six pieces.
+        assert "".join(backend.stream([{"role": "user", "content": "hi"}], ChatParams())) == "x" * 6
+    finally:
+        backend.close()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
 
 
 def test_abort_closes_the_stream_and_the_server_aborts(server: RunningServer) -> None:

@@ -163,6 +163,10 @@ class HTTPBackend:
                     resp.read()
                     raise ChatError(_error_message(resp))
                 for line in resp.iter_lines():
+                    if self._aborted:
+                        # Closing the response stops the reads, but lines already read
+                        # in the same chunk are still in httpx's decoder: drop them.
+                        return
                     data = event_data(line)
                     if data is None:
                         continue  # SSE comments, blank separators
@@ -257,7 +261,10 @@ class InProcessBackend:
         self.renders_tools = "<tool_call>" in str(tok.chat_template)  # a Hermes-style template
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._current: tuple[concurrent.futures.Future[None], queue.Queue[object]] | None = None
+        # The stream being read: its pump, its queue, and the flag abort() sets.
+        self._current: (
+            tuple[concurrent.futures.Future[None], queue.Queue[object], threading.Event] | None
+        ) = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvserve-chat-loop", daemon=True
@@ -300,13 +307,14 @@ class InProcessBackend:
     def _stream(self, req: Request) -> Generator[str, None, None]:
         deltas: queue.Queue[object] = queue.Queue()
         future = asyncio.run_coroutine_threadsafe(self._pump(req, deltas), self._loop)
+        aborted = threading.Event()
         with self._lock:
-            self._current = (future, deltas)
+            self._current = (future, deltas, aborted)
         try:
             while True:
                 item = _get(deltas)
-                if item is _END:
-                    return
+                if item is _END or aborted.is_set():
+                    return  # deltas queued before an abort are dropped with the rest
                 if isinstance(item, BaseException):
                     raise ChatError(str(item)) from item
                 assert isinstance(item, str)
@@ -338,7 +346,8 @@ class InProcessBackend:
         with self._lock:
             current, self._current = self._current, None
         if current is not None:
-            future, deltas = current
+            future, deltas, aborted = current
+            aborted.set()
             future.cancel()
             deltas.put(_END)
 
