@@ -357,7 +357,8 @@ MAX_NODES = 64
 
 def check_parallelism(spec: InferenceModelSpec) -> None:
     """The ranks must split evenly over the pods and fit each pod's GPUs; a group of
-    several pods cannot serve LoRA adapters (only the leader's adapter-sync loads them)."""
+    several pods cannot serve LoRA adapters (only the leader's adapter-sync loads them),
+    nor can several ranks in one pod (the engine refuses LoRA with tensor parallelism)."""
     nodes, gpus = spec.nodes, spec.resources.gpus
     tp = spec.engine.tensor_parallel_size
     if tp is not None and tp % nodes:
@@ -377,6 +378,15 @@ def check_parallelism(spec: InferenceModelSpec) -> None:
             "spec.nodes",
             f"spec.lora and spec.adapters are not supported with spec.nodes={nodes}: "
             "adapters are loaded into the leader pod only",
+        )
+    if spec.lora_enabled and spec.tensor_parallel_size > 1:
+        # The engine refuses the pair at start-up: the pods would crash-loop.
+        path = "spec.engine.tensorParallelSize" if tp is not None else "spec.resources.gpus"
+        raise SpecError(
+            path,
+            f"spec.lora and spec.adapters are not supported with "
+            f"{spec.tensor_parallel_size} tensor-parallel ranks ({path}): the engine "
+            "serves LoRA adapters on one rank only",
         )
 
 

@@ -117,6 +117,20 @@ def test_ranks_follow_gpus_and_nodes(fields: dict[str, Any], tp: int, per_pod: i
             "spec.nodes",
             "adapters are loaded into the leader pod only",
         ),
+        (
+            {"resources": {"gpus": 2}, "lora": {}},
+            "spec.resources.gpus",
+            "not supported with 2 tensor-parallel ranks (spec.resources.gpus)",
+        ),
+        (
+            {
+                "resources": {"gpus": 0},
+                "engine": {"tensorParallelSize": 2},
+                "adapters": [{"name": "a", "source": "hf://o/a"}],
+            },
+            "spec.engine.tensorParallelSize",
+            "not supported with 2 tensor-parallel ranks (spec.engine.tensorParallelSize)",
+        ),
     ],
 )
 def test_ranks_that_do_not_fit_are_refused(fields: dict[str, Any], path: str, needle: str) -> None:
