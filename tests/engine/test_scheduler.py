@@ -8,6 +8,7 @@ request at ``max_tokens``. Everything else is the real scheduler and KV cache.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -207,6 +208,19 @@ def test_drafts_take_only_the_budget_left_after_every_request_has_its_token() ->
 
     out = step(sched)
     assert plan(out) == [("a", 3), ("b", 1)]  # b's token first; a's drafts fill the rest
+
+
+def test_a_waiting_request_is_admitted_before_drafts_take_the_budget() -> None:
+    sched = speculating(make_scheduler(num_blocks=16, budget=8), k=7)
+    a = make_request("a", tokens(100, 2))
+    add(sched, a)
+    step(sched)  # a's prompt; alone, its next step would be its token and 7 drafts
+    late = make_request("late", tokens(200, 6))
+    add(sched, late)
+
+    out = sched.schedule()
+    assert plan(out) == [("a", 2), ("late", 6)]  # late's prompt first; one draft fits after
+    assert sched.waiting == deque()
 
 
 def test_the_newest_request_preempts_itself_when_it_cannot_grow() -> None:

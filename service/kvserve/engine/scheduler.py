@@ -22,10 +22,10 @@ held only rejected positions are given back (``KVCacheManager.trim``). Prefix-ca
 hashes only ever cover ``all_token_ids`` (committed tokens), never drafts. Drafts are
 proposed only when fewer than ``speculative_max_batch`` requests decode in the step
 (beyond that, verifying costs more than it saves), only for requests that
-``can_speculate``, and never beyond ``max_tokens`` or ``max_model_len``. Drafts come after
-every running request has its token or chunk, from what is left of the budget and the
-pool: a request whose drafts do not fit runs without them (or with fewer), and nobody is
-preempted or passed over for a draft.
+``can_speculate``, and never beyond ``max_tokens`` or ``max_model_len``. Drafts come last,
+after every running request has its token or chunk and the waiting requests have been
+admitted, from what is left of the budget and the pool: a request whose drafts do not fit
+runs without them (or with fewer), and nobody is preempted or kept waiting for a draft.
 
 With LoRA adapters (``lora_slots``), a waiting request also needs its adapter in one of
 the device's slots. One that cannot get a slot this step is passed over, in its place in
@@ -119,13 +119,6 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 scheduled[req.request_id] = num_new
                 budget -= num_new
-        # Drafts, from what is left (see the module docstring).
-        for req in decodes if speculate else ():
-            if budget == 0:
-                break
-            if scheduled.get(req.request_id) == 1 and self._schedule_drafts(req, budget):
-                scheduled[req.request_id] += len(req.spec_token_ids)
-                budget -= len(req.spec_token_ids)
 
         # Waiting requests, first come first served. After a preemption the pool is
         # short, so admit nobody new this step. A request whose adapter has no slot yet
@@ -164,6 +157,14 @@ class Scheduler:
             scheduled[req.request_id] = num_new
             budget -= num_new
         self.waiting.extendleft(reversed(passed_over))
+
+        # Drafts last, from what is left (see the module docstring).
+        for req in decodes if speculate else ():
+            if budget == 0:
+                break
+            if scheduled.get(req.request_id) == 1 and self._schedule_drafts(req, budget):
+                scheduled[req.request_id] += len(req.spec_token_ids)
+                budget -= len(req.spec_token_ids)
 
         by_id = {r.request_id: r for r in self.running}
         out.scheduled = [(by_id[rid], n) for rid, n in scheduled.items()]
