@@ -158,13 +158,20 @@ def test_adapters_need_enable_lora_and_bad_ones_fail_before_queueing(
 
 def test_vllm_style_lora_requests_are_the_same_adapter(good: Path, base: Path) -> None:
     """vLLM's LoRARequest(name, int_id, path) works as it is (only the import changes):
-    the integer id is checked and not used; the adapter is its name and path."""
+    the integer id is checked and not used; the adapter is its name, path and generation."""
     ours = LoRARequest("good", str(good))
     for vllm_style in (
         LoRARequest("good", 1, str(good)),
         LoRARequest(lora_name="good", lora_int_id=7, lora_path=str(good)),
     ):
         assert vllm_style == ours and hash(vllm_style) == hash(ours)
+    # kvserve's generation (the server's count of loads) makes another adapter.
+    reload = LoRARequest("good", str(good), generation=2)
+    assert reload != ours and reload.cache_key != ours.cache_key
+    assert LoRARequest("good", str(good), generation=0) == ours
+    for generation, error in ((-1, "generation must be ≥ 0"), (True, "must be an int")):
+        with pytest.raises((TypeError, ValueError), match=error):
+            LoRARequest("good", str(good), generation=generation)
     for args, error in (
         (("good", 0, str(good)), "lora_int_id must be ≥ 1"),
         (("good", str(good), "/elsewhere"), "takes (name, path)"),

@@ -176,6 +176,50 @@ def test_load_use_and_unload_at_run_time(served: Served) -> None:
     served.post("/v1/unload_lora_adapter", {"lora_name": "third"})
 
 
+def test_a_reload_of_changed_files_serves_the_new_weights(served: Served) -> None:
+    """adapter-sync unloads and loads a name from the same folder when its files change
+    (a new revision): the next request runs the new weights, neither the old ones' prefix
+    cache blocks nor their device slot, which a request in flight still holds."""
+    folder = served.lora_dir / "swap"
+    prompt = list(range(40, 40 + 40))  # two and a half 16-token blocks: a prefix to cache
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+    def offline_text() -> str:  # a new engine: it reads the folder as it is now
+        llm = LLM(str(served.base_dir), dtype="float32", device="cpu", enable_lora=True)
+        lora = LoRARequest("swap", str(folder))
+        return llm.generate([prompt], params, lora_request=lora)[0].outputs[0].text
+
+    def served_text() -> str:
+        out = served.sdk().completions.create(
+            model="swap", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return out.choices[0].text
+
+    build_adapter(served.base_dir, folder, r=8, seed=4)
+    old = offline_text()
+    assert served.post("/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": "swap"})
+    assert served_text() == old  # and its prompt's blocks are cached now
+    in_flight = served.sdk().completions.create(
+        model="swap", prompt=prompt, max_tokens=200, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(in_flight)
+    next(chunks)  # running: the old weights hold their slot
+
+    r = served.post("/v1/unload_lora_adapter", {"lora_name": "swap"})
+    assert r.status_code == 200, r.text
+    shutil.rmtree(folder)
+    build_adapter(served.base_dir, folder, r=8, seed=5)
+    new = offline_text()
+    assert new != old, "the two adapters must differ"
+    r = served.post("/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": "swap"})
+    assert r.status_code == 200, r.text
+    assert served_text() == new
+    assert len(list(chunks)) > 0  # the old stream ran to its end meanwhile
+    served.post("/v1/unload_lora_adapter", {"lora_name": "swap"})
+
+
 @pytest.mark.parametrize("how", ["dotdot", "absolute-outside", "symlink-dir", "symlink-file"])
 def test_loads_from_outside_the_lora_dir_are_refused(served: Served, how: str) -> None:
     name = f"evil-{how}"

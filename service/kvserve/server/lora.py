@@ -9,12 +9,16 @@ can make the server read a file outside it. The checks run once, when the adapte
 loaded; whoever can write into ``--lora-dir`` is trusted.
 
 Unloading takes the name away at once (new requests get 404); requests in flight keep
-their adapter until they finish, and the engine then drops it from memory.
+their adapter until they finish, and the engine then drops it from memory. Each load is
+a new adapter to the engine (``LoRARequest.generation`` counts the loads): unloading and
+loading the same name and path after its files changed serves the new weights, never the
+old ones' device slot or cached KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -31,6 +35,7 @@ class LoRAAdapters:
         self.enabled = enabled
         self.lora_dir = Path(lora_dir).resolve() if lora_dir is not None else None
         self.adapters: dict[str, LoRARequest] = {}
+        self._loads = itertools.count(1)  # each load's LoRARequest.generation
 
     def names(self) -> list[str]:
         return [self.base_name, *self.adapters]
@@ -82,7 +87,9 @@ class LoRAAdapters:
     def add_startup(self, engine: LLMEngine, modules: dict[str, str]) -> None:
         """``--lora-modules``: read and check each (``LoRAError`` names what is wrong)."""
         for name, path in modules.items():
-            lora = LoRARequest(self._new_name(name), str(Path(path).resolve()))
+            lora = LoRARequest(
+                self._new_name(name), str(Path(path).resolve()), generation=next(self._loads)
+            )
             engine.add_lora(lora)
             self.adapters[name] = lora
 
@@ -95,7 +102,11 @@ class LoRAAdapters:
         name is then checked as a path, by the same rules."""
         if not self.enabled:
             raise OpenAIError(400, "LoRA adapters are off: start with --enable-lora")
-        lora = LoRARequest(self._new_name(name), str(self.allowed_path(path or name)))
+        lora = LoRARequest(
+            self._new_name(name),
+            str(self.allowed_path(path or name)),
+            generation=next(self._loads),
+        )
         llm = engine.engine
         try:
             weights = await asyncio.to_thread(
