@@ -164,6 +164,7 @@ def test_bad_replica_url_names_its_index(
         ("admission: {queue_timeout_seconds: 0}", "admission.queue_timeout_seconds", "greater"),
         ("retry: {max_attempts: 0}", "retry.max_attempts", "greater than or equal to 1"),
         ("max_body_bytes: 0", "max_body_bytes", "greater than or equal to 1"),
+        ("max_body_bytes: 33554433", "max_body_bytes", "less than or equal to 33554432"),
         ("request_timeout_seconds: -5", "request_timeout_seconds", "greater than 0"),
         ("load_poll_seconds: 0", "load_poll_seconds", "greater than 0"),
         ("listen: {port: 70000}", "listen.port", "less than or equal to 65535"),

@@ -18,8 +18,10 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.gateway.multiplex import batches
 from kvserve.gateway.upstream import KEEPALIVE_TIME_MS, ReplicaClient
 from kvserve.rpc import codec
+from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc.listen import MIN_PING_INTERVAL_MS
 from tests.support.grpc_engine import BLOCK_SIZE, LONG, Served, request, serve
 from tests.support.waiting import eventually
@@ -213,3 +215,16 @@ def test_an_idle_shared_call_outlives_the_gateways_keepalive_pings(engine: LLMEn
             await client.close()
 
     serve(engine, body, min_ping_interval_ms=keepalive_ms // 2)
+
+
+def test_commands_are_cut_into_messages_under_the_limit_in_order() -> None:
+    commands = [
+        pb.TaggedCommand(tag=i, start=pb.GenerateRequest(prompt_text="x" * size))
+        for i, size in enumerate([100, 100, 5000, 100, 100, 100])
+    ]
+    runs = batches(commands, 1000)
+    assert [[c.tag for c in run] for run in runs] == [[0, 1], [2], [3, 4, 5]]
+    for run in runs:
+        size = pb.GenerateManyRequest(commands=run).ByteSize()
+        assert size <= 1000 or len(run) == 1  # an oversized command travels alone
+    assert batches([], 1000) == []

@@ -91,3 +91,24 @@ def test_the_request_timeout_is_a_504_whole_and_mid_stream(gateway: Gateway) -> 
         lambda: gateway.metric("kvserve_gateway_requests_total", model="m", status="504") == 2
     )
     assert [view.healthy for view in gateway.state.fleet.views("m")] == [True]
+
+
+def test_many_large_samples_go_upstream_without_breaking_the_shared_call(
+    gateway: Gateway,
+) -> None:
+    """Each sample of an n > 1 request carries the whole request, and what piles up goes
+    to the replica on one shared call: 40 samples of a 120 kB prompt used to make one
+    message over gRPC's 4 MiB limit, which ended the call, every tenant's stream on it,
+    and the replica's place in rotation."""
+    steps = int(TIMEOUT_S * 1000 / STEP_MS) // 2  # well within the request timeout
+    other = {"model": "m", "prompt": "hello", "max_tokens": steps, "stream": True}
+    big = {"model": "m", "prompt": "x " * 60_000, "max_tokens": 2, "n": 40}
+    with gateway.client() as c, c.stream("POST", "/v1/completions", json=other) as r:
+        lines = r.iter_lines()
+        assert r.status_code == 200 and event_data(next(lines)) is not None  # in flight
+        answer = c.post("/v1/completions", json=big)
+        events = [data for line in lines if (data := event_data(line)) is not None]
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 40
+    assert events[-1] == DONE and not any('"error"' in e for e in events), events[-3:]
+    assert [view.healthy for view in gateway.state.fleet.views("m")] == [True]

@@ -43,6 +43,7 @@ from kvserve.names import model_name_problem
 from kvserve.openai.http_limits import HttpLimits
 from kvserve.openai.refusal_pacing import GATEWAY_REFUSALS_PER_SECOND
 from kvserve.openai.stalls import DEFAULT_WRITE_STALL_SECONDS
+from kvserve.rpc.listen import MAX_MESSAGE_BYTES
 from kvserve.sampling_params import StopLimits
 
 RoutingPolicy = Literal["prefix", "least_load", "round_robin"]
@@ -200,7 +201,8 @@ class GatewayConfig(StrictModel):
     """The whole config file. Only the keys file it points to hot-reloads."""
 
     listen: ListenConfig = Field(default_factory=ListenConfig)
-    max_body_bytes: int = Field(default=1 << 20, ge=1)
+    # At most half a gRPC message: a request goes to its replica as one message.
+    max_body_bytes: int = Field(default=1 << 20, ge=1, le=MAX_MESSAGE_BYTES // 2)
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)

@@ -32,6 +32,10 @@ log = logging.getLogger("kvserve.gateway")
 # Outputs a request may have waiting for its reader: a client that stops reading is ended
 # by the write-stall timeout (kvserve.openai.stalls); this bounds what piles up before.
 MAX_PENDING_OUTPUTS = 4096
+# What one GenerateMany message carries at most, far below what the replica takes
+# (kvserve.rpc.listen.MAX_MESSAGE_BYTES): a message over that would end the call and every
+# tenant's requests on it. A single larger command still goes, alone.
+BATCH_BYTES = 4 * 1024 * 1024
 
 
 class ReplicaAnswered(grpc.aio.AioRpcError):  # type: ignore[misc]
@@ -170,9 +174,10 @@ class _SharedCall:
             self._outbox_ready.clear()
             if self.broken:
                 return
-            if self._outbox:  # what piled up during the last write leaves in one message
-                commands, self._outbox = self._outbox, []
-                yield pb.GenerateManyRequest(commands=commands)
+            # What piled up during the last write leaves in as few messages as fit.
+            commands, self._outbox = self._outbox, []
+            for batch in batches(commands, BATCH_BYTES):
+                yield pb.GenerateManyRequest(commands=batch)
 
     async def _read(self) -> None:
         error: grpc.aio.AioRpcError
@@ -211,6 +216,22 @@ class _SharedCall:
         self._end_commands()
         self._call.cancel()
         self._reader.cancel()
+
+
+def batches(commands: list[pb.TaggedCommand], limit: int) -> list[list[pb.TaggedCommand]]:
+    """``commands`` in order, cut into runs of at most ``limit`` serialized bytes each
+    (a command larger than that makes a run of its own)."""
+    runs: list[list[pb.TaggedCommand]] = []
+    size = 0
+    for command in commands:
+        # A repeated message field costs its length-prefix and tag: 16 bytes bound them.
+        cost = command.ByteSize() + 16
+        if not runs or size + cost > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(command)
+        size += cost
+    return runs
 
 
 class Multiplexer:

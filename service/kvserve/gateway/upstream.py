@@ -16,6 +16,7 @@ import grpc
 from kvserve.gateway.multiplex import Multiplexer, UpstreamRequest
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.rpc import engine_pb2_grpc as pb_grpc
+from kvserve.rpc.listen import MAX_MESSAGE_BYTES
 
 # Keep idle connections warm through load balancers and notice dead replicas quickly
 # (the replica's server accepts pings this often: kvserve.rpc.listen).
@@ -28,7 +29,8 @@ def _channel_options(keepalive_ms: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
 
 

@@ -14,11 +14,20 @@ import grpc
 # would end that call (and any request waiting on it) after about 90 idle seconds.
 MIN_PING_INTERVAL_MS = 10_000
 
+# The largest gRPC message either side takes (gRPC's default is 4 MiB). The gateway packs
+# many requests' commands into one GenerateMany message, each sample of an n > 1 request
+# carrying the whole request, so it splits what it sends into messages of at most
+# kvserve.gateway.multiplex.BATCH_BYTES; one request's start alone stays far below this
+# (the gateway's max_body_bytes is at most half of it).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
 
 def server_options(min_ping_interval_ms: int = MIN_PING_INTERVAL_MS) -> list[tuple[str, int]]:
-    """Channel arguments of the replica's gRPC server: accept the gateway's keepalive,
-    and own the port alone."""
+    """Channel arguments of the replica's gRPC server: accept the gateway's keepalive and
+    messages up to MAX_MESSAGE_BYTES, and own the port alone."""
     return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
         # gRPC sets SO_REUSEPORT by default: a second replica started on a taken port
