@@ -3,7 +3,8 @@ the replica's error for that one request is a 500 (not retried; the replica stay
 rotation, so a client that can make its own request fail cannot take the replica from
 everyone else), and the gateway's request timeout is a 504, mid-stream too. The replica
 is the bench's stub (the engine's gRPC API with canned output), which answers a prompt
-``stub:error:CODE`` with the engine's error of that status."""
+``stub:error:CODE`` with the engine's error of that status (``stub:late-error:CODE``
+after one token)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench.stub_replica import ERROR_PROMPT
+from kvserve.bench.stub_replica import ERROR_PROMPT, LATE_ERROR_PROMPT
 from kvserve.gateway.config import GatewayConfig
 from kvserve.sse_events import DONE, event_data
 from tests.support.gateway import Gateway, keys_file, serve_gateway
@@ -111,4 +112,23 @@ def test_many_large_samples_go_upstream_without_breaking_the_shared_call(
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["choices"]) == 40
     assert events[-1] == DONE and not any('"error"' in e for e in events), events[-3:]
+    assert [view.healthy for view in gateway.state.fleet.views("m")] == [True]
+
+
+def test_a_request_the_engine_refuses_mid_generation_is_a_400(gateway: Gateway) -> None:
+    """A structured-output grammar can fail on a later token: the engine's 400 (its
+    INVALID_ARGUMENT) stays a 400 through the gateway, whole and as the stream's error."""
+    failing = {"model": "m", "prompt": f"{LATE_ERROR_PROMPT}INVALID_ARGUMENT", "max_tokens": 5}
+    with gateway.client() as c:
+        whole = c.post("/v1/completions", json=failing)
+        with c.stream("POST", "/v1/completions", json={**failing, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [data for line in r.iter_lines() if (data := event_data(line)) is not None]
+    assert whole.status_code == 400, whole.text
+    assert whole.json()["error"]["type"] == "invalid_request_error"
+    *chunks, last_error, done = events
+    assert done == DONE and chunks
+    error = json.loads(last_error)["error"]
+    assert error["type"] == "invalid_request_error", error
+    assert error["message"] == "the stub answers INVALID_ARGUMENT"
     assert [view.healthy for view in gateway.state.fleet.views("m")] == [True]

@@ -1,7 +1,8 @@
 """A stand-in replica for measuring the gateway alone: the engine's gRPC API with canned
 output and no model (docs/bench-methods.md, "kvserve bench gateway"). A prompt
 ``stub:error:CODE`` is answered with the engine's ``Error`` of gRPC status CODE (e.g.
-``INTERNAL``), as a replica answers a request that failed there."""
+``INTERNAL``), as a replica answers a request that failed there; ``stub:late-error:CODE``
+gets one token first (a request that fails mid-generation)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ TOKEN_ID = 42
 TOKEN_TEXT = " word"
 DEFAULT_MAX_TOKENS = 16  # the engine's default for a request without max_tokens
 ERROR_PROMPT = "stub:error:"
+LATE_ERROR_PROMPT = "stub:late-error:"
 
 
 def _prompt_tokens(start: pb.GenerateRequest) -> int:
@@ -43,6 +45,7 @@ class _Open:
     max_tokens: int
     prompt_tokens: int
     done: int = 0  # tokens sent
+    error: pb.Error | None = None  # sent after the first token
 
 
 class StubEngine(pb_grpc.EngineServiceServicer):
@@ -75,7 +78,10 @@ class StubEngine(pb_grpc.EngineServiceServicer):
                             ended.append(pb.TaggedOutput(tag=command.tag, error=error))
                             continue
                         max_tokens = start.max_tokens or DEFAULT_MAX_TOKENS
-                        open_[command.tag] = _Open(max_tokens, _prompt_tokens(start))
+                        req = open_[command.tag] = _Open(max_tokens, _prompt_tokens(start))
+                        if start.prompt_text.startswith(LATE_ERROR_PROMPT):
+                            code = grpc.StatusCode[start.prompt_text[len(LATE_ERROR_PROMPT) :]]
+                            req.error = codec.encode_error(code, f"the stub answers {code.name}")
                     elif open_.pop(command.tag, None) is not None:
                         final = pb.Final(finish_reason="abort", usage=pb.Usage())
                         ended.append(pb.TaggedOutput(tag=command.tag, final=final))
@@ -96,7 +102,10 @@ class StubEngine(pb_grpc.EngineServiceServicer):
                     delta = pb.Delta(token_ids=[TOKEN_ID], text=TOKEN_TEXT)
                     outputs.append(pb.TaggedOutput(tag=tag, delta=delta))
                     req.done += 1
-                    if req.done >= req.max_tokens:
+                    if req.error is not None:
+                        del open_[tag]
+                        outputs.append(pb.TaggedOutput(tag=tag, error=req.error))
+                    elif req.done >= req.max_tokens:
                         del open_[tag]
                         usage = pb.Usage(
                             prompt_tokens=req.prompt_tokens, completion_tokens=req.done

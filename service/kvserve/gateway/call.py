@@ -301,8 +301,9 @@ class UpstreamCall:
 
     def failed_upstream(self, exc: grpc.aio.AioRpcError) -> OpenAIError:
         """The request failed after its first output (never retried: output was sent):
-        counted, and the error the client gets."""
-        error = client_error(exc, self.state.config.request_timeout_seconds)
+        counted, and the error the client gets (a 400 where the engine refused it as
+        invalid mid-generation, e.g. a grammar that fails on a later token)."""
+        error = refused(exc) or client_error(exc, self.state.config.request_timeout_seconds)
         self.status = error.status
         self.state.metrics.upstream_errors.labels(self.model, exc.code().name).inc()
         return error
