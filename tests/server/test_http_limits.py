@@ -6,6 +6,7 @@ server on loopback with the protocol and middleware both servers run."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -117,3 +118,32 @@ def test_refusals_before_the_app_carry_a_request_id_in_the_apps_json(
     error = json.loads(body)["error"]
     assert error["request_id"] == headers["x-request-id"], head
     assert body == json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
+def test_an_answer_before_the_body_is_read_closes_the_connection(port: int) -> None:
+    """A chunked body past the limit is a 413 sent mid-body, and the server closes the
+    connection (after a lingering second) while the client is still sending. Kept open,
+    it read and dropped whatever followed, a chunked body without end, and no idle timer
+    ran while bytes kept coming."""
+    chunk = b"%x\r\n%s\r\n" % (64 * 1024, b"a" * 64 * 1024)
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        reply = b""
+        with pytest.raises(OSError):  # bounded: an endless body, until the server closes
+            for _ in range(100_000):  # 6 GiB: far more than a second's worth
+                sock.sendall(chunk)
+                if select.select([sock], [], [], 0)[0]:
+                    reply += sock.recv(65536)
+    status, error = error_of(reply)
+    assert status == 413 and "exceeds the limit" in str(error["message"])
+
+
+def test_a_request_read_to_its_end_keeps_its_connection(port: int) -> None:
+    body = b'{"x": 1}'
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for _ in range(2):  # the second request on the same connection
+            sock.sendall(head + body)
+            reply = sock.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" not in reply

@@ -19,7 +19,11 @@ These refusals wait for their turn like the application's own (``RefusalPacer``)
 connection's reading paused meanwhile.
 
 A body that is promised (Content-Length) but does not arrive is bounded by the
-request-id middleware (``body_timeout``). Both servers run with these: ``kvserve serve``
+request-id middleware (``body_timeout``). A request answered before its body was read to
+the end (a refusal: 401 before the body, 413 of a chunked body past the limit, 408) ends
+its connection with a lingering close too: uvicorn would read and drop the rest of the
+body for as long as it kept coming, with no idle timer running meanwhile (a chunked body
+without end held a connection and a share of a core). Both servers run with these: ``kvserve serve``
 (``--max-header-bytes``, ``--header-timeout``, ``--body-timeout``) and the gateway
 (``listen:`` in its config).
 """
@@ -95,6 +99,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not self._in_head:  # the next request on a kept-alive connection
             self._start_head()
 
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        super().on_response_complete()
+        if cycle is not None and cycle.more_body and not self.transport.is_closing():
+            self._linger()  # answered before the body ended: see the module docstring
+
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._stop_head_timer()
@@ -153,6 +163,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             % (status, reason, len(body), rid.encode())
             + body
         )
+        self._linger()
+
+    def _linger(self) -> None:
+        """Send EOF, discard what still comes for LINGER_SECONDS, then close."""
+        self._refused = True
+        self._unset_keepalive_if_required()
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER_SECONDS, self.transport.close)
