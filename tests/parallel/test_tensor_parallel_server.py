@@ -1,6 +1,7 @@
 """``kvserve serve --tensor-parallel-size 2`` as real processes: it answers like one
 rank; a worker killed mid-request fails the replica fast (the stream ends with an
-error, the server exits non-zero, no process is left); SIGTERM stops every rank; and
+error, the server exits non-zero, no process is left); SIGTERM stops every rank, and a
+SIGINT to the whole process group drains as with one rank; and
 a group spread over two nodes (two ``kvserve serve`` processes on loopback, the
 second with ``--node-rank 1``) serves from node 0 while node 1 answers /health."""
 
@@ -106,6 +107,32 @@ def test_sigterm_stops_every_rank(tp_server) -> None:  # type: ignore[no-untyped
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=EXIT_TIMEOUT) == 0, proc.tail()
     wait_until(lambda: gone(worker), timeout=EXIT_TIMEOUT)
+
+
+def test_a_signal_to_the_whole_process_group_drains(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C in a terminal (SIGINT) reaches every process of the group, workers too: the
+    request in flight still finishes and the server exits 0, as with one rank. Workers
+    that died of it failed the replica mid-drain (an error event, exit 1)."""
+    proc, url, _ = start_cli_server(
+        checkpoint_dir("llama"), "--tensor-parallel-size", "2", new_session=True
+    )
+    try:
+        [worker] = children(proc.pid)
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 64, "stream": True}
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60
+        ) as stream:
+            lines = stream.iter_lines()
+            while not next(lines).startswith("data: "):  # the request is running
+                pass
+            os.killpg(proc.pid, signal.SIGINT)
+            rest = list(lines)
+        assert not any('"error"' in line for line in rest), rest[-5:]
+        assert '"finish_reason": "length"' in "".join(rest), rest[-5:]
+        assert proc.wait(timeout=EXIT_TIMEOUT) == 0, proc.tail()
+        wait_until(lambda: gone(worker), timeout=EXIT_TIMEOUT)
+    finally:
+        proc.stop()
 
 
 def test_a_group_over_two_nodes_serves_from_node_zero(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]

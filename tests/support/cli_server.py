@@ -15,12 +15,13 @@ from tests.support.waiting import wait_until
 
 
 def start_cli_server(
-    model: Path | None, *extra: str, grpc: bool = False
+    model: Path | None, *extra: str, grpc: bool = False, new_session: bool = False
 ) -> tuple[LoggedProcess, str, int]:
     """``kvserve serve`` on a free port, once it reports ready; its output is in ``.log``.
 
     ``model=None`` runs it with no model arguments at all (the bundled demo model).
-    ``grpc`` serves the gRPC API too, on another free port.
+    ``grpc`` serves the gRPC API too, on another free port. ``new_session``: in a process
+    group of its own, which a test may signal as a whole (as a terminal's Ctrl-C does).
     """
     port = free_port()
     args = ["--port", str(port)]
@@ -30,6 +31,7 @@ def start_cli_server(
     proc = start_logged(
         [sys.executable, "-m", "kvserve", "serve", *args, *extra, "--log-level", "warning"],
         "kvserve-serve",
+        start_new_session=new_session,
     )
     url = f"http://127.0.0.1:{port}"
 

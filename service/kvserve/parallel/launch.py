@@ -172,11 +172,12 @@ class LocalWorkers:
         return any(p.poll() not in (None, 0) for p in self.procs.values())
 
     def terminate(self) -> None:
-        """SIGTERM the workers still running, then wait for them (SIGKILL after the grace)."""
+        """Kill the workers still running (they ignore SIGTERM and SIGINT, which a signal
+        to the whole process group would bring them during rank 0's drain), and wait."""
         self._stopping = True
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.terminate()
+                proc.kill()
         self.stop()
 
     def stop(self, timeout: float = STOP_GRACE_SECONDS) -> None:

@@ -2,7 +2,8 @@
 
 It loads its slice of the model, sizes its KV cache with the other ranks (the smallest
 pool wins), then runs each step rank 0 broadcasts, until rank 0 sends the stop message.
-A failed collective (rank 0 or another worker died) ends it with status 1. The
+A failed collective (rank 0 or another worker died) ends it with status 1. It ignores
+SIGINT and SIGTERM (see ``main``). The
 ``EngineConfig`` arrives as JSON on stdin (``launch.LocalWorkers``).
 """
 
@@ -12,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -72,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s %(message)s",
     )
     exit_with_parent()
+    # A signal to the server's whole process group (Ctrl-C in a terminal, a service
+    # manager stopping the group) must not take a rank from under rank 0's drain: a
+    # worker leaves on rank 0's stop message, when its parent is gone, or when killed.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = EngineConfig(**json.loads(sys.stdin.read()))
     try:
         serve_rank(
