@@ -15,6 +15,9 @@ import torch
 import transformers
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.parallel.group import GroupFailedError, TensorGroup
+from kvserve.parallel.launch import Launch, LocalWorkers
 from kvserve.testing.checkpoints import build_random_checkpoint
 from tests.support.checkpoints import make_prompts
 from tests.support.peft_adapters import hf_greedy
@@ -98,3 +101,21 @@ def test_an_unshardable_model_is_refused_at_load_with_the_numbers(checkpoint_dir
 def test_lora_with_tensor_parallelism_is_refused(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="enable_lora cannot be combined"):
         LLM(str(checkpoint_dir("llama")), device="cpu", tensor_parallel_size=2, enable_lora=True)
+
+
+def test_a_worker_gone_before_the_group_forms_fails_the_join_at_once(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 used to wait out torch's 5-minute rendezvous for a worker that had died
+    before joining (killed, out of memory, a failed import): the watcher had said so at
+    once, and nobody listened."""
+    config = EngineConfig(model=str(checkpoint_dir("llama")), device="cpu")
+    launch = Launch().with_port()
+    assert launch.master_port is not None
+    workers = LocalWorkers(config, launch, range(1, 2), 2)
+    [proc] = workers.procs.values()
+    proc.kill()
+    proc.wait()
+    with pytest.raises(GroupFailedError, match=r"rank 1 .* exited with signal SIGKILL"):
+        TensorGroup.join(
+            0, 2, launch.master_addr, launch.master_port, torch.device("cpu"), workers.exited
+        )
+    workers.stop(timeout=0)

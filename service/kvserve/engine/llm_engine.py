@@ -276,7 +276,9 @@ class LLMEngine:
         workers = LocalWorkers(self.config, launch, ranks[1:], tp, self._worker_lost)
         try:
             assert launch.master_port is not None
-            group = TensorGroup.join(0, tp, launch.master_addr, launch.master_port, self.device)
+            group = TensorGroup.join(
+                0, tp, launch.master_addr, launch.master_port, self.device, workers.exited
+            )
         except BaseException:
             workers.stop(timeout=0)
             raise

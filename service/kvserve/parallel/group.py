@@ -17,11 +17,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C
 
 from kvserve.parallel.shard import TensorShard
 
@@ -56,10 +58,18 @@ class TensorGroup:
 
     @classmethod
     def join(
-        cls, rank: int, size: int, master_addr: str, master_port: int, device: torch.device
+        cls,
+        rank: int,
+        size: int,
+        master_addr: str,
+        master_port: int,
+        device: torch.device,
+        gone: Callable[[], str | None] = lambda: None,
     ) -> TensorGroup:
         """Join (rank 0: open) the group at ``master_addr:master_port``; blocks until all
-        ``size`` ranks have joined."""
+        ``size`` ranks have joined. Rank 0 asks ``gone()`` while it waits: a reason (a
+        worker it started has exited) ends the wait with ``GroupFailedError`` at once,
+        where torch's rendezvous would wait out its timeout for a rank that never comes."""
         if dist.is_initialized():
             raise RuntimeError(
                 "this process already belongs to a torch.distributed group: one "
@@ -69,12 +79,9 @@ class TensorGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's communicator binds to the current GPU
         log.info("rank %d/%d joining %s at %s:%d", rank, size, backend, master_addr, master_port)
+        store = _rendezvous(rank, size, master_addr, master_port, gone)
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=size,
-            timeout=MODEL_TIMEOUT,
+            backend, store=store, rank=rank, world_size=size, timeout=MODEL_TIMEOUT
         )
         model = dist.group.WORLD
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
@@ -117,6 +124,35 @@ class TensorGroup:
         box = [_map_tensors(message, lambda t: t.cpu()) if self.rank == 0 else None]
         _checked(lambda: dist.broadcast_object_list(box, src=0, group=self._control))
         return box[0]
+
+
+JOINED_KEY = "kvserve/joined"  # the rendezvous store's count of the workers that came
+JOIN_POLL_SECONDS = 0.05
+
+
+def _rendezvous(
+    rank: int, size: int, master_addr: str, master_port: int, gone: Callable[[], str | None]
+) -> Any:
+    """The group's store (rank 0 serves it), once every rank has reached it."""
+    if rank != 0:
+        store = TCPStore(master_addr, master_port, size, is_master=False, timeout=MODEL_TIMEOUT)
+        store.add(JOINED_KEY, 1)
+        return store
+    store = TCPStore(
+        master_addr, master_port, size, is_master=True, timeout=MODEL_TIMEOUT,
+        wait_for_workers=False,
+    )  # fmt: skip
+    deadline = time.monotonic() + MODEL_TIMEOUT.total_seconds()
+    while (joined := store.add(JOINED_KEY, 0)) < size - 1:
+        if (why := gone()) is not None:
+            raise GroupFailedError(f"the group cannot form: {why}")
+        if time.monotonic() > deadline:
+            raise GroupFailedError(
+                f"the group cannot form: {joined} of {size - 1} workers joined at "
+                f"{master_addr}:{master_port} within {MODEL_TIMEOUT}"
+            )
+        time.sleep(JOIN_POLL_SECONDS)  # a poll: the store offers no wait with a way out
+    return store
 
 
 def to_device(message: Any, device: torch.device) -> Any:

@@ -154,13 +154,21 @@ class LocalWorkers:
         code = proc.wait()
         if self._stopping or code == 0:  # 0: rank 0 stopped the group
             return
-        why = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with {_status(code)}"
+        why = _exit_message(rank, proc.pid, code)
         log.error("%s; the replica cannot serve without it", why)
         if self.on_lost is not None:
             self.on_lost(why)
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
+
+    def exited(self) -> str | None:
+        """Why a worker has exited, if one has (before the group formed, any exit is)."""
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                return _exit_message(rank, proc.pid, code)
+        return None
 
     def wait(self) -> None:
         """Until every worker has exited."""
@@ -190,6 +198,10 @@ class LocalWorkers:
                 log.warning("tensor-parallel worker pid %d did not stop: killing it", proc.pid)
                 proc.kill()
                 proc.wait()
+
+
+def _exit_message(rank: int, pid: int, code: int) -> str:
+    return f"tensor-parallel worker rank {rank} (pid {pid}) exited with {_status(code)}"
 
 
 def _status(code: int) -> str:
