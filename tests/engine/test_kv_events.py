@@ -12,6 +12,7 @@ is fetched through the replay socket.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,12 @@ import zmq
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.kv_cache_manager import hash_block
-from kvserve.engine.kv_events import AllBlocksCleared, KVEventPublisher, start_kv_events
+from kvserve.engine.kv_events import (
+    AllBlocksCleared,
+    BlockStored,
+    KVEventPublisher,
+    start_kv_events,
+)
 from kvserve.telemetry.prometheus import EngineMetrics
 from tests.support.cli_server import start_cli_server
 from tests.support.fresh_python import heavy_modules_after
@@ -342,6 +348,60 @@ def test_batches_dropped_while_the_publisher_lags_are_counted_and_exported(ctx) 
         assert seqs == sorted(set(seqs)) and seqs[-1] < start + 20 and len(seqs) == sent
     finally:
         pub.close()
+
+
+def test_a_replay_of_thousands_of_batches_reaches_a_slow_reader_whole(ctx) -> None:  # type: ignore[no-untyped-def]
+    """The replay socket queued past ZMQ's default high-water mark (1,000 messages) and
+    silently dropped the rest, the end marker too: a late joiner to a busy replica got
+    half its replay and then waited for an end that never came."""
+    sub = Subscriber(ctx)
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KVEventPublisher(
+        sub.endpoint, block_size=BLOCK, medium="CPU", replay_endpoint=replay_endpoint
+    )
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 1)  # a reader that takes one message at a time
+    try:
+        while not sub.recv(timeout_ms=50):  # join: probes until one arrives live
+            pub.publish([AllBlocksCleared()])
+        # 5,000 batches of 4 kB each (a step that stores 64 blocks of 16 tokens): more
+        # than the sockets' kernel buffers hold, so ZMQ's own queue decides.
+        stored = BlockStored([b"h" * 32] * 64, None, list(range(1024)), 16, None, "CPU", None)
+        for _ in range(5000):
+            pub.publish([stored])
+        sub.until(pub)  # all sent, so all in the replay buffer
+        dealer.connect(replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        seqs = []
+        while True:
+            assert dealer.poll(RECV_TIMEOUT_MS), f"the replay stopped after {len(seqs)}"
+            _, seq, _ = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+        assert seqs == list(range(pub.next_seq))
+    finally:
+        dealer.close()
+        sub.sub.close()
+        pub.close()
+
+
+def test_ipv6_endpoints_bind(ctx) -> None:  # type: ignore[no-untyped-def]
+    """``tcp://[::1]:PORT`` and ``tcp://[::]:PORT`` bind (ZMQ sockets are IPv4-only
+    unless told otherwise: they failed with "No such device")."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    pub = KVEventPublisher(
+        f"tcp://[::]:{free_port()}",
+        block_size=BLOCK,
+        medium="CPU",
+        replay_endpoint=f"tcp://[::1]:{free_port()}",
+    )
+    pub.close()
 
 
 def test_bad_endpoints_are_refused_by_name(ctx) -> None:  # type: ignore[no-untyped-def]

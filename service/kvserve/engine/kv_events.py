@@ -39,11 +39,13 @@ sent here.
 
 **Transport.** As vLLM: ``endpoint`` is a ZMQ PUB socket, bound when the address has a
 ``*`` or ``::`` or is ``ipc://``/``inproc://``, otherwise connected (to a subscriber that
-binds); the optional ``replay_endpoint`` is a ROUTER socket (always bound). A subscriber
+binds); the optional ``replay_endpoint`` is a ROUTER socket (always bound). Both take
+IPv6 addresses (``tcp://[::1]:P``), and ``tcp://*:P`` listens on IPv6 as well as IPv4. A subscriber
 that joined late, or saw a gap in the sequence numbers, sends ``[b"", start_seq]``
 (8 bytes, big-endian) to it; the publisher answers every buffered batch with
 ``seq >= start_seq`` as ``[b"", seq, payload]`` and then ``[b"", -1 (8 bytes, signed),
-b""]``.
+b""]``, all queued at once for that client (up to the whole buffer: a slow reader misses
+none of it).
 
 **Cost.** Off (no endpoint), the engine holds no recorder: the block pool's hooks are one
 ``is None`` check where a block is cached (per registration, not per block), evicted or
@@ -218,11 +220,15 @@ class KVEventPublisher:
             self._pull.bind(queue_address)
             self._push = self._socket(zmq.PUSH, sockets, sndhwm=queue_batches)
             self._push.connect(queue_address)
-            self._pub = self._socket(zmq.PUB, sockets, sndhwm=PUB_HWM)
+            self._pub = self._socket(zmq.PUB, sockets, sndhwm=PUB_HWM, ipv6=1)
             _open(self._pub, endpoint, "kv_events_endpoint", bind=binds(endpoint))
             self._replay: zmq.Socket[bytes] | None = None
             if replay_endpoint is not None:
-                self._replay = self._socket(zmq.ROUTER, sockets)
+                # A whole replay (and its end marker) fits in a client's queue: ROUTER
+                # drops, rather than blocks on, what goes past its high-water mark.
+                self._replay = self._socket(
+                    zmq.ROUTER, sockets, sndhwm=replay_batches + 1, ipv6=1
+                )
                 _open(self._replay, replay_endpoint, "kv_events_replay_endpoint", bind=True)
         except BaseException:
             for s in sockets:
@@ -340,7 +346,8 @@ class KVEventPublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
-            # ROUTER drops, rather than blocks on, a client that does not read.
+            # Queued whole (the socket's high-water mark is the buffer's size); a client
+            # that asks again without reading gets what still fits.
             for seq, payload in self._buffer:
                 if seq >= start_seq:
                     replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
