@@ -222,3 +222,28 @@ def test_an_adapter_that_cannot_be_read_back_fails_its_request_alone(
             await engine.stop()
 
     asyncio.run(main())
+
+
+def test_an_adapter_with_running_and_waiting_requests_is_listed_as_both(
+    good: Path, base: Path
+) -> None:
+    """vLLM's running_lora_adapters and waiting_lora_adapters (which GIE's endpoint
+    picker reads): an adapter is in each list where it has requests."""
+    llm = LLM(
+        str(base), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8,
+        max_num_seqs=2,
+    )  # fmt: skip
+    engine = llm.engine
+    lora = LoRARequest("good", str(good))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [1, 2, 3], params, lora_request=lora)
+    stats = engine.stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ((), ("good",))
+    engine.step()  # two run, two wait
+    stats = engine.stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (("good",), ("good",))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ((), ())

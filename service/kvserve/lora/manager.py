@@ -101,13 +101,16 @@ class LoRAManager:
         return slot
 
     def adapter_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Names of the adapters with running requests, and of those whose requests all
-        wait (vLLM's ``running_lora_adapters`` and ``waiting_lora_adapters``)."""
+        """Names of the adapters with running requests, and of those with waiting ones
+        (vLLM's ``running_lora_adapters`` and ``waiting_lora_adapters``: an adapter with
+        both is in both, as there)."""
         # Copies first (each one step for the interpreter): GetLoad and /metrics read
         # this from another thread than the engine's.
-        running = {k for k in list(self.slots.running) if isinstance(k, LoRARequest)}
-        waiting = {k.lora_name for k in list(self.users) if k not in running}
-        return tuple(sorted({k.lora_name for k in running})), tuple(sorted(waiting))
+        keys, pins, users = list(self.slots.keys), list(self.slots.pins), dict(self.users)
+        running = {k: n for k, n in zip(keys, pins, strict=True) if k is not None and n}
+        waiting = {k.lora_name for k, n in users.items() if n > running.get(k, 0)}
+        names = {k.lora_name for k in running if isinstance(k, LoRARequest)}
+        return tuple(sorted(names)), tuple(sorted(waiting))
 
     def _fill_slot(self, slot: int, key: Hashable) -> None:
         assert isinstance(key, LoRARequest)
