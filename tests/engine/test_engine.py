@@ -48,6 +48,24 @@ def test_cache_salt_isolates_tenants(llm: LLM) -> None:
     assert other.outputs[0].token_ids == same.outputs[0].token_ids
 
 
+def test_a_prefix_cache_reset_waits_for_the_engine_to_be_idle(llm: LLM) -> None:
+    """As vLLM's: while a request holds blocks the reset is refused (its later blocks
+    would be cached as children of parents no longer cached), and nothing is forgotten."""
+    prompt = list(range(90, 111))
+    llm.generate([prompt], GREEDY)
+    engine = llm.engine
+    cached = set(engine.kv.pool.cached)
+    assert cached
+    engine.add_request("busy", list(range(200, 210)), GREEDY)
+    engine.step()
+    assert engine.reset_prefix_cache() is False
+    assert set(engine.kv.pool.cached) >= cached
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.reset_prefix_cache() is True
+    assert engine.kv.pool.cached == {}
+
+
 def test_prefix_cache_evicts_lru_and_stays_correct(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     llm = LLM(
         str(checkpoint_dir("llama")), dtype="float32", device="cpu", block_size=4, num_kv_blocks=12

@@ -260,10 +260,10 @@ def test_a_bound_publisher_batches_in_order(tmp_path: Path, ctx) -> None:  # typ
         block = pool.allocate(1)[0]
         pool.cache_block(block, b"h")
         pool.free([block])
-        pool.allocate(1)  # the LRU front is the cached block: evicted
+        pool.free(pool.allocate(1))  # the LRU front is the cached block: evicted
         pub.end_step()
         pub.end_step()  # nothing recorded: nothing sent
-        pool.reset_prefix_cache()
+        assert pool.reset_prefix_cache()
         pub.end_step()
         batches = {}
         while len(batches) < 2:

@@ -47,7 +47,7 @@ def _closed_loop(llm: Any, work: Workload, concurrency: int) -> ModeResult:
     """Run ``work`` with ``concurrency`` requests in flight, adding one as one finishes,
     from a cold prefix cache (every round starts cold)."""
     engine = llm.engine
-    engine.kv.pool.reset_prefix_cache()
+    assert engine.reset_prefix_cache(), "the engine is idle between rounds"
     cached = 0
     timelines: list[Timeline] = []
     t0 = engine.clock()

@@ -112,9 +112,15 @@ class BlockPool:
         if new:
             events.stored(hashes, new, request)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and nothing done) while any block is in use,
+        as vLLM does: a running request's later blocks would be cached as children of
+        parents no longer cached, which KV-event subscribers cannot place."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
         if self.events is not None:
             self.events.cleared()
+        return True

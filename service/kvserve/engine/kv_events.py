@@ -226,9 +226,7 @@ class KVEventPublisher:
             if replay_endpoint is not None:
                 # A whole replay (and its end marker) fits in a client's queue: ROUTER
                 # drops, rather than blocks on, what goes past its high-water mark.
-                self._replay = self._socket(
-                    zmq.ROUTER, sockets, sndhwm=replay_batches + 1, ipv6=1
-                )
+                self._replay = self._socket(zmq.ROUTER, sockets, sndhwm=replay_batches + 1, ipv6=1)
                 _open(self._replay, replay_endpoint, "kv_events_replay_endpoint", bind=True)
         except BaseException:
             for s in sockets:

@@ -738,11 +738,13 @@ class LLMEngine:
             self.kv_events.end_step()
         return outputs
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (blocks in use stay, uncached)."""
-        self.kv.pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests hold
+        blocks, as vLLM's: reset once the engine is idle."""
+        done = self.kv.pool.reset_prefix_cache()
         if self.kv_events is not None:
             self.kv_events.end_step()
+        return done
 
     def _append_tokens(
         self,
