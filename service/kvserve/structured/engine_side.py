@@ -25,6 +25,9 @@ class StructuredOutputs:
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self.compiler = GrammarCompiler(self.tokenizer)
+        # The last params and their grammar: the n samples of one request share their
+        # params object, and a large schema's text costs milliseconds to build each time.
+        self._last: tuple[StructuredOutputsParams, str] | None = None
 
     def tokenizer(self) -> Any:
         """llguidance's tokenizer for this engine (built on first use, then cached)."""
@@ -37,8 +40,12 @@ class StructuredOutputs:
         (InvalidRequestError, as ``validate``). The verdict is cached by that tokenizer and
         the text, so a front end that checks a request off its event loop makes the
         engine's own check, in ``matcher``, a cache hit."""
+        last = self._last
+        if last is not None and last[0] is params:  # frozen: the same object, the same text
+            return last[1]
         grammar = grammar_of(params)
         check_grammar(params, grammar, self.tokenizer())
+        self._last = (params, grammar)
         return grammar
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
