@@ -365,6 +365,7 @@ def test_a_grammar_that_cannot_go_on_fails_its_request_instead_of_ending_it(
     assert outs["plain"].outputs[0].finish_reason == "length"
     [(failed, message)] = engine.take_failures()
     assert failed.request_id == "bad" and why in message
+    assert "<non-verbose/>" not in message  # llguidance's marker is not for clients
 
 
 def run_to_end(engine: Any) -> dict[str, Any]:

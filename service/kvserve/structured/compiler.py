@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 
 from kvserve.errors import InvalidRequestError
-from kvserve.structured.grammar import LIMITS, PARAM
+from kvserve.structured.grammar import LIMITS, PARAM, error_text
 
 COMPILE_THREADS = 2  # llguidance releases the GIL while it compiles
 CACHE_SIZE = 256  # compiled grammars kept (least recently used goes first)
@@ -78,8 +78,9 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         seconds = time.perf_counter() - start
         if matcher.is_error():
+            why = error_text(matcher.get_error())
             raise InvalidRequestError(
-                f"the structured_outputs grammar does not compile: {matcher.get_error()}", PARAM
+                f"the structured_outputs grammar does not compile: {why}", PARAM
             )
         # A grammar can compile and yet match no text at all (a regex of an empty character
         # class): its first mask fails. Found here, on a copy, it is the request's clear 400
@@ -89,7 +90,7 @@ class GrammarCompiler:
         if probe.is_error():
             raise InvalidRequestError(
                 "the structured_outputs constraint matches no text: no token can begin it "
-                f"(llguidance: {probe.get_error().strip()})",
+                f"(llguidance: {error_text(probe.get_error())})",
                 PARAM,
             )
         return CompiledGrammar(matcher, tokenizer.vocab_size, seconds)

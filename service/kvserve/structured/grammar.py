@@ -34,6 +34,14 @@ JSON_OPTIONS: JsonCompileOptions = {
 # llguidance's parser limits, except that an error message does not quote parser state
 # (it goes back to the client).
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+
+def error_text(message: str) -> str:
+    """An llguidance error message as a client reads it: without the ``<non-verbose/>``
+    line it appends when errors are not verbose (LIMITS)."""
+    return message.replace("<non-verbose/>", "").strip()
+
+
 KIND_NAMES = {
     "json": "JSON schema",
     "json_object": "JSON object",

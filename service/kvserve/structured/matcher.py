@@ -7,6 +7,7 @@ from concurrent.futures import Future
 import llguidance
 
 from kvserve.structured.compiler import CompiledGrammar
+from kvserve.structured.grammar import error_text
 
 
 class GrammarMatcher:
@@ -54,4 +55,4 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        return error_text(self.matcher.get_error())

@@ -10,7 +10,7 @@ import llguidance
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
-from kvserve.structured.grammar import KIND_NAMES, LIMITS, PARAM, grammar_of
+from kvserve.structured.grammar import KIND_NAMES, LIMITS, PARAM, error_text, grammar_of
 from kvserve.structured.tokenizer import ll_tokenizer
 
 CACHE_SIZE = 1024  # verdicts kept, by grammar text
@@ -60,7 +60,7 @@ def check_grammar(
             while len(_verdicts) > CACHE_SIZE:
                 _verdicts.popitem(last=False)
     if verdict:
-        raise InvalidRequestError(_explain(params, verdict.strip()), PARAM)
+        raise InvalidRequestError(_explain(params, error_text(verdict)), PARAM)
 
 
 def _explain(params: StructuredOutputsParams, verdict: str) -> str:
