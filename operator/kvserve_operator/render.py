@@ -591,6 +591,13 @@ def as_leader_worker_set(deployment: dict[str, Any], nodes: int) -> dict[str, An
             "replicas": deployment["spec"]["replicas"],
             # Workers start with the leader: their ranks rendezvous at it while it loads.
             "startupPolicy": "LeaderCreated",
+            # LWS_LEADER_ADDRESS is <leader pod>.<subdomain>.<namespace>, which resolves
+            # through a headless Service named after the subdomain. The default (Shared)
+            # subdomain is the LeaderWorkerSet's name, which is also our ClusterIP
+            # Service's: the controller then creates no headless Service (LWS v0.7.0,
+            # CreateHeadlessServiceIfNotExists) and the workers cannot find the leader.
+            # UniquePerReplica gives each group a headless Service named after its leader.
+            "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
             "rolloutStrategy": {
                 "type": "RollingUpdate",
                 "rollingUpdateConfiguration": dict(ROLLING_UPDATE),

@@ -183,6 +183,8 @@ def test_several_nodes_render_a_leader_worker_set() -> None:
     group = obj["spec"]["leaderWorkerTemplate"]
     assert group["size"] == 2
     assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    # Each group's own headless Service: the Shared one would be named like our Service.
+    assert obj["spec"]["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}
     assert obj["spec"]["rolloutStrategy"] == {
         "type": "RollingUpdate",
         "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0},
