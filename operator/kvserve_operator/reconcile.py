@@ -83,6 +83,12 @@ def workload_of(spec: InferenceModelSpec) -> tuple[str, str]:
     return LWS if spec.nodes > 1 else DEPLOYMENT
 
 
+# Children the drift timer may delete and create again when a hand edit cannot be merged
+# with what the operator renders: no pods go with them (a Service's ClusterIP changes;
+# the gateway and the InferencePool follow the pods' endpoints, not that address).
+RECREATABLE_KINDS = frozenset({"Service", "PodDisruptionBudget", "ConfigMap"})
+
+
 class SpecInvalid(Exception):
     """The spec got past the API server's schema but cannot be rendered."""
 
@@ -197,7 +203,7 @@ class Reconciler:
         else:
             try:
                 for child in children:
-                    self.kube.apply(child)
+                    self._apply_child(child, logger)
                 self._remove_other_workload(namespace, name, workload, logger)
                 applied = True
             except ApiException as exc:
@@ -287,6 +293,28 @@ class Reconciler:
             if exc.status == 403:
                 return None
             raise
+
+    def _apply_child(self, child: dict[str, Any], logger: Any) -> None:
+        """Apply one child. A hand edit that took fields from us can make the merge
+        invalid (422: a port added beside ours under the same name, minAvailable beside
+        our maxUnavailable); a child that is cheap to replace is then deleted and applied
+        anew, and only a second refusal is the spec's."""
+        try:
+            self.kube.apply(child)
+            return
+        except ApiException as exc:
+            meta = child["metadata"]
+            if exc.status != 422 or child["kind"] not in RECREATABLE_KINDS:
+                raise
+            if not self.kube.delete(
+                child["apiVersion"], child["kind"], meta["namespace"], meta["name"]
+            ):
+                raise
+            logger.warning(
+                "%s %s/%s could not take the rendered object (%s): recreated",
+                child["kind"], meta["namespace"], meta["name"], _api_reason(exc),
+            )  # fmt: skip
+        self.kube.apply(child)
 
     def _remove_other_workload(
         self, namespace: str, name: str, workload: tuple[str, str], logger: Log

@@ -174,6 +174,32 @@ def test_manual_scaling_of_the_deployment_is_reverted(k8s_cluster: Cluster, ns: 
     wait_ready(k8s_cluster, ns, "llm", 3)
 
 
+def test_hand_edits_that_cannot_be_merged_are_undone(k8s_cluster: Cluster, ns: str) -> None:
+    """A hand edit takes the fields it changed from the operator, and the operator's next
+    apply then merged into an invalid object (422: two ports named http; minAvailable
+    beside maxUnavailable), which it reported as an invalid spec for good. Such a
+    Service or PDB is recreated from the spec."""
+    port = [{"op": "replace", "path": "/spec/ports/0/port", "value": 8080}]
+    k8s_cluster.kubectl("patch", "service", "llm", "-n", ns, "--type=json", "-p", json.dumps(port))
+    budget = {"spec": {"maxUnavailable": None, "minAvailable": 1}}
+    k8s_cluster.kubectl("patch", "pdb", "llm", "-n", ns, "--type=merge", "-p", json.dumps(budget))
+
+    def restored() -> bool:
+        service = get(k8s_cluster, "service", ns, "llm") or {}
+        pdb = get(k8s_cluster, "pdb", ns, "llm") or {}
+        im = get(k8s_cluster, "inferencemodel", ns, "llm") or {}
+        ports = [p["port"] for p in service.get("spec", {}).get("ports", [])]
+        conditions = {c["type"]: c["status"] for c in im.get("status", {}).get("conditions", [])}
+        return (
+            8080 not in ports
+            and 8000 in ports
+            and "minAvailable" not in pdb.get("spec", {})
+            and conditions.get("Degraded") == "False"
+        )
+
+    poll("the operator to restore the Service and the PDB", restored, timeout=60)
+
+
 def test_restarted_operator_converges_without_duplicates(
     k8s_cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
