@@ -185,6 +185,12 @@ def test_n_samples_match_the_replica_stream_and_whole(
         roles[d["index"]] += d["delta"].get("role") == "assistant"
     assert contents == [c["message"]["content"] for c in direct_chat["choices"]]
     assert roles == [1, 1]
+    # Both choices open first, in index order (what the openai SDK's stream helper needs).
+    openings = [chunk["choices"][0] for chunk in chunks[:2]]
+    assert [(o["index"], o["delta"]) for o in openings] == [
+        (0, {"role": "assistant", "content": ""}),
+        (1, {"role": "assistant", "content": ""}),
+    ]
 
 
 def test_echo_through_the_gateway_is_the_replicas(

@@ -238,13 +238,17 @@ def test_n_samples_with_the_openai_sdk(server: RunningServer) -> None:
     chat_alone = client.chat.completions.create(messages=messages, **{**args, "seed": 12})
     assert chat.choices[1].message.content == chat_alone.choices[0].message.content
     chat_stream = client.chat.completions.create(messages=messages, n=2, stream=True, **args)
-    contents, roles = ["", ""], [0, 0]
+    contents, roles, order = ["", ""], [0, 0], []
     for chunk in chat_stream:
         for d in chunk.choices:
             contents[d.index] += d.delta.content or ""
             roles[d.index] += d.delta.role == "assistant"
+            order.append((d.index, d.delta.role, d.delta.content))
     assert contents == [c.message.content for c in chat.choices]
     assert roles == [1, 1]  # each choice's first delta carries the role
+    # Both open first, in index order, as vLLM's do: the SDK's stream helper adds a
+    # choice when its index first appears, and an index out of order made it fail.
+    assert order[:2] == [(0, "assistant", ""), (1, "assistant", "")]
 
 
 def test_a_batch_of_prompts_gets_n_choices_each_in_order(server: RunningServer) -> None:

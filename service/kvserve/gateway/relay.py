@@ -42,6 +42,10 @@ async def sse(
     the request asked for them (an echoed prompt's scores are shown only then);
     ``request_id`` goes into a mid-stream error, as into every error body."""
     choices = [_StreamedChoice(ids, chat, i, logprobs) for i in range(len(firsts))]
+    if chat and len(choices) > 1:  # all open up front, in index order (fmt.chat_openings)
+        yield b"".join(encode_event(c) for c in fmt.chat_openings(ids, len(choices)))
+        for choice in choices:
+            choice.opening = False
     try:
         if len(firsts) == 1:
             # The hot loop of the gateway (one pass per streamed token): one generator,

@@ -248,6 +248,14 @@ def chat_chunk(
     return _chat_chunk(ids, delta, logprobs, finish_reason, index)
 
 
+def chat_openings(ids: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The first chunk of each of ``n`` chat choices, in index order (role, empty
+    content), as vLLM sends them before any text: the openai SDK's stream helper adds a
+    choice when its index first appears and fails on an index that comes out of order,
+    which choices held back (a partial character, a possible stop string) would do."""
+    return [chat_chunk(ids, "", None, None, True, index=i) for i in range(n)]
+
+
 def tool_call_chunks(
     ids: dict[str, Any], calls: Sequence[ToolCallDelta], first: bool, index: int = 0
 ) -> list[dict[str, Any]]:

@@ -185,7 +185,9 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     parsers = [chat.new_parser(body.skip_special_tokens) for _ in reqs]
 
     if body.stream:
-        first = [True] * len(reqs)  # a sample's first delta carries the role
+        # A sample's first delta carries the role; with several, all open up front.
+        first = [len(reqs) == 1] * len(reqs)
+        openings = fmt.chat_openings(ids, len(reqs)) if len(reqs) > 1 else []
         plain = [TextEvents(ids, chat=True, index=i) for i in range(len(reqs))]
 
         def chunk(out: RequestOutput) -> bytes:
@@ -207,7 +209,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
         markers = parsers[0] is not None and bool(parsers[0].markers)
         return _sse(
             state, reqs, chunk, ids, True, body.include_usage, body.n, markers,
-            chat.constraint_param,
+            chat.constraint_param, b"".join(map(encode_event, openings)),
         )  # fmt: skip
 
     if parsers[0] is None:
@@ -332,10 +334,12 @@ def _sse(
     n: int,
     every_token: bool = False,
     grammar_param: str | None = None,
+    opening: bytes = b"",
 ) -> EventStreamResponse:
     """``every_token``: ``chunk`` also sees outputs that added no text (a marker token
     that the text leaves out, which the parser puts back). ``grammar_param``: the field
-    the request's constraint came in (see ``_failure``)."""
+    the request's constraint came in (see ``_failure``). ``opening``: events that go
+    first (the choices' openings)."""
     # The requests enter the engine now, before the response starts; the response's
     # close (end, client gone, or never started) aborts those that have not finished.
     try:
@@ -346,7 +350,7 @@ def _sse(
     async def events() -> AsyncIterator[bytes]:
         last: RequestOutput | None = None
         lasts: dict[int, RequestOutput] = {}  # each sample's latest output
-        parts: list[bytes] = []
+        parts: list[bytes] = [opening] if opening else []
         try:
             async for out in outputs:
                 # Outputs that arrived while the previous write was going out leave together;
