@@ -95,6 +95,15 @@ def test_prefix_key_includes_cache_salt() -> None:
     assert prefix_key({**body, "cache_salt": "t1"}) != prefix_key({**body, "cache_salt": "t2"})
 
 
+def test_prefix_chars_counts_the_prompt_not_the_salt() -> None:
+    """A tenant's salt (73 characters from the gateway) once ate into prefix_chars: with
+    64, no prompt character was hashed and every request of a tenant had one home."""
+    salt = "h" * 64
+    a, b = {"prompt": "alpha", "cache_salt": salt}, {"prompt": "bravo", "cache_salt": salt}
+    assert prefix_key(a, prefix_chars=64) != prefix_key(b, prefix_chars=64)
+    assert prefix_key(a, prefix_chars=3).endswith("alp")
+
+
 # --- consistent hashing -------------------------------------------------------------------
 
 
@@ -274,6 +283,22 @@ def test_round_robin_cycles_and_skips_ineligible() -> None:
     assert [p.address for p in picks if p] == ["a:1", "b:1", "a:1"]
     full = [replace(r, in_flight=1) for r in replicas]
     assert router.route("k", full) is None
+
+
+@pytest.mark.parametrize("router", [RoundRobinRouter(), LeastLoadRouter()])
+def test_each_models_replicas_take_turns_when_models_interleave(
+    router: RoundRobinRouter | LeastLoadRouter,
+) -> None:
+    """One router serves every model: model B's choice once reset model A's turn, so
+    interleaved A, B requests all went to each model's first replica."""
+    model_a, model_b = fleet("a:1", "a:2"), fleet("b:1", "b:2")
+    picks: list[str] = []
+    for _ in range(4):
+        for replicas in (model_a, model_b):
+            decision = router.route("k", replicas)
+            assert decision is not None
+            picks.append(decision.address)
+    assert picks == ["a:1", "b:1", "a:2", "b:2"] * 2
 
 
 def test_make_router_builds_each_policy() -> None:

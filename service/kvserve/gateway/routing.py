@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -82,7 +83,7 @@ def prefix_key(body: Mapping[str, Any], prefix_chars: int = DEFAULT_PREFIX_CHARS
     requests share cached blocks only up to where their token sequences first differ.
     So the key is the leading text only: for chat, the messages up to and including the
     first user message (the system prompt(s) + first user message, with role markers);
-    for completions, the prompt (token ids rendered as text). It is cut to
+    for completions, the prompt (token ids rendered as text). That text is cut to
     ``prefix_chars`` so a long unique tail (the part that is never shared) cannot send
     otherwise-identical prefixes to different replicas. A ``cache_salt`` and a
     ``lora_adapter`` in the body are part of the key: the engine shares blocks across
@@ -108,7 +109,7 @@ def prefix_key(body: Mapping[str, Any], prefix_chars: int = DEFAULT_PREFIX_CHARS
         text = "".join(parts)
     else:
         text = _prompt_text(body.get("prompt"))
-    return (head + text)[:prefix_chars]
+    return head + text[:prefix_chars]  # the salt and adapter whole: never cut into
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,26 @@ def _next_after(candidates: list[str], last: str | None) -> str:
     return candidates[0]
 
 
+class _Turns:
+    """Whose turn it is, per pool of replicas (a model's; an adapter's holders): one
+    router serves every model, and a single memory made interleaved models' requests
+    reset each other's rotation to the first address."""
+
+    MAX_POOLS = 1024  # pools change with discovery; the least recently used are dropped
+
+    def __init__(self) -> None:
+        self._last: OrderedDict[frozenset[str], str] = OrderedDict()
+
+    def next(self, replicas: Sequence[ReplicaLoad], candidates: list[str]) -> str:
+        """The first of the sorted ``candidates`` after this pool's last choice."""
+        pool = frozenset(replica.address for replica in replicas)
+        choice = self._last[pool] = _next_after(candidates, self._last.get(pool))
+        self._last.move_to_end(pool)
+        if len(self._last) > self.MAX_POOLS:
+            self._last.popitem(last=False)
+        return choice
+
+
 class LeastLoadRouter:
     """Policy ``least_load``: fewest in-flight + waiting requests.
 
@@ -304,7 +325,7 @@ class LeastLoadRouter:
     """
 
     def __init__(self) -> None:
-        self._last: str | None = None
+        self._turns = _Turns()
 
     def route(
         self, key: str, replicas: Sequence[ReplicaLoad], exclude: Collection[str] = ()
@@ -318,8 +339,7 @@ class LeastLoadRouter:
             for replica in candidates
             if replica.in_flight + replica.waiting == least
         )
-        self._last = _next_after(tied, self._last)
-        return RouteDecision(self._last)
+        return RouteDecision(self._turns.next(replicas, tied))
 
 
 class RoundRobinRouter:
@@ -330,7 +350,7 @@ class RoundRobinRouter:
     """
 
     def __init__(self) -> None:
-        self._last: str | None = None
+        self._turns = _Turns()
 
     def route(
         self, key: str, replicas: Sequence[ReplicaLoad], exclude: Collection[str] = ()
@@ -338,8 +358,7 @@ class RoundRobinRouter:
         candidates = sorted({r.address for r in replicas if eligible(r, exclude)})
         if not candidates:
             return None
-        self._last = _next_after(candidates, self._last)
-        return RouteDecision(self._last)
+        return RouteDecision(self._turns.next(replicas, candidates))
 
 
 def make_router(policy: RoutingPolicy, load_factor: float = DEFAULT_LOAD_FACTOR) -> Router:
