@@ -259,3 +259,17 @@ def test_a_special_marker_token_is_put_back_where_it_was() -> None:
                 deltas.append(delta)
             assert MISTRAL_TOOL_MARKER not in detok.text  # the text has no marker
             assert joined(deltas) == (prefix.strip(), WHOLE_CALLS), (size, groups)
+
+
+@pytest.mark.parametrize("parser", list(FORCED))
+def test_a_call_cut_by_a_stop_string_finishes_stop_not_tool_calls(parser: str) -> None:
+    """Its arguments are not whole JSON: "tool_calls" would tell an agent to run it. A
+    stop string after complete calls still finishes "tool_calls"."""
+    text = FORCED[parser]
+    cut = text[: text.index('"days"')]  # inside the first call's arguments
+    cut_reader = reader(parser, REQUIRED)
+    _, finish = cut_reader.step(cut, "stop", (), '"days"')
+    assert cut_reader.num_calls == 1 and finish == "stop"
+    whole_reader = reader(parser, REQUIRED)
+    _, finish = whole_reader.step(text, "stop", (), "\nThe end")
+    assert whole_reader.num_calls == 2 and finish == "tool_calls"

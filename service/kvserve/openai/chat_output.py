@@ -16,6 +16,7 @@ step's token ids and puts the marker back into the text it reads, where the toke
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -91,6 +92,7 @@ class ChatOutputParser:
         self.tools = tools
         self.markers = markers or {}
         self.decode = decode  # token ids to text, as the answer's text decodes them
+        self._last_arguments = ""  # the last call's arguments so far
 
     @property
     def num_calls(self) -> int:
@@ -111,19 +113,25 @@ class ChatOutputParser:
             rest = self.tools.finish()
             out.content += rest.content
             out.tool_calls += rest.calls
+            self._track(rest.calls)
         return out
 
     def step(
-        self, text: str, finish_reason: str | None, token_ids: Sequence[int] = ()
+        self,
+        text: str,
+        finish_reason: str | None,
+        token_ids: Sequence[int] = (),
+        stop_reason: int | str | None = None,
     ) -> tuple[ChatDelta, str | None]:
         """One engine output: its delta text (and token ids) and, on the last, the finish
-        reason. Returns what it adds and OpenAI's finish reason (on the last)."""
+        reason and stop reason. Returns what it adds and OpenAI's finish reason (on the
+        last)."""
         if self.markers and any(t in self.markers for t in token_ids):
             text = self._with_markers(text, token_ids)
         delta = self.feed(text)
         if finish_reason is None:
             return delta, None
-        return delta.extend(self.finish()), self.finish_reason(finish_reason)
+        return delta.extend(self.finish()), self.finish_reason(finish_reason, stop_reason)
 
     def _with_markers(self, text: str, token_ids: Sequence[int]) -> str:
         """The step's text with its marker tokens' texts put back. A step may be several
@@ -143,14 +151,28 @@ class ChatOutputParser:
         pieces.append(text[:end])
         return "".join(reversed(pieces))
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's: "tool_calls" when the answer ended by itself after making calls."""
-        return "tool_calls" if reason == "stop" and self.num_calls else reason
+    def finish_reason(self, reason: str | None, stop_reason: int | str | None = None) -> str | None:
+        """OpenAI's: "tool_calls" when the answer ended after making calls; but "stop"
+        when a stop string cut the last call short (its arguments are not whole JSON:
+        "tool_calls" would tell an agent to run it)."""
+        if reason != "stop" or not self.num_calls:
+            return reason
+        if isinstance(stop_reason, str) and not _whole_json(self._last_arguments):
+            return "stop"
+        return "tool_calls"
+
+    def _track(self, calls: Sequence[ToolCallDelta]) -> None:
+        for piece in calls:
+            head = piece.id is not None  # a call opens
+            self._last_arguments = (
+                piece.arguments if head else self._last_arguments + piece.arguments
+            )
 
     def _answer(self, text: str, reasoning: str) -> ChatDelta:
         if self.tools is None or not text:
             return ChatDelta(text, reasoning)
         parsed: CallsDelta = self.tools.feed(text)
+        self._track(parsed.calls)
         return ChatDelta(parsed.content, reasoning, parsed.calls)
 
 
@@ -261,3 +283,11 @@ def delta_chunks(
         if finish_reason is not None:
             chunks[-1]["choices"][0]["finish_reason"] = finish_reason
     return chunks
+
+
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -368,6 +368,7 @@ class _Started:
                 completion.delta_text,
                 completion.finish_reason if out.finished else None,
                 completion.delta_token_ids,
+                completion.stop_reason,
             )
             if self.whole_calls is not None:
                 parsed = self.whole_calls.join(parsed, out.finished)

@@ -196,7 +196,9 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             entries = _delta_logprobs(c)
             logprobs = fmt.chat_logprobs(entries, text_of) if entries is not None else None
             if parser is not None:  # reasoning and tool calls read out of the text
-                delta, finish = parser.step(c.delta_text, c.finish_reason, c.delta_token_ids)
+                delta, finish = parser.step(
+                    c.delta_text, c.finish_reason, c.delta_token_ids, c.stop_reason
+                )
                 events = delta_chunks(ids, delta, logprobs, finish, first[i], i)
                 first[i] = first[i] and not events
                 return b"".join(encode_event(fmt.finished(e, c.stop_reason)) for e in events)
@@ -229,7 +231,9 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
         c = out.outputs[0]
         parser = parsers[c.index]
         assert parser is not None
-        delta, finishes[c.index] = parser.step(c.delta_text, c.finish_reason, c.delta_token_ids)
+        delta, finishes[c.index] = parser.step(
+            c.delta_text, c.finish_reason, c.delta_token_ids, c.stop_reason
+        )
         answers[c.index] = answers[c.index].extend(delta)
 
     outs = await _run_to_end(request, state.engine, reqs, read, chat.constraint_param)
