@@ -453,8 +453,11 @@ class _ManyCall:
                     started = self.started.get(command.tag)
                     if started is not None:  # ends with a Final (finish_reason "abort")
                         await self.engine.abort(started.request_id)
-                    elif (building := self.starting.get(command.tag)) is not None:
+                    elif (building := self.starting.get(command.tag)) is not None and (
+                        # A start that already ended (refused: its Error is its last
+                        # output) is not cancelled, and gets no second ending.
                         building.cancel()  # never reaches the engine
+                    ):
                         final = pb.Final(finish_reason="abort", usage=pb.Usage())
                         self._push(pb.TaggedOutput(tag=command.tag, final=final))
 
