@@ -405,6 +405,16 @@ def test_cli_exit_codes_in_process(
         cli_main(["model", "pull", f"file://{model}"])  # DEST missing
     assert info.value.code == 2
 
+    # An empty DEST was the current directory: the pull wrote there and removed the
+    # other model files it found.
+    for args in (["pull", f"file://{model}", ""], ["verify", " "]):
+        with pytest.raises(SystemExit) as info:
+            cli_main(["model", *args])
+        assert info.value.code == 2
+        assert "an empty path (write . for the current directory)" in capsys.readouterr().err
+    with pytest.raises(ModelPullError, match="an empty destination"):
+        pull(parse_source(f"file://{model}"), "")
+
 
 def start_kvserve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(

@@ -409,6 +409,8 @@ def pull(
     """
     say = log or (lambda _msg: None)
     src = parse_source(source) if isinstance(source, str) else source
+    if not str(dest).strip():
+        raise ModelPullError("an empty destination (it would be the current directory)")
     dest = Path(dest)
     if dest.exists() and not dest.is_dir():
         raise ModelPullError(f"{dest}: exists and is not a directory")
@@ -620,6 +622,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "dest",
         metavar="DEST",
+        type=_directory,
         help="directory to fill (created if missing); serve it with kvserve serve --model DEST",
     )
     parser.add_argument(
@@ -649,7 +652,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="PATH", help="a checkpoint directory")
+    parser.add_argument("path", metavar="PATH", type=_directory, help="a checkpoint directory")
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -659,6 +662,14 @@ def run_verify(args: argparse.Namespace) -> int:
         return _error("verify", str(e), 1)
     _report(report, _stderr)
     return 0
+
+
+def _directory(text: str) -> str:
+    """A directory argument; not empty: Path("") is the current directory, where a pull
+    would write and remove other model files (write "." to mean it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (write . for the current directory)")
+    return text
 
 
 def _stderr(message: str) -> None:
