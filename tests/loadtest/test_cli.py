@@ -98,3 +98,29 @@ def test_run_builds_the_locust_command() -> None:
     for part in ("-H http://gw:8080", "--headless -t 30s", "-u 8 -r 8", "--workload rag",
                  "--csv out/locust", "--stop-timeout 300"):  # fmt: skip
         assert part in joined
+
+
+@pytest.mark.parametrize(
+    ("command", "why"),
+    [
+        ("run -H http://gw:8080 -t 0", "must be more than zero (0 never stops)"),
+        ("run -H http://gw:8080 -t 0s", "must be more than zero (0 never stops)"),
+        ("run -H http://gw:8080 -t soon", "not a time span like 60s"),
+        ("sweep -H http://gw:8080 --rates 1,2 --step-seconds 0", "must be at least 1"),
+    ],
+)
+def test_a_load_test_that_would_never_stop_is_refused(
+    command: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Locust reads -t 0 as no time limit: such a run (and a sweep of 0-second steps)
+    went on until killed."""
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(command.split(" "))
+    assert info.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+def test_run_times_in_locusts_forms_are_passed_on() -> None:
+    for text in ("90", "60s", "5m", "1h30m", "1h"):
+        args = cli.build_parser().parse_args(["run", "-H", "http://gw:8080", "-t", text])
+        assert "-t " + text in " ".join(cli.run_command(args))

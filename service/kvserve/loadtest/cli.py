@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -61,7 +62,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-r", "--spawn-rate", type=float, help="users started per second (default: all at once)"
     )
-    p.add_argument("-t", "--run-time", default="60s", help="e.g. 60s, 5m (default 60s)")
+    p.add_argument(
+        "-t", "--run-time", type=run_time, default="60s", help="e.g. 60s, 5m, 1h30m (default 60s)"
+    )
     p.add_argument(
         "--web",
         action="store_true",
@@ -73,6 +76,31 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         nargs=argparse.REMAINDER,
         help="after --: more Locust arguments (e.g. -- --csv out/locust)",
     )
+
+
+_TIMESPAN = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s?)?")
+
+
+def run_time(text: str) -> str:
+    """Locust's -t (``90``, ``60s``, ``5m``, ``1h30m``), more than zero: Locust reads
+    0 as no limit at all, and a load test must stop by itself."""
+    match = _TIMESPAN.fullmatch(text.strip())
+    if not text.strip() or match is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a time span like 60s, 5m or 1h30m")
+    hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    if hours * 3600 + minutes * 60 + seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than zero (0 never stops)")
+    return text.strip()
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
 
 
 def run_command(args: argparse.Namespace) -> list[str]:
@@ -104,7 +132,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
         help="offered Poisson rates, requests/s: a list (0.5,1,2,4) or "
         "START:STOP:STEP (1:8:1); run in ascending order",
     )
-    p.add_argument("--step-seconds", type=int, default=60, help="seconds of arrivals per step")
+    p.add_argument(
+        "--step-seconds", type=positive_int, default=60, help="seconds of arrivals per step"
+    )
     p.add_argument(
         "--stop-after-failures",
         type=int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
 import time
@@ -59,6 +60,9 @@ class SweepResult:
         }
 
 
+MAX_RATES = 1000  # steps of one sweep: each runs for --step-seconds
+
+
 def parse_rates(text: str) -> list[float]:
     """``"0.5,1,2,4"`` or ``"1:8:1"`` (start:stop:step, stop included) → ascending rates."""
     rates: list[float] = []
@@ -71,14 +75,20 @@ def parse_rates(text: str) -> list[float]:
             if len(bits) != 3:
                 raise ValueError(f"a rate range is START:STOP:STEP, got {part!r}")
             start, stop, step = (float(b) for b in bits)
+            if not all(map(math.isfinite, (start, stop, step))):
+                raise ValueError(f"a rate range takes finite numbers, got {part!r}")
             if step <= 0:
                 raise ValueError(f"the step of {part!r} must be > 0")
             n = round((stop - start) / step)
+            if n + 1 > MAX_RATES:  # checked before the list is built
+                raise ValueError(f"{part!r} is {n + 1} rates; a sweep takes at most {MAX_RATES}")
             rates += [round(start + i * step, 6) for i in range(n + 1) if start + i * step > 0]
         else:
             rates.append(float(part))
-    if not rates or any(r <= 0 for r in rates):
-        raise ValueError(f"rates must be > 0, got {text!r}")
+    if not rates or not all(0 < r < math.inf for r in rates):  # NaN fails both
+        raise ValueError(f"rates must be finite and > 0, got {text!r}")
+    if len(set(rates)) > MAX_RATES:
+        raise ValueError(f"{len(set(rates))} rates; a sweep takes at most {MAX_RATES}")
     return sorted(set(rates))
 
 
