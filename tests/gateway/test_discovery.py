@@ -292,12 +292,29 @@ def test_gateway_adds_discovered_replicas_and_drains_removed_ones(
         )
         assert r.status_code == 200, r.text
 
-        k8s_cluster.kubectl("scale", "deployment", "tiny", "-n", discovery_ns, "--replicas=0")
         static_address = static.grpc_url.removeprefix("grpc://")
+        discovered = set(addresses(MODEL)) - {static_address}
+        k8s_cluster.kubectl("scale", "deployment", "tiny", "-n", discovery_ns, "--replicas=0")
         poll(
             "the discovered replicas to be drained and removed",
             lambda: addresses(MODEL) == {static_address: False},
         )
+
+        def in_flight_series() -> set[str]:
+            text = gw.client().get("/metrics").text
+            return {
+                line.split('replica="')[1].split('"')[0]
+                for line in text.splitlines()
+                if line.startswith("kvserve_gateway_in_flight_requests{")
+            }
+
+        # A forgotten replica's in-flight gauge goes with it (it read its last count for
+        # ever: 3 after a scale-down, in a review helper's run).
+        poll(
+            "the removed replicas' in-flight series to go",
+            lambda: not discovered & in_flight_series(),
+        )
+        assert static_address in in_flight_series()
         states = {
             state: gw.metric("kvserve_gateway_replicas", model=MODEL, state=state)
             for state in ("healthy", "unhealthy", "draining")

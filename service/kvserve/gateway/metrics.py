@@ -41,6 +41,7 @@ Metric                                              Definition
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from typing import Final
 
@@ -158,6 +159,12 @@ class GatewayMetrics:
         for state in ("healthy", "unhealthy", "draining"):
             self.replicas.remove(model, state)  # a series never set: nothing happens
         for replica in replicas:
+            self.in_flight.remove(model, replica)
+
+    def remove_replica(self, model: str, replica: str) -> None:
+        """Drop a forgotten replica's in-flight gauge (a stale series would read its last
+        count for ever); its counters stay."""
+        with contextlib.suppress(KeyError):  # never set
             self.in_flight.remove(model, replica)
 
     def add_replica(self, model: str, policy: str, replica: str) -> None:

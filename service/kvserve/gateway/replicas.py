@@ -77,6 +77,9 @@ class Fleet:
     # Replicas of removed models, (model, address) → replica; draining, like any other
     # replica that left discovery, so reap() closes each once its requests have finished.
     _retired: dict[tuple[str, str], Replica] = field(default_factory=dict, repr=False)
+    # (model, address) of the replicas reap() forgot since the gauges last took them
+    # (GatewayState.update_gauges drops their series).
+    reaped: list[tuple[str, str]] = field(default_factory=list)
 
     # ---- membership -----------------------------------------------------------------
     def set_replicas(self, model: str, addresses: Iterable[str], capacity: int) -> None:
@@ -150,6 +153,7 @@ class Fleet:
             for key, rep in list(table.items()):
                 if rep.removed and self.slots.in_flight(rep.address) == 0:
                     del table[key]
+                    self.reaped.append((rep.model, rep.address))
                     await rep.client.close()
                     log.info("replica %s of model %s removed", rep.address, rep.model)
 

@@ -47,6 +47,9 @@ class GatewayState:
     def update_gauges(self) -> None:
         m = self.metrics
         m.queue_length.set(self.queue.queue_length)
+        reaped, self.fleet.reaped = self.fleet.reaped, []
+        for model, address in reaped:  # gone: its in-flight series goes too
+            m.remove_replica(model, address)
         # A configured model without replicas yet is in ``held`` only.
         held = self.fleet.held
         m.set_held({model: held.get(model, 0) for model in sorted({*self.fleet.models(), *held})})
