@@ -34,6 +34,10 @@ from kvserve.names import model_name_problem
 log = logging.getLogger("kvserve.gateway.discovery")
 
 SERVED_NAME_ANNOTATION = "kvserve.dev/served-name"
+# Client-side bounds on the API server's answers (seconds).
+CONNECT_TIMEOUT_SECONDS = 10
+LIST_TIMEOUT_SECONDS = 60
+WATCH_SILENCE_MARGIN_SECONDS = 30  # past the watch's own timeout_seconds
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 Snapshot = dict[str, list[str]]  # served model name → sorted "host:port"
@@ -217,7 +221,11 @@ class KubernetesDiscovery:
         from kubernetes import watch
 
         list_fn = self._list_fn(kind, namespace)
-        listed = list_fn(label_selector=self.label_selector, _preload_content=False)
+        listed = list_fn(
+            label_selector=self.label_selector,
+            _preload_content=False,
+            _request_timeout=(CONNECT_TIMEOUT_SECONDS, LIST_TIMEOUT_SECONDS),
+        )
         body = json.loads(listed.data)
         with self._lock:
             self.state.replace(kind, body.get("items") or [], namespace)
@@ -231,6 +239,14 @@ class KubernetesDiscovery:
                 resource_version=version,
                 timeout_seconds=self.watch_timeout_seconds,
                 allow_watch_bookmarks=True,
+                # The server ends the watch at timeout_seconds; a connection silent
+                # for longer has gone dead under us (a load balancer's failover, a
+                # dropped conntrack entry): give up on it and relist, rather than wait
+                # on it for ever with the fleet frozen.
+                _request_timeout=(
+                    CONNECT_TIMEOUT_SECONDS,
+                    self.watch_timeout_seconds + WATCH_SILENCE_MARGIN_SECONDS,
+                ),
             )
             for event in stream:
                 obj = event["raw_object"]
