@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -304,6 +305,26 @@ def test_verify_config_the_engine_refuses(model: Path, content: str, message: st
     assert str(info.value).startswith(message)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("hidden_size", -64, "hidden_size must be a whole number ≥ 1, got -64"),
+        ("num_hidden_layers", 0, "num_hidden_layers must be a whole number ≥ 1, got 0"),
+        ("vocab_size", float("inf"), "vocab_size must be a whole number ≥ 1, got inf"),
+        ("intermediate_size", "64", "intermediate_size must be a number, got '64'"),
+    ],
+)
+def test_verify_refuses_shapes_no_model_has(
+    model: Path, field: str, value: object, message: str
+) -> None:
+    """They passed: calc printed a negative parameter count, Infinity was a traceback,
+    and the engine failed at load ("negative dimension")."""
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ModelPullError, match=re.escape(message)):
+        verify_model(model)
+
+
 def test_verify_truncated_safetensors(model: Path) -> None:
     path = model / "model.safetensors"
     size = path.stat().st_size
@@ -343,6 +364,17 @@ def test_verify_trailing_bytes_and_bad_offsets(tmp_path: Path) -> None:
     with pytest.raises(ModelPullError, match=r"tensor 'w': F32 \[3\] needs 12 bytes"):
         check_safetensors(write(wrong, bytes(8)))
     assert check_safetensors(write({}, b"")).tensors == 0
+    # What the safetensors loader refuses ("invalid offset", an unknown dtype) that the
+    # check let through: two tensors on the same bytes, a gap, a dtype of no known size.
+    shared = {**good, "v": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    with pytest.raises(ModelPullError, match=r"tensor 'w': data_offsets \[0, 8\] overlaps"):
+        check_safetensors(write(shared, bytes(8)))
+    gap = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    with pytest.raises(ModelPullError, match=r"data_offsets \[4, 12\] leaves a gap"):
+        check_safetensors(write(gap, bytes(12)))
+    odd = {"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}
+    with pytest.raises(ModelPullError, match=r"tensor 'w': unknown dtype 'Q7'"):
+        check_safetensors(write(odd, bytes(8)))
     (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", 2) + b"{x")
     with pytest.raises(ModelPullError, match=r"^x\.safetensors: header is not valid JSON"):
         check_safetensors(tmp_path / "x.safetensors")

@@ -7,6 +7,7 @@ engine refuses is also refused by ``kvserve calc`` (never sized wrongly).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,10 +94,18 @@ class ModelConfig:
                 raise ValueError(f"config.json lacks required field {key!r}")
             return cfg[key]
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        def size(key: str, value: Any) -> int:
+            """A dimension or count: a whole number ≥ 1 (JSON may spell it 64.0)."""
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"config.json: {key} must be a number, got {value!r}")
+            if not (math.isfinite(value) and value == int(value) and value >= 1):
+                raise ValueError(f"config.json: {key} must be a whole number ≥ 1, got {value!r}")
+            return int(value)
+
+        hidden = size("hidden_size", need("hidden_size"))
+        heads = size("num_attention_heads", need("num_attention_heads"))
+        kv_heads = size("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
+        head_dim = size("head_dim", cfg.get("head_dim") or hidden // heads)
         if heads % kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
@@ -111,17 +120,19 @@ class ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=size("vocab_size", need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=size("intermediate_size", need("intermediate_size")),
+            num_layers=size("num_hidden_layers", need("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=size(
+                "max_position_embeddings", cfg.get("max_position_embeddings", 2048)
+            ),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama/Mistral/Qwen3 follow attention_bias.
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,

@@ -318,8 +318,9 @@ def _weight_files(model_dir: Path) -> list[str]:
 def check_safetensors(path: Path) -> SafetensorsInfo:
     """Read a safetensors header and check that the file holds all the data it promises.
 
-    Layout: 8-byte little-endian header length N, N bytes of JSON, then the tensor data;
-    the largest ``data_offsets`` end must equal the data size exactly.
+    Layout: 8-byte little-endian header length N, N bytes of JSON, then the tensor data:
+    the tensors' ``data_offsets`` must tile it exactly (no gap, no overlap), each of a
+    known dtype and the size its shape needs.
     """
     name = path.name
     try:
@@ -347,14 +348,20 @@ def check_safetensors(path: Path) -> SafetensorsInfo:
         raise ModelPullError(f"{name}: header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise ModelPullError(f"{name}: header is not a JSON object")
-    tensors = 0
+    spans = sorted(
+        (*_tensor_span(name, tensor, entry), tensor)
+        for tensor, entry in header.items()
+        if tensor != "__metadata__"
+    )
+    # The data is the tensors end to end, as the safetensors loader requires: no gap, no
+    # byte shared by two tensors.
     data_end = 0
-    for tensor, entry in header.items():
-        if tensor == "__metadata__":
-            continue
-        _, end = _tensor_span(name, tensor, entry)
-        tensors += 1
-        data_end = max(data_end, end)
+    for begin, end, tensor in spans:
+        if begin != data_end:
+            what = "overlaps the tensor before it" if begin < data_end else "leaves a gap"
+            raise ModelPullError(f"{name}: tensor {tensor!r}: data_offsets [{begin}, {end}] {what}")
+        data_end = end
+    tensors = len(spans)
     available = size - 8 - header_len
     if data_end > available:
         raise ModelPullError(
@@ -382,7 +389,11 @@ def _tensor_span(file_name: str, tensor: str, entry: Any) -> tuple[int, int]:
         raise ModelPullError(f"{file_name}: tensor {tensor!r}: bad header entry {entry!r}")
     begin, end = int(offsets[0]), int(offsets[1])
     elem = _DTYPE_BYTES.get(str(entry.get("dtype")))
-    if elem is not None and math.prod(shape) * elem != end - begin:
+    if elem is None:
+        raise ModelPullError(
+            f"{file_name}: tensor {tensor!r}: unknown dtype {entry.get('dtype')!r}"
+        )
+    if math.prod(shape) * elem != end - begin:
         raise ModelPullError(
             f"{file_name}: tensor {tensor!r}: {entry.get('dtype')} {shape} needs "
             f"{math.prod(shape) * elem} bytes, data_offsets span {end - begin}"
