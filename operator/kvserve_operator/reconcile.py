@@ -9,6 +9,7 @@ after a restart, converges to the same objects, so nothing is ever duplicated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -170,7 +171,9 @@ class Reconciler:
             autoscaled = (previous.get("autoscaling") or {}).get("desiredReplicas")
             if not spec.autoscaling.enabled:
                 autoscaled = None
-            replicas = desired_replicas(spec, autoscaled if isinstance(autoscaled, int) else None)
+            replicas = desired_replicas(
+                spec, autoscaled if isinstance(autoscaled, int) else None, self.replica_floor()
+            )
             children = render_children(
                 name, namespace, meta["uid"], spec, self.config.render, replicas
             )
@@ -448,6 +451,13 @@ class Reconciler:
             if exc.status != 404:
                 raise
 
+    def replica_floor(self) -> int:
+        """The fewest replicas an autoscaled model may have: 1 with no gateway to read.
+        Scale from zero needs the gateway's held requests; without a gateway a model at
+        zero would stay there, whatever came for it."""
+        config = self.config
+        return 0 if config.gateway_selector and config.gateway_namespace else 1
+
     def autoscale(self, namespace: str, name: str, logger: Log) -> Decision | None:
         """One autoscaler tick: read the metric, decide, record, and apply a change."""
         im = self.kube.get(API_VERSION, KIND, namespace, name)
@@ -457,6 +467,8 @@ class Reconciler:
             self._autoscalers.pop(key, None)
             return None
         bounds = Bounds.from_spec(autoscaling)
+        if bounds.min_replicas < self.replica_floor():
+            bounds = dataclasses.replace(bounds, min_replicas=self.replica_floor())
         status = im.get("status") or {}
         previous = status.get("autoscaling") or {}
         current = previous.get("desiredReplicas")

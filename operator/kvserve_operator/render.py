@@ -320,16 +320,19 @@ def engine_args(spec: InferenceModelSpec, model_dir: str, served_name: str) -> l
     return args + list(e.extra_args)
 
 
-def desired_replicas(spec: InferenceModelSpec, autoscaler_replicas: int | None) -> int:
+def desired_replicas(
+    spec: InferenceModelSpec, autoscaler_replicas: int | None, floor: int = 0
+) -> int:
     """Replicas for the Deployment: spec.replicas, or the autoscaler's choice within bounds.
 
-    Without a decision yet (``None``) the autoscaler starts at minReplicas.
+    Without a decision yet (``None``) the autoscaler starts at minReplicas. ``floor``
+    raises minReplicas (1 where no gateway can say that requests wait for a replica).
     """
     a = spec.autoscaling
     if not a.enabled:
         return spec.replicas
     wanted = a.min_replicas if autoscaler_replicas is None else autoscaler_replicas
-    wanted = max(wanted, a.min_replicas)
+    wanted = max(wanted, a.min_replicas, floor)
     if a.max_replicas is not None:
         wanted = min(wanted, a.max_replicas)
     return wanted

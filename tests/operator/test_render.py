@@ -12,6 +12,9 @@ from kubernetes.client import ApiClient
 from kvserve.model.config import ModelConfig
 from kvserve.parallel.shard import rank_num_params
 from kvserve_operator.capacity import capacity_status
+from kvserve_operator.config import OperatorConfig
+from kvserve_operator.kube import Kube
+from kvserve_operator.reconcile import Reconciler
 from kvserve_operator.render import (
     GRPC_PORT,
     HTTP_PORT,
@@ -580,6 +583,20 @@ def test_desired_replicas(
     if autoscaling is not None:
         fields["autoscaling"] = autoscaling
     assert desired_replicas(spec(**fields), decision) == expected
+
+
+def test_without_a_gateway_an_autoscaled_model_never_starts_or_stays_at_zero() -> None:
+    """The reconciler's floor is 1 when it has no gateway to read: nothing else could say
+    that requests wait for a replica, so a model rendered at zero stayed there."""
+    zero = spec(autoscaling={"enabled": True, "minReplicas": 0, "maxReplicas": 6})
+    assert desired_replicas(zero, None, floor=1) == 1
+    assert desired_replicas(zero, 0, floor=1) == 1
+    assert desired_replicas(zero, 4, floor=1) == 4
+    assert desired_replicas(spec(replicas=0), None, floor=1) == 0  # not autoscaled: as set
+    without = Reconciler(Kube(ApiClient(), "test"), OperatorConfig())
+    with_gateway = OperatorConfig(gateway_selector="app=gw", gateway_namespace="kvserve")
+    assert without.replica_floor() == 1
+    assert Reconciler(Kube(ApiClient(), "test"), with_gateway).replica_floor() == 0
 
 
 # ---- Service, PDB, endpoint -------------------------------------------------------------
