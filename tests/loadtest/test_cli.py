@@ -52,6 +52,31 @@ def test_report_takes_the_runs_slo_by_default(
 def test_report_errors_are_explained(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["report", str(tmp_path / "missing.jsonl")]) == 2
     assert "kvserve report: error:" in capsys.readouterr().err
+    # What was a traceback (a review helper's): a line that is no object, a field of the
+    # wrong type, a summary.json of the wrong shape, a NaN SLO, --out-dir a file.
+    good = json.loads(cohort_100()[0].to_json())
+    for line, why in (
+        ("[1, 2]", "records.jsonl:1: a record is a JSON object, got list"),
+        (json.dumps({**good, "send_time": "abc"}), "field 'send_time': 'abc' is not a finite"),
+        (json.dumps({**good, "chunk_times_s": [1, None]}), "field 'chunk_times_s'"),
+    ):
+        (tmp_path / "records.jsonl").write_text(line + "\n")
+        assert cli.main(["report", str(tmp_path / "records.jsonl")]) == 2
+        assert why in capsys.readouterr().err
+    path = tmp_path / "records.jsonl"
+    write_records(path, cohort_100())
+    for saved in ("null", "[]", '{"slo": null}'):  # ignored: the defaults apply
+        (tmp_path / "summary.json").write_text(saved)
+        assert cli.main(["report", str(path), "--slo-ttft-ms", "1000"]) in (0, 1)
+    (tmp_path / "summary.json").write_text('{"slo": {"ttft_ms": "100"}}')
+    assert cli.main(["report", str(path)]) == 2
+    assert "the SLO's ttft_ms must be a number, got '100'" in capsys.readouterr().err
+    assert cli.main(["report", str(path), "--slo-ttft-ms", "nan"]) == 2
+    assert "SLO must be > 0 ms and finite, got nan" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    args = ["report", str(path), "--slo-ttft-ms", "1000", "--out-dir", str(tmp_path / "a-file")]
+    assert cli.main(args) == 2
+    assert "--out-dir" in capsys.readouterr().err
 
 
 def test_options_round_trip() -> None:

@@ -255,9 +255,11 @@ def _slo_from(args: argparse.Namespace) -> tuple[float | None, float | None, flo
     summary_json = args.records[0].parent / "summary.json"
     if summary_json.is_file():
         try:
-            saved = json.loads(summary_json.read_text())["slo"]
-        except (ValueError, KeyError):
-            saved = {}
+            found = json.loads(summary_json.read_text())
+        except ValueError:
+            found = None
+        slo = found.get("slo") if isinstance(found, dict) else None
+        saved = slo if isinstance(slo, dict) else {}
     explicit = (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_attainment)
     if any(v is not None for v in explicit):
         saved = {}  # any SLO flag given: use the flags alone
@@ -303,7 +305,13 @@ def run_report(args: argparse.Namespace) -> int:
             )
         )
     if args.out_dir:
-        paths = write_summary(summary, args.out_dir, {"records": [str(p) for p in args.records]})
+        try:
+            paths = write_summary(
+                summary, args.out_dir, {"records": [str(p) for p in args.records]}
+            )
+        except OSError as exc:  # e.g. --out-dir is a file
+            print(f"kvserve report: error: --out-dir {args.out_dir}: {exc}", file=sys.stderr)
+            return 2
         if not args.no_plots:
             from kvserve.loadtest.plots import plot_run
 

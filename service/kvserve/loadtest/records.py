@@ -33,6 +33,7 @@ Record fields (version 1; times in seconds):
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -112,6 +113,8 @@ class RequestRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
+        if not isinstance(data, dict):
+            raise ValueError(f"a record is a JSON object, got {type(data).__name__}")
         fmt = str(data.get("format", ""))
         name, _, major = fmt.partition("/")
         if name != FORMAT_NAME or major.split(".")[0] != _FORMAT_MAJOR:
@@ -120,7 +123,49 @@ class RequestRecord:
             raise ValueError(f"unknown status {data.get('status')!r} (expected one of {STATUSES})")
         known = {f.name for f in fields(cls)}
         # Fields added by a later minor version are ignored, so old readers keep working.
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = {k: v for k, v in data.items() if k in known}
+        for name, value in values.items():
+            if not _FIELD_CHECKS.get(name, _any)(value):
+                raise ValueError(f"field {name!r}: {value!r} is not {_FIELD_KINDS[name]}")
+        return cls(**values)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _any(value: Any) -> bool:
+    return True
+
+
+# What each field of a record read back must hold (None: not measured).
+_FIELD_KINDS = {
+    **dict.fromkeys(("send_time", "end_s"), "a finite number"),
+    **dict.fromkeys(("first_token_s", "last_token_s"), "a finite number or null"),
+    **dict.fromkeys(
+        ("output_tokens", "prompt_tokens", "cached_tokens", "http_status", "max_tokens",
+         "cancel_after_chunks"),
+        "an integer or null",
+    ),
+    **dict.fromkeys(
+        ("api", "scenario", "finish_reason", "error", "request_id", "user"), "a string or null"
+    ),
+    "chunk_times_s": "a list of finite numbers",
+}  # fmt: skip
+_FIELD_CHECKS = {
+    **dict.fromkeys(("send_time", "end_s"), _number),
+    **dict.fromkeys(("first_token_s", "last_token_s"), lambda v: v is None or _number(v)),
+    **dict.fromkeys(
+        ("output_tokens", "prompt_tokens", "cached_tokens", "http_status", "max_tokens",
+         "cancel_after_chunks"),
+        lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+    ),
+    **dict.fromkeys(
+        ("api", "scenario", "finish_reason", "error", "request_id", "user"),
+        lambda v: v is None or isinstance(v, str),
+    ),
+    "chunk_times_s": lambda v: isinstance(v, list) and all(map(_number, v)),
+}  # fmt: skip
 
 
 def round_us(seconds: float) -> float:

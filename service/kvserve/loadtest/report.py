@@ -58,12 +58,21 @@ class Slo:
     attainment: float = 0.9
 
     def __post_init__(self) -> None:
-        if not 0 < self.attainment <= 1:
+        for name in ("ttft_ms", "tpot_ms", "attainment"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float)
+            ):
+                raise ValueError(f"the SLO's {name} must be a number, got {value!r}")
+        if not 0 < self.attainment <= 1:  # NaN fails this too
             raise ValueError(f"the attainment target must be in (0, 1], got {self.attainment}")
         for name in ("ttft_ms", "tpot_ms"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"the {name.removesuffix('_ms').upper()} SLO must be > 0 ms")
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(
+                    f"the {name.removesuffix('_ms').upper()} SLO must be > 0 ms and finite, "
+                    f"got {value}"
+                )
 
     def met_by(self, rec: RequestRecord) -> bool:
         """Succeeded and met every SLO.
