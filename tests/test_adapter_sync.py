@@ -6,10 +6,12 @@ engine that is not up yet and exits 0 on SIGTERM."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from kvserve.adapter_sync import (
     read_config,
     sync_once,
 )
+from kvserve.cli import main as cli_main
 from kvserve_operator.adapters import replicas_adapters
 from kvserve_operator.spec import parse_spec
 from kvserve_operator.status import adapters_status
@@ -262,3 +265,50 @@ def test_sync_waits_for_the_engine_follows_the_file_and_stops_on_sigterm(
 
 def log(proc: LoggedProcess) -> str:
     return proc.log.read_text(errors="replace")
+
+
+class _NotAnEngine(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"<html>a proxy's page</html>"
+        self.send_response(200)
+        self.send_header("content-type", "text/html")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_what_is_not_an_engine_is_not_ready_and_bad_flags_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 200 that is not a model list was a traceback that ended the sidecar; a --url
+    without a scheme (or a port out of range) was retried for ever as "not ready", an
+    --interval of 0 polled 40 times a second, and a --lora-dir that is a file was a
+    traceback."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotAnEngine)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        with pytest.raises(EngineUnavailable, match="/v1/models: not a model list"):
+            EngineClient(url).adapters()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+    config = tmp_path / "adapters.json"
+    write_list(config, {})
+    common = ["adapters", "sync", "--config", str(config)]
+    for flags, why in (
+        (["--url", "127.0.0.1:8000"], "not an http(s)://HOST[:PORT] URL"),
+        (["--url", "http://127.0.0.1:99999"], "not an http(s)://HOST[:PORT] URL"),
+        (["--interval", "0"], "must be more than 0 seconds"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            cli_main([*common, "--lora-dir", str(tmp_path / "a"), *flags])
+        assert info.value.code == 2 and why in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    assert cli_main([*common, "--lora-dir", str(tmp_path / "a-file"), "--once"]) == 2
+    assert "--lora-dir" in capsys.readouterr().err

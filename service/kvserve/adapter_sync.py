@@ -221,11 +221,18 @@ class EngineClient:
         response = self._call("GET", "/v1/models")
         if response.status_code != 200:
             raise EngineUnavailable(f"/v1/models: HTTP {response.status_code}")
-        return {
-            str(m["id"]): str(m.get("root") or "")
-            for m in response.json().get("data", [])
-            if m.get("parent")  # the base model has none
-        }
+        try:
+            models = response.json()["data"]
+            return {
+                str(m["id"]): str(m.get("root") or "")
+                for m in models
+                if m.get("parent")  # the base model has none
+            }
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # Not an engine's model list (another server on the port, a proxy's page).
+            raise EngineUnavailable(
+                f"/v1/models: not a model list ({type(exc).__name__}): {response.text[:80]!r}"
+            ) from None
 
     def load(self, name: str, path: str) -> None:
         response = self._call(
@@ -359,12 +366,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--url",
+        type=_engine_url,
         default="http://127.0.0.1:8000",
         help="the engine's HTTP API (default: %(default)s)",
     )
     parser.add_argument(
         "--interval",
-        type=float,
+        type=_positive_seconds,
         default=DEFAULT_INTERVAL_S,
         help="seconds between passes (default: %(default)s)",
     )
@@ -382,6 +390,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _engine_url(text: str) -> str:
+    """http(s)://HOST[:PORT]: anything else would be retried for ever as "not ready"."""
+    try:
+        url = httpx.URL(text)
+        port = url.port  # raises for a port out of range
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host or not 1 <= (port or 80) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: not an http(s)://HOST[:PORT] URL")
+    return text
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
+    return value
+
+
 def _say(message: str) -> None:
     print(f"adapter-sync: {message}", file=sys.stderr, flush=True)
 
@@ -395,6 +425,10 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         args.lora_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # e.g. a file by that name
+        _say(f"--lora-dir {args.lora_dir}: {exc}")
+        return 2
+    try:
         remove_stale_stages(args.lora_dir)
         while not stop.is_set():
             delay = args.interval
