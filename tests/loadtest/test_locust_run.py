@@ -8,6 +8,8 @@ asserted: the SLOs are either far above anything a loopback run takes, or imposs
 from __future__ import annotations
 
 import csv
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +21,9 @@ from kvserve.loadtest import cli
 from kvserve.loadtest.records import read_records
 from kvserve.loadtest.report import Slo, WindowRule, read_summary, summarize
 from kvserve.loadtest.sweep import locust_runner, sweep
+from tests.support.processes import start_logged
 from tests.support.replicas import Replica, start_replicas
+from tests.support.waiting import wait_until
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
 GENEROUS = ["--slo-ttft-ms", "120000", "--slo-tpot-ms", "60000"]
@@ -115,3 +119,25 @@ def test_tiny_sweep(replica: Replica, tmp_path: Path) -> None:
     assert result.max_goodput_rate == 2
     for step in result.steps:
         assert read_summary(step.out_dir / "summary.json") == step.summary
+
+
+def test_ctrl_c_ends_a_run_with_its_report(replica: Replica, tmp_path: Path) -> None:
+    """A terminal's Ctrl-C (SIGINT to the process group) reaches Locust too: the run
+    stops and still writes its summary and plots. subprocess.run killed Locust a quarter
+    second after the interrupt, and the run's outputs were lost."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "kvserve", "loadtest", "run", "-H", replica.http, "-u", "2",
+        "-t", "120s", "--max-tokens", "8", "--out-dir", str(out), *GENEROUS,
+    ]  # fmt: skip
+    proc = start_logged(cmd, "loadtest-run", start_new_session=True)
+    try:
+        records = out / "records.jsonl"
+        wait_until(lambda: records.is_file() and records.read_text().count("\n") >= 2, 120)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, proc.tail()
+    finally:
+        proc.stop()
+    assert (out / "summary.json").is_file(), proc.tail()
+    assert read_summary(out / "summary.json").requests.succeeded >= 2
+    assert (out / "latency_cdf.png").is_file(), proc.tail()  # the plots come last

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,10 +116,14 @@ def run_command(args: argparse.Namespace) -> list[str]:
 
 def run_loadtest(args: argparse.Namespace) -> int:
     from kvserve.loadtest.options import describe_argv
+    from kvserve.loadtest.process import run_locust
 
     argv = run_command(args)
     print(describe_argv(argv), file=sys.stderr, flush=True)
-    return subprocess.run(argv, check=False).returncode
+    try:
+        return run_locust(argv)
+    except KeyboardInterrupt:
+        return 130  # Locust wrote what it had (its report)
 
 
 # ---- kvserve loadtest sweep ---------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.loadtest.process import run_locust
 from kvserve.loadtest.records import read_records
 from kvserve.loadtest.report import Slo, Summary, WindowRule, pkey, summarize
 from kvserve.telemetry import definitions
@@ -245,9 +246,7 @@ def locust_runner(
         ]  # fmt: skip
         started = time.monotonic()
         with (step_dir / "locust.log").open("w") as log:
-            code = subprocess.run(
-                argv, stdout=log, stderr=subprocess.STDOUT, check=False
-            ).returncode
+            code = run_locust(argv, stdout=log, stderr=subprocess.STDOUT)
         if code not in (0, 1):
             tail = (step_dir / "locust.log").read_text(errors="replace").splitlines()[-15:]
             print("\n".join(tail), file=sys.stderr)
