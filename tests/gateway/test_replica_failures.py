@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,13 +74,19 @@ def test_a_replica_that_says_it_is_unavailable_is_taken_out_of_rotation(
     wait_until(lambda: all(view.healthy for view in gateway.state.fleet.views("m")), 30)
 
 
-def test_the_request_timeout_is_a_504_whole_and_mid_stream(gateway: Gateway) -> None:
-    long = {"model": "m", "prompt": "hello", "max_tokens": 10 * int(TIMEOUT_S * 1000 / STEP_MS)}
+def whole_and_streamed(gateway: Gateway, body: dict[str, Any]) -> tuple[Any, list[str]]:
+    """The response to ``body`` sent whole, and the events of the same request streamed."""
     with gateway.client() as c:
-        whole = c.post("/v1/completions", json=long)
-        with c.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+        whole = c.post("/v1/completions", json=body)
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             assert r.status_code == 200
             events = [data for line in r.iter_lines() if (data := event_data(line)) is not None]
+    return whole, events
+
+
+def test_the_request_timeout_is_a_504_whole_and_mid_stream(gateway: Gateway) -> None:
+    long = {"model": "m", "prompt": "hello", "max_tokens": 10 * int(TIMEOUT_S * 1000 / STEP_MS)}
+    whole, events = whole_and_streamed(gateway, long)
     assert whole.status_code == 504, whole.text
     assert whole.json()["error"]["code"] == "timeout"
     assert f"request timeout ({TIMEOUT_S:g} s)" in whole.json()["error"]["message"]
@@ -119,11 +126,7 @@ def test_a_request_the_engine_refuses_mid_generation_is_a_400(gateway: Gateway) 
     """A structured-output grammar can fail on a later token: the engine's 400 (its
     INVALID_ARGUMENT) stays a 400 through the gateway, whole and as the stream's error."""
     failing = {"model": "m", "prompt": f"{LATE_ERROR_PROMPT}INVALID_ARGUMENT", "max_tokens": 5}
-    with gateway.client() as c:
-        whole = c.post("/v1/completions", json=failing)
-        with c.stream("POST", "/v1/completions", json={**failing, "stream": True}) as r:
-            assert r.status_code == 200
-            events = [data for line in r.iter_lines() if (data := event_data(line)) is not None]
+    whole, events = whole_and_streamed(gateway, failing)
     assert whole.status_code == 400, whole.text
     assert whole.json()["error"]["type"] == "invalid_request_error"
     *chunks, last_error, done = events
