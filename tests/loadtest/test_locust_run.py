@@ -130,7 +130,14 @@ def test_ctrl_c_ends_a_run_with_its_report(replica: Replica, tmp_path: Path) -> 
         sys.executable, "-m", "kvserve", "loadtest", "run", "-H", replica.http, "-u", "2",
         "-t", "120s", "--max-tokens", "8", "--out-dir", str(out), *GENEROUS,
     ]  # fmt: skip
-    proc = start_logged(cmd, "loadtest-run", start_new_session=True)
+    proc = start_logged(
+        cmd,
+        "loadtest-run",
+        start_new_session=True,
+        # A suite started in the background (``cmd &``) has SIGINT ignored, which stays
+        # ignored across exec: the default disposition back, as a terminal has it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         records = out / "records.jsonl"
         wait_until(lambda: records.is_file() and records.read_text().count("\n") >= 2, 120)

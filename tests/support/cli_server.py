@@ -32,6 +32,10 @@ def start_cli_server(
         [sys.executable, "-m", "kvserve", "serve", *args, *extra, "--log-level", "warning"],
         "kvserve-serve",
         start_new_session=new_session,
+        # In a session of its own it may be sent SIGINT as a terminal's Ctrl-C is; a suite
+        # started in the background (``cmd &``) has SIGINT ignored, which stays ignored
+        # across exec: the default disposition back, for it and the workers it starts.
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if new_session else None,
     )
     url = f"http://127.0.0.1:{port}"
 
