@@ -467,8 +467,8 @@ class Reconciler:
             self._autoscalers.pop(key, None)
             return None
         bounds = Bounds.from_spec(autoscaling)
-        if bounds.min_replicas < self.replica_floor():
-            bounds = dataclasses.replace(bounds, min_replicas=self.replica_floor())
+        if bounds.min_replicas < (floor := self.replica_floor()):
+            bounds = dataclasses.replace(bounds, min_replicas=floor)
         status = im.get("status") or {}
         previous = status.get("autoscaling") or {}
         current = previous.get("desiredReplicas")

@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from kvserve.arg_types import positive_seconds
 from kvserve.model.pull import (
     ModelPullError,
     ModelSource,
@@ -372,7 +373,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=DEFAULT_INTERVAL_S,
         help="seconds between passes (default: %(default)s)",
     )
@@ -400,16 +401,6 @@ def _engine_url(text: str) -> str:
     if url.scheme not in ("http", "https") or not url.host or not 1 <= (port or 80) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r}: not an http(s)://HOST[:PORT] URL")
     return text
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
-    return value
 
 
 def _say(message: str) -> None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar
 
 import httpx
 
+from kvserve.arg_types import positive_int
 from kvserve.openai.tool_parsers import ParsedToolCall, ToolParse, make_tool_parser
 from kvserve.sse_events import DONE, error_message, event_data, parse_event
 
@@ -580,13 +581,6 @@ def _temperature(value: str) -> float:
     return t
 
 
-def _positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
-    return n
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument(
@@ -612,7 +606,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "here, over the demo's world model (a call, its result, then the answer)",
     )
     p.add_argument("--temperature", type=_temperature, default=0.7, metavar="T", help="0 is greedy")
-    p.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N", help="per answer")
+    p.add_argument("--max-tokens", type=positive_int, default=256, metavar="N", help="per answer")
     p.add_argument("--seed", type=int, metavar="N", help="sampling seed (reproducible answers)")
     p.add_argument("--dtype", default="auto", help="in-process only: auto, float32, bfloat16")
     p.add_argument("--device", default="auto", help="in-process only: auto, cpu or cuda")

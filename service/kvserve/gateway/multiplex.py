@@ -221,6 +221,8 @@ class _SharedCall:
 def batches(commands: list[pb.TaggedCommand], limit: int) -> list[list[pb.TaggedCommand]]:
     """``commands`` in order, cut into runs of at most ``limit`` serialized bytes each
     (a command larger than that makes a run of its own)."""
+    if len(commands) <= 1:  # the common case: nothing to measure
+        return [commands] if commands else []
     runs: list[list[pb.TaggedCommand]] = []
     size = 0
     for command in commands:

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvserve.arg_types import positive_int
 from kvserve.loadtest.options import DEFAULT_STOP_TIMEOUT_S, OPTIONS, add_options, to_argv
 
 
@@ -90,16 +91,6 @@ def run_time(text: str) -> str:
     if hours * 3600 + minutes * 60 + seconds <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be more than zero (0 never stops)")
     return text.strip()
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
 
 
 def run_command(args: argparse.Namespace) -> list[str]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -125,8 +125,9 @@ class RequestRecord:
         # Fields added by a later minor version are ignored, so old readers keep working.
         values = {k: v for k, v in data.items() if k in known}
         for name, value in values.items():
-            if not _FIELD_CHECKS.get(name, _any)(value):
-                raise ValueError(f"field {name!r}: {value!r} is not {_FIELD_KINDS[name]}")
+            check, kind = _FIELDS.get(name, (_any, ""))
+            if not check(value):
+                raise ValueError(f"field {name!r}: {value!r} is not {kind}")
         return cls(**values)
 
 
@@ -138,33 +139,36 @@ def _any(value: Any) -> bool:
     return True
 
 
-# What each field of a record read back must hold (None: not measured).
-_FIELD_KINDS = {
-    **dict.fromkeys(("send_time", "end_s"), "a finite number"),
-    **dict.fromkeys(("first_token_s", "last_token_s"), "a finite number or null"),
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _string(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+# What each field of a record read back must hold, and how to say it (None: not measured).
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(("send_time", "end_s"), (_number, "a finite number")),
+    **dict.fromkeys(
+        ("first_token_s", "last_token_s"), (_optional(_number), "a finite number or null")
+    ),
     **dict.fromkeys(
         ("output_tokens", "prompt_tokens", "cached_tokens", "http_status", "max_tokens",
          "cancel_after_chunks"),
-        "an integer or null",
-    ),
-    **dict.fromkeys(
-        ("api", "scenario", "finish_reason", "error", "request_id", "user"), "a string or null"
-    ),
-    "chunk_times_s": "a list of finite numbers",
-}  # fmt: skip
-_FIELD_CHECKS = {
-    **dict.fromkeys(("send_time", "end_s"), _number),
-    **dict.fromkeys(("first_token_s", "last_token_s"), lambda v: v is None or _number(v)),
-    **dict.fromkeys(
-        ("output_tokens", "prompt_tokens", "cached_tokens", "http_status", "max_tokens",
-         "cancel_after_chunks"),
-        lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+        (_optional(_integer), "an integer or null"),
     ),
     **dict.fromkeys(
         ("api", "scenario", "finish_reason", "error", "request_id", "user"),
-        lambda v: v is None or isinstance(v, str),
+        (_optional(_string), "a string or null"),
     ),
-    "chunk_times_s": lambda v: isinstance(v, list) and all(map(_number, v)),
+    "chunk_times_s": (
+        lambda v: isinstance(v, list) and all(map(_number, v)), "a list of finite numbers"
+    ),
 }  # fmt: skip
 
 
