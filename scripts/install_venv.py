@@ -12,6 +12,8 @@ install resolves to, without dependencies, and without pip's cache, which would
 keep a second copy), and one ordinary `pip install` does the rest, with the heavy
 packages already there: the peak becomes the virtualenv plus one step's downloads, 6.55 GB
 for a 6.36 GB virtualenv (measured the same day, 40 s slower than one `pip install`).
+Packages that carry older copies of another package's files (``OVERWRITABLE``) also go
+first, so that the owner's files are the ones that stay.
 
 Before downloading anything it resolves the install (`pip install --dry-run --report`,
 metadata only) and stops with the figures when the disk has less room than the install
@@ -37,10 +39,25 @@ FULL_INSTALL_GB = 7.0
 UPDATE_GB = 1.0
 
 
+# Packages that carry copies of another package's files, older than the owner's. The
+# test extra's xds-protos (Envoy's stubs, for GIE's endpoint picker) has its own copy of
+# opentelemetry-proto's modules, without the InstrumentationScope that the OTLP exporter
+# imports; whichever of the two pip unpacks last wins, and when it was xds-protos, a
+# server with OTEL_EXPORTER_OTLP_ENDPOINT set failed at start. Installed first, on their
+# own, they are overwritten by the owners (the Envoy stubs the tests use import none of
+# those files).
+OVERWRITABLE = ("xds-protos",)
+
+
 def is_heavy(name: str) -> bool:
     """PyTorch and the packages of its CUDA stack: 100 MB to 900 MB a wheel."""
     name = name.lower().replace("_", "-")
     return name in ("torch", "triton") or name.startswith(("nvidia-", "cuda-"))
+
+
+def goes_first(name: str) -> bool:
+    """Installed on its own before the rest: a heavy package, or an overwritable one."""
+    return is_heavy(name) or name.lower().replace("_", "-") in OVERWRITABLE
 
 
 @dataclass(frozen=True)
@@ -52,12 +69,13 @@ class Pin:
     url: str
 
 
-def heavy_pins(report: dict[str, Any]) -> list[Pin]:
-    """The heavy packages that the resolved install (pip's JSON report) would add."""
+def first_pins(report: dict[str, Any]) -> list[Pin]:
+    """The packages that go first (``goes_first``) of those the resolved install (pip's
+    JSON report) would add."""
     pins = []
     for item in report.get("install", []):
         meta = item["metadata"]
-        if is_heavy(meta["name"]):
+        if goes_first(meta["name"]):
             pins.append(Pin(meta["name"], meta["version"], item["download_info"]["url"]))
     return pins
 
@@ -100,10 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "venv", str(args.venv)], check=True)
         _pip(python, "install", "--quiet", "--upgrade", "pip")
     print("resolving the install (metadata only) ...", flush=True)
-    pins = heavy_pins(_resolve(python, install_args))
+    pins = first_pins(_resolve(python, install_args))
     need = args.min_free_gb
     if need is None:
-        need = FULL_INSTALL_GB if pins else UPDATE_GB
+        need = FULL_INSTALL_GB if any(is_heavy(pin.name) for pin in pins) else UPDATE_GB
     free = shutil.disk_usage(args.venv).free / 1e9
     problem = shortfall(free, need)
     if problem is not None:

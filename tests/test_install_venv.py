@@ -19,7 +19,11 @@ WHEEL_INFO = (
 )
 
 
-def _wheel(folder: Path, name: str, requires: tuple[str, ...] = ()) -> None:
+def _wheel(
+    folder: Path, name: str, requires: tuple[str, ...] = (), extra: dict[str, str] | None = None
+) -> None:
+    """A wheel of package ``name`` (module ``name`` with dashes as underscores), also
+    holding the files ``extra`` (path → text)."""
     module = name.replace("-", "_")
     info = f"{module}-1.0.dist-info"
     metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n" + "".join(
@@ -27,6 +31,7 @@ def _wheel(folder: Path, name: str, requires: tuple[str, ...] = ()) -> None:
     )
     files = {
         f"{module}/__init__.py": f"NAME = {name!r}\n",
+        **(extra or {}),
         f"{info}/METADATA": metadata,
         f"{info}/WHEEL": WHEEL_INFO,
     }
@@ -41,7 +46,11 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("wheels")
     _wheel(folder, "nvidia-fake-blas")
     _wheel(folder, "small-dep")
-    _wheel(folder, "app", ("nvidia-fake-blas", "small-dep"))
+    # xds-protos carries an older copy of one of opentelemetry-proto's modules.
+    shared = "opentelemetry/proto/common.py"
+    _wheel(folder, "opentelemetry-proto", extra={shared: "OWNER = 'opentelemetry-proto'\n"})
+    _wheel(folder, "xds-protos", extra={shared: "OWNER = 'xds-protos'\n"})
+    _wheel(folder, "app", ("nvidia-fake-blas", "small-dep", "opentelemetry-proto", "xds-protos"))
     return folder
 
 
@@ -79,8 +88,15 @@ def test_heavy_packages_go_first_one_at_a_time(venv: Path, wheels: Path) -> None
     proc = _install(venv, wheels, "--min-free-gb", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert steps == ["[1/1] nvidia-fake-blas==1.0"], proc.stdout
+    assert steps == ["[1/2] nvidia-fake-blas==1.0", "[2/2] xds-protos==1.0"], proc.stdout
     assert {"app", "nvidia-fake-blas", "small-dep"} <= _installed(venv)
+
+
+def test_the_owner_of_a_shared_file_keeps_it(venv: Path, wheels: Path) -> None:
+    proc = _install(venv, wheels, "--min-free-gb", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [shared] = venv.glob("lib/python*/site-packages/opentelemetry/proto/common.py")
+    assert shared.read_text() == "OWNER = 'opentelemetry-proto'\n"
 
 
 def test_a_short_disk_refuses_before_installing(venv: Path, wheels: Path) -> None:

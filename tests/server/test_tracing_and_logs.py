@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
+import signal
+import threading
+from typing import Any
 
 import httpx
 import pytest
@@ -12,6 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from tests.support.cli_server import start_cli_server
 from tests.support.engine_server import SERVED_MODEL as MODEL
 from tests.support.engine_server import start_server, stop_server
 from tests.support.waiting import wait_until
@@ -76,6 +81,37 @@ def test_span_attributes_events_and_request_log(
     assert mine["ttft_s"] > 0 and mine["e2e_s"] >= mine["ttft_s"]
 
 
+def test_the_samples_of_one_request_share_its_trace(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """n = 3 without a traceparent: one trace, the first sample's span the parent of the
+    others; with one, all three are children of the caller's span."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    srv = start_server(checkpoint_dir("llama"), tracer_provider=provider)
+    try:
+        with srv.client() as c:
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 3}
+            assert c.post("/v1/completions", json=body).status_code == 200
+            wait_until(lambda: len(exporter.get_finished_spans()) == 3)
+            plain = exporter.get_finished_spans()
+            exporter.clear()
+            r = c.post("/v1/completions", json=body, headers={"traceparent": PARENT})
+            assert r.status_code == 200
+            wait_until(lambda: len(exporter.get_finished_spans()) == 3)
+            continued = exporter.get_finished_spans()
+    finally:
+        stop_server(srv)
+    assert len({span.context.trace_id for span in plain}) == 1
+    [root] = [span for span in plain if span.parent is None]
+    assert {span.parent.span_id for span in plain if span is not root} == {  # type: ignore[union-attr]
+        root.context.span_id
+    }
+    assert {format(span.context.trace_id, "032x") for span in continued} == {TRACE_ID}
+    assert {format(span.parent.span_id, "016x") for span in continued} == {  # type: ignore[union-attr]
+        PARENT.split("-")[2]
+    }
+
+
 def test_no_tracing_configured_is_a_no_op(server) -> None:  # type: ignore[no-untyped-def]
     r = httpx.post(
         f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}
@@ -112,3 +148,71 @@ def test_grpc_request_continues_the_gateways_trace(checkpoint_dir) -> None:  # t
     assert format(span.context.trace_id, "032x") == TRACE_ID
     assert (span.attributes or {})["kvserve.request_id"] == "grpc-span-1"
     assert (span.attributes or {})["gen_ai.usage.output_tokens"] == 2
+
+
+class _OTLPReceiver(http.server.ThreadingHTTPServer):
+    """An OTLP/HTTP trace receiver on 127.0.0.1: keeps every span posted to /v1/traces."""
+
+    def __init__(self) -> None:
+        self.spans: list[Any] = []
+        super().__init__(("127.0.0.1", 0), _OTLPHandler)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _OTLPHandler(http.server.BaseHTTPRequestHandler):
+    server: _OTLPReceiver
+
+    def do_POST(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        body = self.rfile.read(int(self.headers["content-length"]))
+        if self.path == "/v1/traces":
+            export = ExportTraceServiceRequest.FromString(body)
+            for resource in export.resource_spans:
+                for scope in resource.scope_spans:
+                    self.server.spans.extend(scope.spans)
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_spans_reach_an_otlp_endpoint_from_the_cli_server(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """The standard OTEL_EXPORTER_OTLP_ENDPOINT: `kvserve serve` starts, and a request's
+    span arrives at the endpoint over OTLP/HTTP (the exporter's import and encoding are
+    those of the installed packages, not an in-memory stand-in)."""
+    receiver = _OTLPReceiver()
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50"}
+    proc, url, _ = start_cli_server(checkpoint_dir("llama"), env=env)
+    try:
+        body = {"model": "m", "prompt": "x", "max_tokens": 2}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"x-request-id": "otlp-1"})
+        assert r.status_code == 200, r.text
+
+        def request_ids() -> list[str]:
+            return [
+                a.value.string_value
+                for span in list(receiver.spans)
+                for a in span.attributes
+                if a.key == "kvserve.request_id"
+            ]
+
+        wait_until(lambda: "otlp-1" in request_ids())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.tail()
+    except BaseException:
+        print(proc.tail())
+        raise
+    finally:
+        proc.kill()
+        receiver.shutdown()
+        receiver.server_close()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import httpx
@@ -15,13 +16,18 @@ from tests.support.waiting import wait_until
 
 
 def start_cli_server(
-    model: Path | None, *extra: str, grpc: bool = False, new_session: bool = False
+    model: Path | None,
+    *extra: str,
+    grpc: bool = False,
+    new_session: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[LoggedProcess, str, int]:
     """``kvserve serve`` on a free port, once it reports ready; its output is in ``.log``.
 
     ``model=None`` runs it with no model arguments at all (the bundled demo model).
     ``grpc`` serves the gRPC API too, on another free port. ``new_session``: in a process
     group of its own, which a test may signal as a whole (as a terminal's Ctrl-C does).
+    ``env``: variables set for it, beside this process's own.
     """
     port = free_port()
     args = ["--port", str(port)]
@@ -32,6 +38,7 @@ def start_cli_server(
         [sys.executable, "-m", "kvserve", "serve", *args, *extra, "--log-level", "warning"],
         "kvserve-serve",
         start_new_session=new_session,
+        env={**os.environ, **(env or {})},
         # In a session of its own it may be sent SIGINT as a terminal's Ctrl-C is; a suite
         # started in the background (``cmd &``) has SIGINT ignored, which stays ignored
         # across exec: the default disposition back, for it and the workers it starts.

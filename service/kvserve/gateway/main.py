@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.gateway.files import ConfigError, validation_problems
     from kvserve.gateway.keys import new_key
     from kvserve.gateway.watch import ConfigWatcher
+    from kvserve.telemetry.tracing import otlp_problem
 
     if args.new_key:
         key, digest = new_key()
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         for problem in validation_problems(exc, show_input=True):
             print(f"kvserve gateway: error: listen.{problem}", file=sys.stderr)
         return 2
-    unlistenable = listen_problem(config)
+    unlistenable = listen_problem(config) or otlp_problem()
     if unlistenable is not None:
         print(f"kvserve gateway: error: {unlistenable}", file=sys.stderr)
         return 2

@@ -167,10 +167,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvserve.telemetry.tracing import otlp_problem
+
     configure_logging(args.log_level)
     if (problem := grpc_problem(args)) is None:
         args.grpc_port = args.grpc_port or DEFAULT_GRPC_PORT  # None: not given
-        problem = port_clash_problem(args) or lora_problem(args)
+        problem = port_clash_problem(args) or lora_problem(args) or otlp_problem()
     if problem is not None:  # before loading the model: a wrong flag fails fast
         print(f"kvserve serve: error: {problem}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""One OpenTelemetry span and one JSON log line per request.
+"""One OpenTelemetry span and one JSON log line per request the engine takes in (a
+refusal before it gets neither: README, "Telemetry").
 
 The span starts when the server receives the request (continuing the caller's W3C
 ``traceparent``) and ends when the engine reports the request finished — also when it
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.propagate import extract
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -32,6 +34,22 @@ if TYPE_CHECKING:
     from kvserve.engine.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def otlp_problem() -> str | None:
+    """Why the OTLP export that OTEL_EXPORTER_OTLP_ENDPOINT asks for cannot work, or None
+    (the servers check it before loading anything: a broken install fails at once)."""
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return None
+    try:
+        from opentelemetry.exporter.otlp.proto.http import trace_exporter  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"OTEL_EXPORTER_OTLP_ENDPOINT is set, but the OTLP exporter cannot be imported "
+            f"({exc}); reinstall opentelemetry-proto and opentelemetry-exporter-otlp-proto-http, "
+            "or unset the variable"
+        )
+    return None
 
 
 def tracer_provider_from_env(service_name: str = "kvserve-engine") -> trace.TracerProvider:
@@ -78,8 +96,11 @@ class RequestTelemetry:
         arrival: float,
         external_id: str | None = None,
         lora_adapter: str | None = None,
-    ) -> str | None:
-        """Start the span (child of the caller's traceparent); returns the trace id.
+        parent: Context | None = None,
+    ) -> Context:
+        """Start the span, a child of the caller's traceparent in ``headers`` (or of
+        ``parent`` if given); returns the context with the span in it, the parent of a
+        request's further samples (``samples_parent``).
 
         ``request_id`` is the engine's id (the key until ``finish``); ``external_id`` the
         client's, which the span shows as ``kvserve.request_id``. ``lora_adapter``: the
@@ -99,7 +120,7 @@ class RequestTelemetry:
             attributes["kvserve.lora_adapter"] = lora_adapter
         span = self.tracer.start_span(
             f"{operation} {lora_adapter or self.model}",
-            context=extract(dict(headers)),
+            context=extract(dict(headers)) if parent is None else parent,
             kind=SpanKind.SERVER,
             start_time=_epoch_ns(arrival),
             attributes=attributes,
@@ -108,7 +129,15 @@ class RequestTelemetry:
         trace_id = format(ctx.trace_id, "032x") if ctx.is_valid else None
         with self._lock:
             self._inflight[request_id] = _InFlight(span, trace_id)
-        return trace_id
+        return trace.set_span_in_context(span)
+
+    @staticmethod
+    def samples_parent(headers: Mapping[str, str], first: Context) -> Context:
+        """The parent of the spans of an HTTP request's further samples (``n`` > 1, or a
+        batch of prompts), so that all are in one trace: the caller's traceparent, or
+        without one, the first sample's span (``first``: what its ``begin`` returned)."""
+        caller = extract(dict(headers))
+        return caller if trace.get_current_span(caller).get_span_context().is_valid else first
 
     def trace_id(self, request_id: str) -> str | None:
         with self._lock:

@@ -295,8 +295,9 @@ async def _make_requests(
                 reqs.append(req)
                 prepared = req.prompt_token_ids  # tokenized once for all its samples
         operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
+        parent = None  # the caller's traceparent, in the headers
         for req in reqs:
-            state.telemetry.begin(
+            opened = state.telemetry.begin(
                 req.request_id,
                 operation,
                 req.params,
@@ -304,7 +305,10 @@ async def _make_requests(
                 arrival,
                 rid,
                 lora.lora_name if lora is not None else None,
+                parent,
             )
+            if parent is None:
+                parent = state.telemetry.samples_parent(request.headers, opened)
         return reqs
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
