@@ -283,6 +283,23 @@ def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> No
     assert gateway.metric("kvserve_gateway_rejections_total", reason="invalid") >= 4
 
 
+def test_a_lone_surrogate_escape_is_named_in_the_400(gateway: Gateway) -> None:
+    """As from the engine server (the same body parser): the 400 names the escape of half
+    a UTF-16 pair that stands alone, and where it is."""
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800x"}]}' % (
+        MODEL.encode()
+    )
+    with gateway.client() as c:
+        r = c.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+    assert r.status_code == 400, r.text
+    assert error_of(r)["message"] == (
+        "invalid JSON body: lone surrogate \\ud800 at line 1 column 61: a high surrogate "
+        "must be followed at once by a low one (\\udc00-\\udfff)"
+    )
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_body_not_sent_as_json_is_refused_415(gateway: Gateway, path: str) -> None:
     """A body the browser of a web page could send to another origin without a preflight

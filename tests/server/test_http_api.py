@@ -444,6 +444,32 @@ def test_invalid_json_and_oversized_body(server: RunningServer) -> None:
         assert chunked.json()["error"]["request_id"] == chunked.headers["x-request-id"]
 
 
+# A lone UTF-16 surrogate escape, and the line and column of the 400's message.
+LONE_SURROGATES = [
+    (rb'"\ud800x"', "lone surrogate \\ud800 at line 1 column 67: a high surrogate"),
+    (rb'"\ud800\u0041"', "lone surrogate \\ud800 at line 1 column 67: a high surrogate"),
+    (rb'"ok \ud83d\ude00 \udc00"', "lone surrogate \\udc00 at line 1 column 83: a low surrogate"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), LONE_SURROGATES)
+def test_a_lone_surrogate_escape_is_named_in_the_400(
+    server: RunningServer, text: bytes, message: str
+) -> None:
+    """JSON's ``\\u`` escape of half a UTF-16 pair alone (no Unicode character) is refused
+    with a message that names it and where it is, not one about hex escapes."""
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": %s}]}' % (
+        MODEL.encode(),
+        text,
+    )
+    with server.client() as c:
+        r = c.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"invalid JSON body: {message}"), r.text
+
+
 USER_HI = {"role": "user", "content": "hi"}
 CHAT_START = json.dumps({"model": MODEL, "messages": [USER_HI], "max_tokens": 2})[:-1]
 

@@ -20,10 +20,16 @@ cluster that read such a body as JSON would serve that page's request (CSRF).
 A compressed body (``Content-Encoding`` other than ``identity``) is a 415 that says so,
 not a JSON error; a UTF-8 byte-order mark before the JSON is ignored (RFC 8259 lets a
 parser do so, and some Windows tools write one).
+
+A ``\\u`` escape of a UTF-16 surrogate that is not half of a pair (``"\\ud800x"``) is
+refused by pydantic-core's parser with a message about hex escapes that does not say
+what is wrong ("unexpected end of hex escape", or "lone leading surrogate" for a lone
+trailing one); the 400 names the escape and where it is instead.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -35,6 +41,12 @@ from kvserve.openai.errors import OpenAIError
 M = TypeVar("M", bound=BaseModel)
 UTF8_BOM = b"\xef\xbb\xbf"
 MAX_SHOWN = 100  # characters of a refused Content-Type the error repeats
+# A JSON escape: ``\\uXXXX`` (its hex digits in group 1) or a one-character one. Scanned
+# from the left, escapes are found exactly (``\\\\u…`` is an escaped backslash, then text).
+ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.S)
+HIGH_SURROGATES, LOW_SURROGATES = range(0xD800, 0xDC00), range(0xDC00, 0xE000)
+UNPAIRED_HIGH = "a high surrogate must be followed at once by a low one (\\udc00-\\udfff)"
+UNPAIRED_LOW = "a low surrogate must come right after a high one (\\ud800-\\udbff)"
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -55,11 +67,51 @@ async def parse_body(request: Request, model: type[M]) -> M:
             f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
             param="content-encoding",
         )
-    body = await request.body()
+    body = (await request.body()).removeprefix(UTF8_BOM)
     try:
-        return model.model_validate_json(body.removeprefix(UTF8_BOM))
+        return model.model_validate_json(body)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
+        errors = exc.errors(include_url=False, include_input=False)
+        if errors and errors[0]["type"] == "json_invalid" and _about_escapes(errors[0]):
+            lone = lone_surrogate(body)
+            if lone is not None:
+                errors[0]["ctx"] = {"error": lone}
+        raise RequestValidationError(errors) from None
+
+
+def lone_surrogate(body: bytes) -> str | None:
+    """What is wrong with the first ``\\u`` escape of ``body`` that is a UTF-16 surrogate
+    outside a pair (high, then at once low), with its line and column; None if none is."""
+    pending: re.Match[bytes] | None = None  # a high surrogate waiting for its low half
+    for escape in ESCAPE.finditer(body):
+        code = int(escape[1], 16) if escape[1] is not None else None
+        if pending is not None:
+            if code in LOW_SURROGATES and escape.start() == pending.end():
+                pending = None
+                continue
+            return _lone(body, pending, UNPAIRED_HIGH)
+        if code in HIGH_SURROGATES:
+            pending = escape
+        elif code in LOW_SURROGATES:
+            return _lone(body, escape, UNPAIRED_LOW)
+    if pending is not None:
+        return _lone(body, pending, UNPAIRED_HIGH)
+    return None
+
+
+def _about_escapes(error: Any) -> bool:
+    """Whether pydantic-core's JSON error is one a lone surrogate causes (and not, say, a
+    syntax error before it)."""
+    text = str(error.get("ctx", {}).get("error", ""))
+    return "hex escape" in text or "surrogate" in text
+
+
+def _lone(body: bytes, escape: re.Match[bytes], why: str) -> str:
+    before = body[: escape.start()]
+    line = before.count(b"\n") + 1
+    column = len(before[before.rfind(b"\n") + 1 :].decode(errors="replace")) + 1
+    shown = escape[0].decode().lower()
+    return f"lone surrogate {shown} at line {line} column {column}: {why}"
 
 
 def is_json_type(content_type: str) -> bool:
