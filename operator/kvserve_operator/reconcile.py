@@ -124,7 +124,10 @@ class Reconciler:
         self.monotonic = monotonic
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        self._autoscalers: dict[tuple[str, str], Autoscaler] = {}
+        # Per (namespace, name): the UID of the object whose history it is, and the
+        # history. A model deleted and created again under the same name is a new object:
+        # it must observe its windows afresh, not inherit the old one's recommendations.
+        self._autoscalers: dict[tuple[str, str], tuple[str, Autoscaler]] = {}
 
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -183,8 +186,10 @@ class Reconciler:
             deployment = self._get_optional(*DEPLOYMENT, namespace, name) or self._get_optional(
                 *LWS, namespace, name
             )
+            # observedGeneration: this generation was seen and acted on (refused), so a
+            # client waiting for it reads the refusal instead of waiting forever.
             status = self._status(
-                int(previous.get("observedGeneration") or 0),
+                generation,
                 int((deployment or {}).get("spec", {}).get("replicas") or 0),
                 deployment,
                 previous,
@@ -198,6 +203,7 @@ class Reconciler:
         child_refused = False  # the API server refused a child as invalid: the spec must change
         applied = False
         workload = workload_of(spec)
+        before = self._get_optional(*workload, namespace, name)
         refused = self._refusal(spec)
         if refused is not None:
             # Nothing is rendered (what exists already is left as it is) until the API
@@ -223,14 +229,19 @@ class Reconciler:
             # Deployment left as it was while the LeaderWorkerSet it should become waits).
             other = DEPLOYMENT if workload == LWS else LWS
             deployment = self._get_optional(*other, namespace, name)
+        # Applied, or refused for good (by the API server, or until it serves
+        # LeaderWorkerSets): this generation was acted on. Only a transient API error
+        # leaves the generation to a retry.
+        acted = applied or child_refused or refused is not None
         status = self._status(
-            generation if applied else previous.get("observedGeneration", 0),
+            generation if acted else previous.get("observedGeneration", 0),
             replicas,
             deployment,
             previous,
             error,
             pool.problem,
             workload[1] if deployment is None else None,  # else its own kind
+            template_changed=_template_changed(before, deployment),
         )
         status["selector"] = selector_string(name)
         status["endpoint"] = endpoint_status(name, namespace, self.config.render)
@@ -260,6 +271,7 @@ class Reconciler:
         error: str | None,
         pool_problem: tuple[str, str] | None = None,
         workload_kind: str | None = None,
+        template_changed: bool = False,
     ) -> dict[str, Any]:
         return compute_status(
             generation=int(generation),
@@ -270,6 +282,7 @@ class Reconciler:
             now=self.now(),
             pool_problem=pool_problem,
             workload_kind=workload_kind or str((deployment or {}).get("kind") or "Deployment"),
+            template_changed=template_changed,
         )
 
     def _refusal(self, spec: InferenceModelSpec) -> tuple[str, str] | None:
@@ -461,10 +474,9 @@ class Reconciler:
     def autoscale(self, namespace: str, name: str, logger: Log) -> Decision | None:
         """One autoscaler tick: read the metric, decide, record, and apply a change."""
         im = self.kube.get(API_VERSION, KIND, namespace, name)
-        key = (namespace, name)
         autoscaling = _enabled_autoscaling(im)
         if im is None or autoscaling is None:
-            self._autoscalers.pop(key, None)
+            self._autoscalers.pop((namespace, name), None)
             return None
         bounds = Bounds.from_spec(autoscaling)
         if bounds.min_replicas < (floor := self.replica_floor()):
@@ -482,7 +494,7 @@ class Reconciler:
         if bounds.min_replicas == 0:
             served = served_name(name, parse_spec(im.get("spec") or {}))
             activity = self._activity(served, scrape, logger)
-        scaler = self._autoscalers.setdefault(key, Autoscaler())
+        scaler = self._autoscaler(namespace, name, im["metadata"]["uid"])
         missing = scrape.missing if scrape is not None else 0
         decision = scaler.decide(self.monotonic(), current, metric, bounds, activity, missing)
         record: dict[str, Any] = {
@@ -509,6 +521,15 @@ class Reconciler:
         if decision.changed(current):
             self.reconcile(namespace, name, "autoscale", logger)
         return decision if decision.changed(current) else None
+
+    def _autoscaler(self, namespace: str, name: str, uid: str) -> Autoscaler:
+        """The history of the object with ``uid``; a new one when the name's previous
+        history was another object's (deleted and created again)."""
+        owner, scaler = self._autoscalers.get((namespace, name), (None, None))
+        if owner != uid or scaler is None:
+            scaler = Autoscaler()
+            self._autoscalers[(namespace, name)] = (uid, scaler)
+        return scaler
 
     def _replica_gauges(self, namespace: str, name: str, logger: Log) -> Scrape | None:
         """The engine queue gauges of the ready replicas; None when none answered."""
@@ -573,6 +594,19 @@ def _enabled_autoscaling(im: Mapping[str, Any] | None) -> AutoscalingSpec | None
         # fixed, so a scaling decision could not take effect either.
         return None
     return spec.autoscaling if spec.autoscaling.enabled else None
+
+
+def _template_changed(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> bool:
+    """Whether this reconcile gave the workload a new pod template (or created it): a
+    rollout, where a changed replica count alone is scaling. Both as the API server
+    returned them, defaults filled in, so an unchanged template compares equal."""
+    if after is None:
+        return False
+    if before is None:
+        return True
+    # A LeaderWorkerSet's pod templates (leader's and workers') are under leaderWorkerTemplate.
+    key = "leaderWorkerTemplate" if after.get("kind") == LWS_KIND else "template"
+    return bool(before.get("spec", {}).get(key) != after.get("spec", {}).get(key))
 
 
 def _owned_by_model(obj: Mapping[str, Any]) -> bool:

@@ -26,6 +26,11 @@ POOL_FORBIDDEN = "InferencePoolForbidden"
 # Ready=False when spec.nodes > 1 but the API server does not serve LeaderWorkerSets:
 # nothing is rendered until it does.
 LWS_CRD_MISSING = "LeaderWorkerSetCRDMissing"
+# Progressing=True reasons: a new pod template replacing the pods (a new version), or
+# only the number of replicas changing (spec.replicas, the autoscaler).
+ROLLING_OUT = "RollingOut"
+SCALING_UP = "ScalingUp"
+SCALING_DOWN = "ScalingDown"
 
 # What status.inferencePool copies from the InferencePool's status (GIE v1 ParentStatus);
 # the InferenceModel's status schema is strict, so only these keys are taken.
@@ -119,6 +124,44 @@ def rollout_in_progress(deployment: Mapping[str, Any], desired: int) -> bool:
     )
 
 
+def rolling_out(
+    workload: Mapping[str, Any], template_changed: bool, previous: Sequence[Mapping[str, Any]]
+) -> bool:
+    """Whether a workload in progress is replacing its pods' template (a rollout), not
+    only changing how many there are.
+
+    Pods of an older template still running say so, and a LeaderWorkerSet says it with
+    UpdateInProgress; but right after a change its controller has not looked yet, and
+    says nothing. So the reconcile that changed the template (``template_changed``, or
+    created the workload) starts a rollout, and a rollout the last status reported
+    (``previous``) lasts until the workload is no longer in progress."""
+    counts = deployment_counts(workload)
+    if template_changed or counts["replicas"] > counts["updatedReplicas"]:
+        return True
+    if deployment_condition(workload, "UpdateInProgress").get("status") == "True":
+        return True  # a LeaderWorkerSet's
+    last = next((c for c in previous if c.get("type") == PROGRESSING), {})
+    return last.get("status") == "True" and last.get("reason") == ROLLING_OUT
+
+
+def progressing_condition(
+    workload: Mapping[str, Any] | None,
+    desired: int,
+    template_changed: bool,
+    previous: Sequence[Mapping[str, Any]],
+) -> tuple[bool, str, str]:
+    """Progressing: a rollout (RollingOut), a change of replica count (ScalingUp,
+    ScalingDown), or neither."""
+    if workload is None or not rollout_in_progress(workload, desired):
+        return (False, "RolloutComplete", "all replicas run the latest spec")
+    counts = deployment_counts(workload)
+    if rolling_out(workload, template_changed, previous):
+        return (True, ROLLING_OUT, f"{counts['updatedReplicas']}/{desired} replicas updated")
+    if counts["replicas"] > desired:
+        return (True, SCALING_DOWN, f"{counts['replicas']} replicas, scaling down to {desired}")
+    return (True, SCALING_UP, f"{counts['availableReplicas']}/{desired} replicas available")
+
+
 def compute_status(
     *,
     generation: int,
@@ -129,13 +172,15 @@ def compute_status(
     now: datetime,
     pool_problem: tuple[str, str] | None = None,
     workload_kind: str = "Deployment",
+    template_changed: bool = False,
 ) -> dict[str, Any]:
     """Replica counts and the Ready / Progressing / Degraded conditions.
 
     ``deployment``: the engine workload, a ``workload_kind`` (Deployment or
     LeaderWorkerSet). ``pool_problem`` (reason, message): the InferencePool asked for
     could not be written, or the workload could not be rendered; Ready is then False
-    with that reason, whatever the replicas."""
+    with that reason, whatever the replicas. ``template_changed``: this reconcile gave
+    the workload a new pod template (see ``rolling_out``)."""
     counts = deployment_counts(deployment)
     conditions = previous.get("conditions") or []
     ready = counts["readyReplicas"]
@@ -153,12 +198,10 @@ def compute_status(
     if pool_problem is not None:
         ready_c = (False, *pool_problem)
 
-    progressing = deployment is not None and rollout_in_progress(deployment, desired_replicas)
-    progressing_c = (
-        (True, "RollingOut", f"{counts['updatedReplicas']}/{desired_replicas} replicas updated")
-        if progressing
-        else (False, "RolloutComplete", "all replicas run the latest spec")
+    progressing_c = progressing_condition(
+        deployment, desired_replicas, template_changed, conditions
     )
+    progressing = progressing_c[0]
 
     deadline = deployment_condition(deployment or {}, "Progressing")
     if error is not None:

@@ -297,7 +297,9 @@ def test_crd_gives_tensor_parallel_size_no_default() -> None:
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 
 
-def status_of(workload: dict[str, Any] | None, desired: int = 2) -> dict[str, Any]:
+def status_of(
+    workload: dict[str, Any] | None, desired: int = 2, template_changed: bool = False
+) -> dict[str, Any]:
     return compute_status(
         generation=3,
         desired_replicas=desired,
@@ -306,6 +308,7 @@ def status_of(workload: dict[str, Any] | None, desired: int = 2) -> dict[str, An
         error=None,
         now=NOW,
         workload_kind="LeaderWorkerSet",
+        template_changed=template_changed,
     )
 
 
@@ -329,7 +332,7 @@ def test_status_counts_groups_of_a_leader_worker_set() -> None:
 
 
 def test_status_of_a_leader_worker_set_rolling_out() -> None:
-    fresh = status_of(lws_with())
+    fresh = status_of(lws_with(), template_changed=True)  # just created
     assert reasons(fresh)["Ready"] == "ReplicasNotReady"
     assert reasons(fresh)["Progressing"] == "RollingOut"
     surge = status_of(lws_with(replicas=3, readyReplicas=2, updatedReplicas=1))
@@ -343,6 +346,13 @@ def test_status_of_a_leader_worker_set_rolling_out() -> None:
     assert reasons(status_of(updating))["Progressing"] == "RollingOut"
     stuck = status_of(lws_with(replicas=2, readyReplicas=1, updatedReplicas=2))
     assert reasons(stuck)["Degraded"] == "InsufficientReplicas"
+
+
+def test_status_of_a_leader_worker_set_scaling_is_not_a_rollout() -> None:
+    """More groups of the same template (spec.replicas, the autoscaler): ScalingUp. Only
+    a new template is RollingOut."""
+    up = status_of(lws_with(replicas=2, readyReplicas=2, updatedReplicas=2), desired=3)
+    assert reasons(up)["Progressing"] == "ScalingUp"
 
 
 def test_status_without_the_leader_worker_set_names_it() -> None:
