@@ -192,6 +192,38 @@ def check_name(name: str) -> None:
         )
 
 
+# A LeaderWorkerSet (sigs.k8s.io/lws v0.7.0) names a group's worker StatefulSet after
+# its leader pod, <name>-<group index>, and the StatefulSet controller labels each worker
+# pod controller-revision-hash=<that StatefulSet>-<hash of up to 10 characters>: a label
+# value, at most 63 characters. Group indexes go up to the most groups the spec allows,
+# one more while a rollout surges (ROLLING_UPDATE's maxSurge: 1).
+LABEL_VALUE_MAX_LENGTH = 63
+REVISION_HASH_MAX_LENGTH = 10
+
+
+def max_group_name_length(spec: InferenceModelSpec) -> int:
+    """The longest name whose LeaderWorkerSet's worker pods get valid labels."""
+    a = spec.autoscaling
+    groups = a.max_replicas if a.enabled and a.max_replicas is not None else spec.replicas
+    highest_index = groups + ROLLING_UPDATE["maxSurge"] - 1
+    return LABEL_VALUE_MAX_LENGTH - REVISION_HASH_MAX_LENGTH - len(f"--{highest_index}")
+
+
+def check_group_name(name: str, spec: InferenceModelSpec) -> None:
+    """With spec.nodes > 1: refuse a name too long for the worker pods' labels (the LWS
+    controller would create the StatefulSet, whose pods the API server then refuses)."""
+    limit = max_group_name_length(spec)
+    if spec.nodes > 1 and len(name) > limit:
+        groups = "autoscaling.maxReplicas" if spec.autoscaling.enabled else "replicas"
+        raise SpecError(
+            "metadata.name",
+            f"{name!r} has {len(name)} characters; with spec.nodes > 1 and {groups} as "
+            f"set, at most {limit}: the LeaderWorkerSet's worker pods are labelled "
+            f"controller-revision-hash=<name>-<group index>-<hash>, at most "
+            f"{LABEL_VALUE_MAX_LENGTH} characters",
+        )
+
+
 def _metadata(
     name: str, namespace: str, uid: str, annotations: dict[str, str] | None = None
 ) -> dict[str, Any]:
@@ -759,6 +791,7 @@ def render_children(
     the Deployment (or LeaderWorkerSet), Service and PodDisruptionBudget, in the order
     they should be applied."""
     check_name(name)
+    check_group_name(name, spec)
     check_adapter_names(spec.adapters, served_name(name, spec))
     check_adapter_sources(spec)
     config = [render_adapters_config_map(name, namespace, uid, spec)] if spec.lora_enabled else []

@@ -292,6 +292,33 @@ def test_crd_gives_tensor_parallel_size_no_default() -> None:
     assert spec().engine.tensor_parallel_size is None
 
 
+# ---- names the LeaderWorkerSet controller derives ------------------------------------------
+
+
+def render_named(name: str, s: InferenceModelSpec, replicas: int = 2) -> list[dict[str, Any]]:
+    return render_children(name, NAMESPACE, UID, s, SETTINGS, replicas)
+
+
+def test_a_name_too_long_for_the_worker_pods_labels_is_refused() -> None:
+    """LWS v0.7.0 names a group's worker StatefulSet <name>-<group index>; the
+    StatefulSet controller labels its pods controller-revision-hash=<that>-<hash> (up to
+    10 characters), at most 63. With 2 groups (index 2 while a rollout surges) a name
+    of 52 characters, valid for a Deployment, gives 65; 50 is the most."""
+    two_groups = spec(nodes=2, replicas=2)
+    render_named("m" * 50, two_groups)
+    assert len(f"{'m' * 50}-2-{'h' * 10}") == 63
+    with pytest.raises(SpecError, match=r"51 characters.*at most 50.*controller-revision-hash"):
+        render_named("m" * 51, two_groups)
+    render_named("m" * 52, spec(nodes=1, replicas=2))  # a Deployment's pods: 52 is fine
+
+
+def test_the_name_limit_follows_the_most_groups_the_spec_allows() -> None:
+    autoscaled = spec(nodes=2, autoscaling={"enabled": True, "maxReplicas": 10})
+    render_named("m" * 49, autoscaled, replicas=1)  # index up to 10: -10-<hash>
+    with pytest.raises(SpecError, match=r"autoscaling\.maxReplicas"):
+        render_named("m" * 50, autoscaled, replicas=1)
+
+
 # ---- status from a LeaderWorkerSet ----------------------------------------------------------
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)

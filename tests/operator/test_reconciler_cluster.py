@@ -174,3 +174,20 @@ def test_a_model_created_again_under_its_name_starts_its_history_afresh(
     assert reconciler.autoscale(NS, "again", LOG) is None
     record = model(k8s_cluster, "again")["status"]["autoscaling"]
     assert (record["desiredReplicas"], record["reason"]) == (1, "waiting for a sustained queue")
+
+
+def test_a_name_too_long_for_a_leader_worker_set_is_refused_in_status(
+    k8s_cluster: Cluster, reconciler: Reconciler
+) -> None:
+    """52 characters pass the CRD, but with spec.nodes > 1 the LeaderWorkerSet's worker
+    pods would get labels over 63 characters: refused, said in status, nothing rendered."""
+    name = "m" * 52
+    apply(k8s_cluster, name, nodes=2, replicas=2)
+    with pytest.raises(SpecInvalid, match="controller-revision-hash"):
+        reconciler.reconcile(NS, name, "test", LOG)
+    im = model(k8s_cluster, name)
+    degraded = condition(im, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ReconcileError")
+    assert "at most 50" in degraded["message"], degraded
+    assert im["status"]["observedGeneration"] == im["metadata"]["generation"]
+    assert get_object(k8s_cluster, "deployment", name, NS) is None
