@@ -142,6 +142,26 @@ def test_tool_calls_round_trip(tools_gateway: Gateway) -> None:
     assert again.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_named_function_call_finishes_with_stop(tools_gateway: Gateway) -> None:
+    """As OpenAI's API and vLLM: the call of a function the request named ends with
+    finish_reason "stop", whole and streamed (the replica's reader decides it)."""
+    client = sdk(tools_gateway)
+    request: dict[str, Any] = {
+        **FORCED,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "seed": 3,
+        "max_tokens": 200,
+    }
+    choice = client.chat.completions.create(**request).choices[0]
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS)
+    assert streamed_calls(client, **request) == (
+        [(call.function.name, call.function.arguments)],
+        "stop",
+    )
+
+
 def test_forced_calls_stream_argument_by_argument(tools_gateway: Gateway) -> None:
     """The replica's call deltas reach the client as they are generated: a header, then
     the arguments in pieces, which put together are the whole answer's."""

@@ -298,17 +298,28 @@ def test_required_calls_always_parse_and_validate(tools_server: RunningServer) -
 
 
 def test_named_function_is_the_one_called(tools_server: RunningServer) -> None:
-    answer = sdk(tools_server).chat.completions.create(
+    """The call of a named function ends with finish_reason "stop", whole and streamed, as
+    in OpenAI's API and vLLM ("tool_calls" is for calls the model chose to make)."""
+    client = sdk(tools_server)
+    request: dict[str, Any] = dict(
         model=MODEL,
-        messages=QUESTION,  # type: ignore[arg-type]
+        messages=QUESTION,
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_time"}},
         seed=3,
         max_tokens=300,
     )
+    answer = client.chat.completions.create(**request)
     calls = _calls(answer.choices[0].message)
     assert [name for name, _ in calls] == ["get_time"]
     jsonschema.validate(calls[0][1], SCHEMAS["get_time"])
+    assert answer.choices[0].finish_reason == "stop"
+    whole = answer.choices[0].message.tool_calls or []
+    assert _streamed(client, **request) == (
+        "",
+        [(c.function.name, c.function.arguments) for c in whole],
+        "stop",
+    )
 
 
 def _streamed(client: openai.OpenAI, **request: Any) -> tuple[str, list[tuple[str, str]], str]:
@@ -562,6 +573,7 @@ def test_mistral_calls_through_its_grammar_parse_and_validate(
     mistral_server: RunningServer, tool_choice: Any, parallel: bool
 ) -> None:
     client = sdk(mistral_server)
+    named = isinstance(tool_choice, dict)
     for seed in range(3):
         request = {**FORCED, "tool_choice": tool_choice, "parallel_tool_calls": parallel}
         request.update(temperature=1.0, seed=seed, max_tokens=300)
@@ -572,11 +584,11 @@ def test_mistral_calls_through_its_grammar_parse_and_validate(
         if choice.finish_reason == "length":  # parallel: cut short while calling on
             assert parallel
             calls = calls[:-1]
-        else:
-            assert choice.finish_reason == "tool_calls", choice
-        if not parallel or isinstance(tool_choice, dict):
+        else:  # a named function's call ends as OpenAI's does, with "stop"
+            assert choice.finish_reason == ("stop" if named else "tool_calls"), choice
+        if not parallel or named:
             assert len(choice.message.tool_calls or []) == 1
-        if isinstance(tool_choice, dict):
+        if named:
             assert {c.function.name for c in calls} <= {"get_time"}
         for call in calls:
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])

@@ -79,7 +79,8 @@ class ChatOutputParser:
     """``feed`` each text delta, then ``finish`` once; ``finish_reason`` maps the engine's.
 
     ``markers``: the call markers that are special tokens (token id: text); ``decode``
-    turns token ids into text as the engine does (to find where a marker was)."""
+    turns token ids into text as the engine does (to find where a marker was).
+    ``named``: the request named the function to call (``tool_choice`` a function)."""
 
     def __init__(
         self,
@@ -87,11 +88,13 @@ class ChatOutputParser:
         tools: StreamedCalls | WholeCalls | None,
         markers: Mapping[int, str] | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        named: bool = False,
     ) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.markers = markers or {}
         self.decode = decode  # token ids to text, as the answer's text decodes them
+        self.named = named
         self._last_arguments = ""  # the last call's arguments so far
 
     @property
@@ -154,8 +157,9 @@ class ChatOutputParser:
     def finish_reason(self, reason: str | None, stop_reason: int | str | None = None) -> str | None:
         """OpenAI's: "tool_calls" when the answer ended after making calls; but "stop"
         when a stop string cut the last call short (its arguments are not whole JSON:
-        "tool_calls" would tell an agent to run it)."""
-        if reason != "stop" or not self.num_calls:
+        "tool_calls" would tell an agent to run it), and "stop" for the call of a named
+        function (``tool_choice`` a function), as OpenAI's API and vLLM give it."""
+        if reason != "stop" or not self.num_calls or self.named:
             return reason
         if isinstance(stop_reason, str) and not _whole_json(self._last_arguments):
             return "stop"
@@ -236,7 +240,8 @@ class ChatParsing:
         if reader is None and reasoning is None:
             return None
         markers = self.special_markers if reader is not None and skip_special_tokens else None
-        return ChatOutputParser(reasoning, reader, markers, self.decode)
+        named = tools.choice.mode == "function"
+        return ChatOutputParser(reasoning, reader, markers, self.decode, named)
 
 
 def special_markers(tokenizer: Any, markers: Sequence[str]) -> dict[int, str]:
