@@ -338,6 +338,21 @@ async def read_until_ended(
     return outputs, messages
 
 
+async def read_until_delta(
+    call: Any, tag: int
+) -> tuple[dict[int, list[pb.TaggedOutput]], list[pb.GenerateManyResponse]]:
+    """Read a GenerateMany call until ``tag`` has sent a delta (it is running)."""
+    outputs: dict[int, list[pb.TaggedOutput]] = defaultdict(list)
+    messages: list[pb.GenerateManyResponse] = []
+    while not outputs[tag]:
+        message = await call.read()
+        assert message is not grpc.aio.EOF, f"the call ended before tag {tag} ran"
+        messages.append(message)
+        for out in message.outputs:
+            outputs[out.tag].append(out)
+    return outputs, messages
+
+
 def test_generate_many_streams_each_request_as_generate_does_in_shared_messages(
     llm_engine: LLMEngine,
 ) -> None:
@@ -384,7 +399,6 @@ def test_generate_many_refuses_bad_commands_one_by_one(llm_engine: LLMEngine) ->
         commands = [
             start(1, request("many-bad", 0)),  # max_tokens 0
             start(2, request("many-long", LONG)),
-            start(2, request("many-same-tag", 4)),
             start(3, request("many-long", 4)),  # the client id is in use: allowed
             start(4, pb.GenerateRequest(request_id="many-no-prompt")),
         ]
@@ -395,7 +409,7 @@ def test_generate_many_refuses_bad_commands_one_by_one(llm_engine: LLMEngine) ->
         assert (errors[1].param, errors[4].param) == ("max_tokens", "prompt")
         assert outputs[3][-1].final.usage.completion_tokens == 4
 
-        # The long request carries on; the refused duplicate tag left it alone.
+        # The long request carries on; a cancel ends it, and one of an unknown tag is ignored.
         await eventually(lambda: s.client_ids() == ["many-long"])
         await call.write(pb.GenerateManyRequest(commands=[cancel(2), cancel(99)]))
         _, messages = await read_until_ended(call, {2})
@@ -404,6 +418,36 @@ def test_generate_many_refuses_bad_commands_one_by_one(llm_engine: LLMEngine) ->
         assert ends[0].final.finish_reason == "abort"
         assert 0 < ends[0].final.usage.completion_tokens < LONG
         call.cancel()
+
+    serve(llm_engine, body)
+
+
+def test_a_start_with_the_tag_of_an_open_request_ends_both_with_one_error(
+    llm_engine: LLMEngine,
+) -> None:
+    """The client could not tell the two requests' outputs apart: the open one is aborted
+    and its tag ends with the Error alone, nothing after it."""
+
+    async def body(s: Served) -> None:
+        call = s.stub.GenerateMany()
+        await call.write(pb.GenerateManyRequest(commands=[start(1, request("first", LONG))]))
+        await read_until_delta(call, 1)
+        await call.write(pb.GenerateManyRequest(commands=[start(1, request("again", 4))]))
+        ended, _ = await read_until_ended(call, {1})
+        error = ended[1][-1].error
+        assert ended[1][-1].WhichOneof("kind") == "error", ended[1][-1]
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "tag 1" in error.message
+        await eventually(s.is_idle)  # the first request was aborted, the second never ran
+
+        # A request that runs after the Error sees no more of tag 1 on the call.
+        await call.write(pb.GenerateManyRequest(commands=[start(2, request("after", 6))]))
+        later, _ = await read_until_ended(call, {2})
+        assert set(later) == {2}, later.keys()
+        assert later[2][-1].final.usage.completion_tokens == 6
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
 
     serve(llm_engine, body)
 

@@ -439,12 +439,8 @@ class _ManyCall:
             for command in message.commands:
                 kind = command.WhichOneof("kind")
                 if kind == "start":
-                    if command.tag in self.started or command.tag in self.starting:
-                        refused = _Refused(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"tag {command.tag} is in use by a running request",
-                        )
-                        self._push(_error_output(command.tag, refused))
+                    if self._in_use(command.tag):
+                        self._end_reused_tag(command.tag)
                         continue
                     task = asyncio.create_task(self._start(command))
                     self.starting[command.tag] = task
@@ -476,8 +472,30 @@ class _ManyCall:
         self.started[tag] = started
 
     def _built(self, tag: int, task: asyncio.Task[None]) -> None:
-        del self.starting[tag]
+        if self.starting.get(tag) is task:  # (a new start may have taken the tag since)
+            del self.starting[tag]
         self.wake.set()  # the call may be over now
+
+    def _in_use(self, tag: int) -> bool:
+        """The tag names a request that has not sent its last output (a start that was
+        refused while being built has sent its Error: the tag is free again)."""
+        building = self.starting.get(tag)
+        return tag in self.started or (building is not None and not building.done())
+
+    def _end_reused_tag(self, tag: int) -> None:
+        """A start with the tag of an open request: the client can no longer tell their
+        outputs apart, so the open request ends too (aborted: nothing more of it is sent)
+        and the tag gets one ending, this Error; the new start is not run."""
+        refused = _Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"tag {tag} was started again while its request was open: "
+            "that request is aborted and the new one not started",
+        )
+        if (started := self.started.get(tag)) is not None:
+            self._end(tag, started, abort=True)
+        else:
+            self.starting[tag].cancel()  # still being built: it never reaches the engine
+        self._push(_error_output(tag, refused))
 
     def _on_output(self, tag: int, started: _Started, out: RequestOutput | BaseException) -> None:
         try:
