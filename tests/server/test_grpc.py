@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from kvserve.llm import LLM
 from kvserve.rpc import codec
 from kvserve.rpc import engine_pb2 as pb
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.grpc_service import start_grpc_server
+from kvserve.server.grpc_service import EngineServicer, start_grpc_server
 from kvserve.testing.checkpoints import build_random_checkpoint
 from tests.support.grpc_engine import BLOCK_SIZE, LONG, PROMPT, Served, request, serve
 from tests.support.waiting import eventually
@@ -389,6 +389,73 @@ def test_generate_many_streams_each_request_as_generate_does_in_shared_messages(
         # Both requests ran in the same steps: their deltas shared messages.
         assert any(len({o.tag for o in m.outputs}) == 2 for m in messages)
         assert len(messages) < sum(len(o) for o in outputs.values())
+
+    serve(llm_engine, body)
+
+
+class StalledReader:
+    """The servicer's side of a GenerateMany call whose client has stopped reading: each
+    write waits until ``reading`` is set, as one does once the client's flow-control
+    window is full (gRPC itself buffers megabytes first, which a test would have to fill)."""
+
+    def __init__(self) -> None:
+        self.reading = asyncio.Event()
+        self.messages: list[pb.GenerateManyResponse] = []
+
+    async def write(self, message: pb.GenerateManyResponse) -> None:
+        await self.reading.wait()
+        self.messages.append(message)
+
+
+def test_a_generate_many_client_that_stops_reading_gets_its_steps_merged(
+    llm_engine: LLMEngine,
+) -> None:
+    """While a client reads nothing, its requests run to their end and the server holds
+    one output per request, their steps merged, not a message per request and step (a
+    client that never reads again would otherwise grow the server without bound). Read
+    afterwards: the tokens, text and logprobs of a reading client, in a few deltas."""
+    n, tags = 200, (1, 2)
+
+    async def body(s: Served) -> None:
+        alone = [r async for r in s.stub.Generate(request("alone", n, logprobs=5))]
+        client, ended = StalledReader(), asyncio.Event()
+
+        async def commands() -> AsyncIterator[pb.GenerateManyRequest]:
+            starts = [start(t, request(f"stalled-{t}", n, logprobs=5)) for t in tags]
+            yield pb.GenerateManyRequest(commands=starts)
+            await ended.wait()  # the client half-closes once it has read everything
+
+        call = asyncio.create_task(EngineServicer(s.engine).GenerateMany(commands(), client))
+        # Both in the engine (a step takes milliseconds, the two ~n steps), then both
+        # ran to their end.
+        await eventually(lambda: s.client_ids() == [f"stalled-{t}" for t in tags])
+        await eventually(lambda: not s.engine.engine.requests)
+        client.reading.set()
+        await eventually(
+            lambda: (
+                {o.tag for m in client.messages for o in m.outputs if o.HasField("final")}
+                == set(tags)
+            )
+        )
+        ended.set()
+        await call
+        outputs = defaultdict(list)
+        for message in client.messages:
+            for out in message.outputs:
+                outputs[out.tag].append(out)
+        for tag in tags:
+            deltas = [o.delta for o in outputs[tag][:-1]]
+            assert outputs[tag][-1].final.usage.completion_tokens == n
+            assert len(deltas) <= 2  # the step written before the stall, then the rest
+            assert [t for d in deltas for t in d.token_ids] == [
+                t for r in alone[:-1] for t in r.delta.token_ids
+            ]
+            assert "".join(d.text for d in deltas) == "".join(r.delta.text for r in alone[:-1])
+            got = [e for d in deltas for e in d.logprobs]
+            want = [e for r in alone[:-1] for e in r.delta.logprobs]
+            assert [(e.token_id, sorted(e.top)) for e in got] == [
+                (e.token_id, sorted(e.top)) for e in want
+            ]
 
     serve(llm_engine, body)
 

@@ -55,10 +55,11 @@ log = logging.getLogger(__name__)
 # A GenerateMany batch is split above this many outputs (a client that fell far behind
 # must not get one message over its receive limit).
 MAX_OUTPUTS_PER_MESSAGE = 1024
-# ... and after its first echo (the one large output: a prompt's text and scores, at most
-# MAX_PROMPT_LOGPROB_ENTRIES of them), at most this many bytes of echoes: a gateway
-# receives messages of up to 16 MiB (gateway/upstream.py).
-MAX_ECHO_BYTES_PER_MESSAGE = 4 * 1024 * 1024
+# ... and after its first large output (an echo: a prompt's text and scores, at most
+# MAX_PROMPT_LOGPROB_ENTRIES of them; or a request's steps merged while the client was
+# behind), at most this many bytes of large ones: a gateway receives messages of up to
+# kvserve.rpc.listen.MAX_MESSAGE_BYTES.
+MAX_LARGE_BYTES_PER_MESSAGE = 4 * 1024 * 1024
 
 
 class _Refused(Exception):
@@ -396,9 +397,12 @@ class _ManyCall:
     """One ``GenerateMany`` call: the requests it started, and the batches it writes.
 
     Engine outputs arrive through ``AsyncEngine.add_request`` sinks, one event-loop
-    callback per engine step; they are converted there and queued, and the writer sends
-    whatever is queued in one message. Outputs that queue up while a write is in flight
-    leave together in the next one.
+    callback per engine step, and wait per tag until the writer turns what waits into
+    messages and sends them together in one. While a write is in flight (a slow client,
+    or one that stopped reading), a tag's later outputs merge into its waiting one
+    (``RequestOutput.absorb``): the call holds one output per request, growing with its
+    text, not a message per request and step (the invariant of the engine's
+    ``RequestStream``).
 
     Each start is built in a task of its own: a request whose building takes long (a
     long prompt tokenized off the loop, a grammar compiled) must not hold up the starts
@@ -413,8 +417,11 @@ class _ManyCall:
         self.token_text = tokenizer_text(servicer.engine.engine.tokenizer)
         self.started: dict[int, _Started] = {}
         self.starting: dict[int, asyncio.Task[None]] = {}  # being built
-        self.ready: list[pb.TaggedOutput] = []
-        self.echo_bytes: list[int] = []  # per ready output: its size if it echoes, else 0
+        # Per tag, in order of first arrival: its output not yet encoded, and whether it
+        # absorbed others (then it may be large: its size is measured).
+        self.pending: dict[int, tuple[_Started, RequestOutput, bool]] = {}
+        self.ready: list[pb.TaggedOutput] = []  # encoded, to write
+        self.sizes: list[int] = []  # per ready output: its size if it may be large, else 0
         self.wake = asyncio.Event()
 
     async def run(self, commands: AsyncIterator[pb.GenerateManyRequest]) -> None:
@@ -424,7 +431,7 @@ class _ManyCall:
             while True:
                 await self.wake.wait()
                 self.wake.clear()
-                while self.ready:
+                while self.ready or self.pending:
                     await self.context.write(pb.GenerateManyResponse(outputs=self._batch()))
                 ended = not self.started and not self.starting
                 if reader.done() and (ended or reader.exception() is not None):
@@ -439,6 +446,7 @@ class _ManyCall:
             for command in message.commands:
                 kind = command.WhichOneof("kind")
                 if kind == "start":
+                    self._encode(command.tag)  # (its last output may be waiting)
                     if self._in_use(command.tag):
                         self._end_reused_tag(command.tag)
                         continue
@@ -498,38 +506,60 @@ class _ManyCall:
         self._push(_error_output(tag, refused))
 
     def _on_output(self, tag: int, started: _Started, out: RequestOutput | BaseException) -> None:
+        if self.started.get(tag) is not started:
+            return  # ended already (its tag started again): nothing more of it is sent
+        if isinstance(out, BaseException):  # the engine failed it
+            self._encode(tag)  # what it gave before goes first
+            self._push(_error_output(tag, _refusal(out, started.grammar_param)))
+            self._end(tag, started, abort=True)
+            return
+        waiting = self.pending.get(tag)
+        if waiting is not None:
+            out = out.absorb(waiting[1])
+        self.pending[tag] = (started, out, waiting is not None)
+        self.wake.set()
+
+    def _encode(self, tag: int) -> None:
+        """The tag's waiting output, as messages ready to write."""
+        entry = self.pending.pop(tag, None)
+        if entry is None:
+            return
+        started, out, merged = entry
         try:
-            if isinstance(out, BaseException):
-                raise out
             delta, final = started.encode(out, self.token_text)
-            if delta is not None:
-                self._push(pb.TaggedOutput(tag=tag, delta=delta))
-            if final is not None:
-                self._push(pb.TaggedOutput(tag=tag, final=final))
-                self._end(tag, started, abort=False)
-        except Exception as exc:  # the engine failed it, or turning it into messages did
-            if out is not exc:
-                log.exception("request %s failed in GenerateMany", started.request_id)
+        except Exception as exc:  # turning it into messages failed
+            log.exception("request %s failed in GenerateMany", started.request_id)
             self._push(_error_output(tag, _refusal(exc, started.grammar_param)))
             self._end(tag, started, abort=True)
+            return
+        if delta is not None:
+            self._push(pb.TaggedOutput(tag=tag, delta=delta), measure=merged)
+        if final is not None:
+            self._push(pb.TaggedOutput(tag=tag, final=final))
+            self._end(tag, started, abort=False)
 
     def _batch(self) -> list[pb.TaggedOutput]:
-        """The next message's outputs, from the ready ones: at most MAX_OUTPUTS_PER_MESSAGE,
-        and no more echoes after the first than MAX_ECHO_BYTES_PER_MESSAGE."""
+        """The next message's outputs: the ready ones (the waiting ones encoded when none
+        are), at most MAX_OUTPUTS_PER_MESSAGE, and after the first no more large ones
+        (echoes, merged outputs) than MAX_LARGE_BYTES_PER_MESSAGE."""
+        if not self.ready:
+            for tag in list(self.pending):
+                self._encode(tag)
         n, size = 0, 0
         while n < min(len(self.ready), MAX_OUTPUTS_PER_MESSAGE):
-            size += self.echo_bytes[n]
-            if n and size > MAX_ECHO_BYTES_PER_MESSAGE:
+            size += self.sizes[n]
+            if n and size > MAX_LARGE_BYTES_PER_MESSAGE:
                 break
             n += 1
         batch = self.ready[:n]
-        del self.ready[:n], self.echo_bytes[:n]
+        del self.ready[:n], self.sizes[:n]
         return batch
 
-    def _push(self, output: pb.TaggedOutput) -> None:
+    def _push(self, output: pb.TaggedOutput, measure: bool = False) -> None:
+        """Queue ``output``; ``measure``: it may be large (an echo is measured anyway)."""
         self.ready.append(output)
         echoes = output.WhichOneof("kind") == "delta" and output.delta.HasField("echo")
-        self.echo_bytes.append(output.ByteSize() if echoes else 0)
+        self.sizes.append(output.ByteSize() if echoes or measure else 0)
         self.wake.set()
 
     def _end(self, tag: int, started: _Started, abort: bool) -> None:
@@ -538,6 +568,7 @@ class _ManyCall:
         self.engine.release(started.request_id, abort=abort)
 
     def abort_all(self) -> None:
+        self.pending.clear()
         for task in list(self.starting.values()):
             task.cancel()
         for tag, started in list(self.started.items()):
