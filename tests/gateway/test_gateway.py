@@ -246,6 +246,7 @@ def test_echo_through_the_gateway_is_the_replicas(
 
 def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> None:
     body = {**GREEDY, "prompt": "hi", "max_tokens": 2}
+    upstream_errors = gateway.metric("kvserve_gateway_upstream_errors_total")
     with gateway.client(key=None) as anonymous:
         r = anonymous.post("/v1/completions", json=body)
         assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
@@ -281,6 +282,8 @@ def test_every_refusal_has_its_status_headers_and_metric(gateway: Gateway) -> No
     for reason, n in [("unauthenticated", 2), ("forbidden", 1), ("payload_too_large", 1)]:
         assert gateway.metric("kvserve_gateway_rejections_total", reason=reason) == n
     assert gateway.metric("kvserve_gateway_rejections_total", reason="invalid") >= 4
+    # The prompt the replica refused was the client's error, not a failed call to it.
+    assert gateway.metric("kvserve_gateway_upstream_errors_total") == upstream_errors
 
 
 def test_a_lone_surrogate_escape_is_named_in_the_400(gateway: Gateway) -> None:

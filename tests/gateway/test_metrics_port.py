@@ -48,6 +48,17 @@ def test_the_metrics_port_serves_metrics_and_the_api_port_does_not(
         assert r.status_code == 200, r.text
         assert r.headers["content-type"].startswith("text/plain")
         assert families(r.text) >= GATEWAY_FAMILIES
+        # Before any request, the model's latency histograms read 0 (not "No data").
+        counts = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(r.text)
+            for sample in family.samples
+            if sample.name.endswith("_seconds_count") and sample.labels.get("model")
+        }
+        assert counts == {
+            "kvserve_gateway_time_to_first_token_seconds_count": 0,
+            "kvserve_gateway_e2e_request_latency_seconds_count": 0,
+        }
         # The gauges are refreshed from the replica table on each scrape, there too.
         assert metric(metrics_url, "kvserve_gateway_replicas", state="healthy") == len(replicas)
         assert httpx.get(f"{metrics_url}/v1/models").status_code == 404

@@ -154,11 +154,12 @@ class UpstreamCall:
             first = failed[0]
             code = first.code() if isinstance(first, grpc.aio.AioRpcError) else None
             detail = first.details() if isinstance(first, grpc.aio.AioRpcError) else "empty"
-            st.metrics.upstream_errors.labels(self.model, code.name if code else "EOF").inc()
             self._release_slot()
             if isinstance(first, grpc.aio.AioRpcError) and (error := refused(first)):
+                # The client's error, which the replica found: not a failed call to it.
                 st.metrics.rejections.labels("invalid").inc()
                 raise error
+            st.metrics.upstream_errors.labels(self.model, code.name if code else "EOF").inc()
             if code == grpc.StatusCode.NOT_FOUND and self.adapter is not None:
                 # The adapter was unloaded there since the last poll: the replica is fine.
                 adapters.forget(self.replica, self.adapter)

@@ -7,13 +7,16 @@ chunk with visible text was handed to the client's connection.
 =================================================== =======================================
 Metric                                              Definition
 =================================================== =======================================
-``kvserve_gateway_requests_total``                  counter by ``model``, ``status`` (HTTP)
+``kvserve_gateway_requests_total``                  counter by ``model``, ``status`` (HTTP):
+                                                    requests the gateway sent on
 ``kvserve_gateway_rejections_total``                counter by ``reason``: unauthenticated,
                                                     forbidden, rate_limited_requests,
                                                     rate_limited_tokens, concurrency,
                                                     queue_full, queue_timeout,
                                                     no_healthy_replica,
-                                                    payload_too_large, invalid
+                                                    payload_too_large, invalid (also a
+                                                    400 a replica gave: then counted
+                                                    under ``requests_total`` too)
 ``kvserve_gateway_queue_length``                    gauge: requests waiting for a replica
 ``kvserve_gateway_queue_wait_seconds``              histogram: admission wait (0 if none),
                                                     a hold for a first replica included
@@ -28,7 +31,9 @@ Metric                                              Definition
 ``kvserve_gateway_routing_overrides_total``         counter by ``model``: prefix routes sent
                                                     elsewhere (load bound or retry); LoRA
                                                     requests past the adapter's replicas
-``kvserve_gateway_upstream_errors_total``           counter by ``model``, ``code`` (gRPC)
+``kvserve_gateway_upstream_errors_total``           counter by ``model``, ``code`` (gRPC):
+                                                    calls that failed, not a replica's
+                                                    refusal of the client's request
 ``kvserve_gateway_retries_total``                   counter by ``model``
 ``kvserve_gateway_time_to_first_token_seconds``     histogram by ``model``: TTFT = f − s
 ``kvserve_gateway_e2e_request_latency_seconds``     histogram by ``model``: E2E = e − s
@@ -138,10 +143,11 @@ class GatewayMetrics:
         )  # fmt: skip
 
     def add_model(self, model: str) -> None:
-        """Create the model's counters at 0, so ``rate()`` sees their first increment
-        (a series that appears at 1 has no earlier sample to rise from)."""
-        for counter in (self.overrides, self.retries, self.disconnects):
-            counter.labels(model)
+        """Create the model's counters (and latency histograms) at 0, so ``rate()`` sees
+        their first increment (a series that appears at 1 has no earlier sample to rise
+        from), and a dashboard panel of them reads 0, not "No data"."""
+        for metric in (self.overrides, self.retries, self.disconnects, self.ttft, self.e2e):
+            metric.labels(model)
         self.requests.labels(model, "200")
 
     def set_held(self, counts: Mapping[str, int]) -> None:
