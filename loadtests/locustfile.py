@@ -32,7 +32,7 @@ import gevent
 from gevent.pool import Group
 from locust import HttpUser, LoadTestShape, User, constant, events, task
 from locust.env import Environment
-from locust.runners import STATE_CLEANUP, STATE_STOPPED, STATE_STOPPING
+from locust.runners import STATE_CLEANUP, STATE_INIT, STATE_STOPPED, STATE_STOPPING
 from locust.stats import CSV_STATS_INTERVAL_SEC
 from requests.adapters import HTTPAdapter
 
@@ -87,13 +87,12 @@ def _test_start(environment: Environment, **_: Any) -> None:
         run.settings = Settings.from_namespace(environment.parsed_options)  # web UI may edit
         run.start(environment.host or "")
     except Exception as exc:
-        run.workload = None  # users stop at once; nothing is reported
+        # The users idle and the shape's next tick ends the test (KvserveShape.tick). Ending
+        # it from here raced Locust's own end of a shape test: both stopped the same users,
+        # and Locust printed a greenlet traceback per user under this error.
+        run.workload = None
         print(f"kvserve load test: error: {exc}", file=sys.stderr)
         environment.process_exit_code = 2
-        runner = environment.runner
-        if runner is not None:
-            headless = environment.parsed_options and environment.parsed_options.headless
-            gevent.spawn(runner.quit if headless else runner.stop)
 
 
 @events.test_stop.add_listener  # type: ignore[untyped-decorator]
@@ -251,7 +250,10 @@ class KvserveShape(LoadTestShape):
         assert self.runner is not None
         opts = self.runner.environment.parsed_options
         assert opts is not None
-        s = _run().settings
+        run = _run()
+        if run.workload is None and self.runner.state != STATE_INIT:
+            return None  # test_start has run (the state left INIT) and failed: stop
+        s = run.settings
         elapsed = self.get_run_time()
         if opts.run_time and elapsed >= opts.run_time:
             return None

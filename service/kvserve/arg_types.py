@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from urllib.parse import urlsplit
 
 
 def positive_int(text: str) -> int:
@@ -27,3 +28,18 @@ def positive_seconds(text: str) -> float:
     if not 0 < value < math.inf:  # NaN fails too
         raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
     return value
+
+
+def http_url(text: str) -> str:
+    """An http(s) URL with a host (``http://127.0.0.1:8000``): without a scheme, the
+    failure came only later, from deep inside the run."""
+    try:
+        parts = urlsplit(text)
+        _ = parts.port  # raises ValueError for a port that is no number or out of range
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: not an http(s) URL such as http://127.0.0.1:8000"
+        )
+    return text

@@ -21,6 +21,7 @@ from kvserve.loadtest import cli
 from kvserve.loadtest.records import read_records
 from kvserve.loadtest.report import Slo, WindowRule, read_summary, summarize
 from kvserve.loadtest.sweep import locust_runner, sweep
+from tests.support.net import free_port
 from tests.support.processes import start_logged
 from tests.support.replicas import Replica, start_replicas
 from tests.support.waiting import wait_until
@@ -148,3 +149,30 @@ def test_ctrl_c_ends_a_run_with_its_report(replica: Replica, tmp_path: Path) -> 
     assert (out / "summary.json").is_file(), proc.tail()
     assert read_summary(out / "summary.json").requests.succeeded >= 2
     assert (out / "latency_cdf.png").is_file(), proc.tail()  # the plots come last
+
+
+def test_a_run_that_cannot_start_is_one_error(tmp_path: Path) -> None:
+    """Nothing listens at --host: the run ends with kvserve's error and exit code 2. Locust
+    also printed a greenlet traceback per user ("Tried to stop User in an unexpected
+    state"): the locustfile and Locust's end of a shape test both stopped the users."""
+    host = f"http://127.0.0.1:{free_port()}"
+    cmd = [
+        sys.executable, "-m", "kvserve", "loadtest", "run", "-H", host, "-u", "2", "-t", "30s",
+        "--out-dir", str(tmp_path / "run"), "--no-plots",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"cannot reach {host}/v1/models" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_host_that_is_no_url_is_refused_before_locust_starts() -> None:
+    cmd = [sys.executable, "-m", "kvserve", "loadtest", "run", "-H", "127.0.0.1:8000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "kvserve loadtest run: error: argument -H/--host: '127.0.0.1:8000': not an http(s) "
+        "URL such as http://127.0.0.1:8000"
+    ), proc.stderr
+    assert "Starting Locust" not in proc.stderr, proc.stderr

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvserve.arg_types import positive_int
+from kvserve.arg_types import http_url, positive_int
 from kvserve.loadtest.options import DEFAULT_STOP_TIMEOUT_S, OPTIONS, add_options, to_argv
 
 
@@ -44,6 +44,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "-H",
         "--host",
         required=True,
+        type=http_url,
         help="base URL of the engine server or gateway, e.g. http://127.0.0.1:8000",
     )
     p.add_argument("--locustfile", help="default: loadtests/locustfile.py of this repository")
