@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from kvserve.cli import command_paths
 from tests.support.fresh_python import heavy_modules_after
+from tests.support.processes import run_into_closed_pipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,6 +83,14 @@ def test_an_unknown_flag_is_refused_with_the_commands_own_usage(
     err = capsys.readouterr().err
     assert err.startswith("usage: kvserve calc ") and "--config" in err, err
     assert err.rstrip().endswith("kvserve calc: error: unrecognized arguments: --bogus 1")
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """``kvserve ... | head -1``: the reader is gone before the output is written. Python
+    complained at exit (BrokenPipeError, status 120); a Unix tool stops quietly."""
+    proc = run_into_closed_pipe([sys.executable, "-m", "kvserve", "gateway", "--new-key"])
+    assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
+    assert proc.stderr == ""
 
 
 def test_a_command_imports_only_its_own_module() -> None:

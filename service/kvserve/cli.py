@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -240,7 +243,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"unrecognized arguments: {' '.join(unknown)}"
         )
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader gone shows here, not in Python's flush at exit
+        return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # a socket's, not `kvserve ... | head`'s
+        # Stop quietly, as Unix tools do when the reader has all it wants; what is still
+        # buffered goes to /dev/null (Python's own flush at exit would raise again).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # a shell's status for a tool that SIGPIPE ended
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no file descriptor (captured output), or closed
+        return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -67,3 +68,21 @@ def remove_logs() -> None:
         proc.stop()
         proc.remove_log()
     STARTED.clear()
+
+
+def run_into_closed_pipe(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` with standard output a pipe whose reader is already gone (what
+    ``cmd | head -1`` comes to once head has its line); stderr is captured."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            list(args),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
