@@ -19,14 +19,27 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_seconds(text: str) -> float:
-    """A finite number of seconds > 0."""
+def number(text: str) -> float:
+    """A number (``float``), or the usage error that says it is none."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    value = number(text)
     if not 0 < value < math.inf:  # NaN fails too
         raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
+    return value
+
+
+def non_negative_seconds(text: str) -> float:
+    """A finite number of seconds ≥ 0."""
+    value = number(text)
+    if not 0 <= value < math.inf:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 seconds or more")
     return value
 
 

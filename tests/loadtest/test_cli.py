@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -12,8 +13,9 @@ import pytest
 from kvserve.loadtest import cli
 from kvserve.loadtest.options import Settings, add_options, describe_argv, to_argv
 from kvserve.loadtest.records import write_records
-from kvserve.loadtest.report import Slo, summarize, write_summary
+from kvserve.loadtest.report import Slo, WindowRule, summarize, write_summary
 from tests.loadtest.helpers import cohort_100
+from tests.support.processes import run_into_closed_pipe
 
 
 def test_report_recomputes_and_gates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,20 +35,91 @@ def test_report_recomputes_and_gates(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert (tmp_path / "again" / "latency_cdf.png").is_file()
 
 
+def saved_run(run_dir: Path, slo: Slo, rule: WindowRule | None = None) -> Path:
+    """A run's outputs as ``kvserve loadtest run`` leaves them: the records of
+    ``cohort_100`` and the summary.json of its SLO and window rule; the records' path."""
+    path = run_dir / "records.jsonl"
+    write_records(path, cohort_100())
+    write_summary(summarize(cohort_100(), slo, rule), run_dir)
+    return path
+
+
 def test_report_takes_the_runs_slo_by_default(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = tmp_path / "records.jsonl"
-    write_records(path, cohort_100())
-    write_summary(
-        summarize(cohort_100(), Slo(ttft_ms=1000, tpot_ms=100, attainment=0.96)), tmp_path
-    )
+    path = saved_run(tmp_path, Slo(ttft_ms=1000, tpot_ms=100, attainment=0.96))
     assert cli.main(["report", str(path)]) == 1  # 95% < the run's 96%
     assert "TTFT ≤ 1000 ms and TPOT ≤ 100 ms, attainment target 96%" in capsys.readouterr().out
     other = tmp_path / "other.jsonl"
     write_records(other, [r for r in cohort_100() if r.ok])
-    assert cli.main(["report", str(path), "--slo-ttft-ms", "1000", "--compare", str(other)]) == 0
+    args = ["report", str(path), "--slo-attainment", "0.95", "--compare", str(other)]
+    assert cli.main(args) == 0
     assert "B − A" in capsys.readouterr().out
+
+
+def test_one_slo_flag_overrides_only_its_own_slo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A single SLO flag dropped the run's other SLOs (TTFT gone, attainment back to 90%)."""
+    path = saved_run(tmp_path, Slo(ttft_ms=1000, tpot_ms=100, attainment=0.96))
+    assert cli.main(["report", str(path), "--slo-tpot-ms", "200"]) == 0  # 96 of 98 ≥ 96%
+    out = capsys.readouterr().out
+    assert "SLO: TTFT ≤ 1000 ms and TPOT ≤ 200 ms, attainment target 96%" in out, out
+
+
+def test_report_applies_the_runs_window_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's steady window (warm-up 2 s, cool-down 1 s) was not saved, and the report
+    used the closed cohort unless told otherwise."""
+    path = saved_run(tmp_path, Slo(ttft_ms=1000, tpot_ms=100), WindowRule("steady", 2.0, 1.0))
+    assert cli.main(["report", str(path), "--json"]) in (0, 1)
+    window = json.loads(capsys.readouterr().out)["window"]
+    assert (window["rule"], window["warmup_s"], window["cooldown_s"]) == ("steady", 2.0, 1.0)
+    # A flag overrides only its own part of the rule.
+    assert cli.main(["report", str(path), "--json", "--cooldown-s", "0"]) in (0, 1)
+    window = json.loads(capsys.readouterr().out)["window"]
+    assert (window["rule"], window["warmup_s"], window["cooldown_s"]) == ("steady", 2.0, 0.0)
+    assert cli.main(["report", str(path), "--window", "cohort"]) == 0
+    assert "window: closed cohort: all 100 requests" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--warmup-s", "--cooldown-s"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_report_refuses_a_warmup_or_cooldown_that_is_no_length_of_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    path = tmp_path / "records.jsonl"
+    write_records(path, cohort_100())
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["report", str(path), "--window", "steady", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"report: error: argument {flag}: {value!r}: " in err, err
+
+
+def test_a_saved_window_rule_of_the_wrong_shape_is_one_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "records.jsonl"
+    write_records(path, cohort_100())
+    for window, why in (
+        ({"rule": "weekly"}, "the window rule must be cohort or steady, got 'weekly'"),
+        ({"rule": "steady", "warmup_s": "2"}, "the window's warmup_s must be a number"),
+        ({"rule": "steady", "cooldown_s": -1}, "the window's cooldown_s must be ≥ 0 s"),
+    ):
+        (tmp_path / "summary.json").write_text(json.dumps({"window": window}))
+        assert cli.main(["report", str(path)]) == 2
+        assert f"kvserve report: error: {why}" in capsys.readouterr().err
+
+
+def test_report_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`kvserve report ... | head -1` ended in a BrokenPipeError traceback."""
+    path = tmp_path / "records.jsonl"
+    write_records(path, cohort_100())
+    proc = run_into_closed_pipe([sys.executable, "-m", "kvserve", "report", str(path)])
+    assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
+    assert proc.stderr == ""
 
 
 def test_report_errors_are_explained(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

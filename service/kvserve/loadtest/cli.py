@@ -15,9 +15,11 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from kvserve.arg_types import http_url, positive_int
+from kvserve.arg_types import http_url, non_negative_seconds, positive_int
 from kvserve.loadtest.options import DEFAULT_STOP_TIMEOUT_S, OPTIONS, add_options, to_argv
+from kvserve.loadtest.report import Slo, WindowRule
 
 
 def default_locustfile() -> Path | None:
@@ -220,16 +222,13 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         help="records.jsonl files of one run (several: e.g. one per Locust worker)",
     )
-    p.add_argument(
-        "--slo-ttft-ms",
-        type=float,
-        help="default: the SLO in summary.json next to the records, if any",
-    )
-    p.add_argument("--slo-tpot-ms", type=float)
-    p.add_argument("--slo-attainment", type=float)
-    p.add_argument("--window", choices=("cohort", "steady"), default="cohort")
-    p.add_argument("--warmup-s", type=float, default=0.0)
-    p.add_argument("--cooldown-s", type=float, default=0.0)
+    saved = "default: the run's, from the summary.json next to the records"
+    p.add_argument("--slo-ttft-ms", type=float, help=f"{saved}; else none")
+    p.add_argument("--slo-tpot-ms", type=float, help=f"{saved}; else none")
+    p.add_argument("--slo-attainment", type=float, help=f"{saved}; else 0.9")
+    p.add_argument("--window", choices=("cohort", "steady"), help=f"{saved}; else cohort")
+    p.add_argument("--warmup-s", type=non_negative_seconds, help=f"{saved}; else 0")
+    p.add_argument("--cooldown-s", type=non_negative_seconds, help=f"{saved}; else 0")
     p.add_argument(
         "--compare",
         type=Path,
@@ -244,42 +243,55 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true")
 
 
-def _slo_from(args: argparse.Namespace) -> tuple[float | None, float | None, float]:
-    """The SLO flags, completed from the run's own summary.json when not given."""
-    saved: dict[str, float | None] = {}
+def _saved_summary(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's own summary.json next to the records ({} when there is none, or it is no
+    JSON object)."""
     summary_json = args.records[0].parent / "summary.json"
-    if summary_json.is_file():
-        try:
-            found = json.loads(summary_json.read_text())
-        except ValueError:
-            found = None
-        slo = found.get("slo") if isinstance(found, dict) else None
-        saved = slo if isinstance(slo, dict) else {}
-    explicit = (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_attainment)
-    if any(v is not None for v in explicit):
-        saved = {}  # any SLO flag given: use the flags alone
-    return (
-        args.slo_ttft_ms if args.slo_ttft_ms is not None else saved.get("ttft_ms"),
-        args.slo_tpot_ms if args.slo_tpot_ms is not None else saved.get("tpot_ms"),
-        args.slo_attainment
-        if args.slo_attainment is not None
-        else float(saved.get("attainment") or 0.9),
+    if not summary_json.is_file():
+        return {}
+    try:
+        found = json.loads(summary_json.read_text())
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _flag_or_saved(flag: Any, summary: dict[str, Any], section: str, key: str, default: Any) -> Any:
+    """A report flag's value; when it is not given, the run's (``summary[section][key]``);
+    when the run saved none either, ``default``."""
+    saved = summary.get(section)
+    for value in (flag, saved.get(key) if isinstance(saved, dict) else None):
+        if value is not None:
+            return value
+    return default
+
+
+def _slo_from(args: argparse.Namespace, summary: dict[str, Any]) -> Slo:
+    """The SLO flags; each one not given is the run's (a flag overrides only its own)."""
+    return Slo(
+        _flag_or_saved(args.slo_ttft_ms, summary, "slo", "ttft_ms", None),
+        _flag_or_saved(args.slo_tpot_ms, summary, "slo", "tpot_ms", None),
+        _flag_or_saved(args.slo_attainment, summary, "slo", "attainment", 0.9),
+    )
+
+
+def _rule_from(args: argparse.Namespace, summary: dict[str, Any]) -> WindowRule:
+    """The window flags; each one not given is the run's."""
+    return WindowRule(
+        _flag_or_saved(args.window, summary, "window", "rule", "cohort"),
+        _flag_or_saved(args.warmup_s, summary, "window", "warmup_s", 0.0),
+        _flag_or_saved(args.cooldown_s, summary, "window", "cooldown_s", 0.0),
     )
 
 
 def run_report(args: argparse.Namespace) -> int:
     from kvserve.loadtest.records import read_records
-    from kvserve.loadtest.report import (
-        Slo,
-        WindowRule,
-        format_summary,
-        summarize,
-        write_summary,
-    )
+    from kvserve.loadtest.report import format_summary, summarize, write_summary
 
     try:
-        slo = Slo(*_slo_from(args))
-        rule = WindowRule(args.window, args.warmup_s, args.cooldown_s)
+        saved = _saved_summary(args)
+        slo = _slo_from(args, saved)
+        rule = _rule_from(args, saved)
         records = read_records(*args.records)
         summary = summarize(records, slo, rule)
         other = summarize(read_records(*args.compare), slo, rule) if args.compare else None

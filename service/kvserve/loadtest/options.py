@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.arg_types import non_negative_seconds
 from kvserve.loadtest.report import Slo, WindowRule
 from kvserve.loadtest.workloads import WORKLOADS
 
@@ -62,8 +63,10 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("--window", {"choices": ("cohort", "steady"), "default": "cohort",
         "help": "report window: cohort (every request, first send to last done) or "
         "steady (requests sent after --warmup-s and before the last --cooldown-s)"}),
-    Opt("--warmup-s", {"type": float, "default": 0.0, "help": "steady window: warm-up"}),
-    Opt("--cooldown-s", {"type": float, "default": 0.0, "help": "steady window: cool-down"}),
+    Opt("--warmup-s", {"type": non_negative_seconds, "default": 0.0,
+        "help": "steady window: warm-up"}),
+    Opt("--cooldown-s", {"type": non_negative_seconds, "default": 0.0,
+        "help": "steady window: cool-down"}),
     Opt("--out-dir", {"default": "loadtest-out",
         "help": "where records.jsonl, summary.json, summary.csv and the PNGs go"}),
     Opt("--model", {"default": "",

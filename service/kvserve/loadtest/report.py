@@ -107,6 +107,16 @@ class WindowRule:
     warmup_s: float = 0.0
     cooldown_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.kind not in ("cohort", "steady"):
+            raise ValueError(f"the window rule must be cohort or steady, got {self.kind!r}")
+        for name in ("warmup_s", "cooldown_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"the window's {name} must be a number, got {value!r}")
+            if not 0 <= value < math.inf:  # NaN fails this too
+                raise ValueError(f"the window's {name} must be ≥ 0 s and finite, got {value}")
+
 
 @dataclass
 class Distribution:
@@ -123,6 +133,10 @@ class Window:
     end: float
     seconds: float
     description: str
+    # The steady rule's warm-up and cool-down (0 for a cohort): saved in summary.json, so
+    # that a report of the run's records applies the run's own rule.
+    warmup_s: float = 0.0
+    cooldown_s: float = 0.0
 
 
 @dataclass
@@ -203,7 +217,7 @@ def select(
         "requests count as attempted, not as failures, and are not judged for attainment; "
         "requests the run's end cut off count as failed."
     )
-    return chosen, Window("steady", start, end, end - start, desc)
+    return chosen, Window("steady", start, end, end - start, desc, rule.warmup_s, rule.cooldown_s)
 
 
 # ---- the figures -------------------------------------------------------------------------
