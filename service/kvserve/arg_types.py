@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -56,3 +59,28 @@ def http_url(text: str) -> str:
             f"{text!r}: not an http(s) URL such as http://127.0.0.1:8000"
         )
     return text
+
+
+def torch_device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` (whether CUDA is there is for the command to check:
+    that needs torch, which a parser must not import)."""
+    if text in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: not a device (cpu, cuda or cuda:N)")
+
+
+class MinMax(argparse.Action):
+    """Two values ``MIN MAX`` (``nargs=2``, each checked by the argument's ``type``), with
+    MIN ≤ MAX: a range the other way round was an empty one, a traceback later."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        low, high = list(values or ())  # nargs=2: two values, already typed
+        if low > high:
+            raise argparse.ArgumentError(self, f"MIN {low} is more than MAX {high}")
+        setattr(namespace, self.dest, (low, high))

@@ -107,6 +107,13 @@ def config_from_args(args: argparse.Namespace, **fields: Any) -> EngineConfig:
     return EngineConfig(**{**values, **fields})
 
 
+def flag_type(name: str) -> Callable[[str], Any]:
+    """The argparse ``type`` of the engine option ``name``'s flag, for a command that
+    takes that one flag (``kvserve bench offline --max-num-seqs``) with serve's bounds."""
+    (o,) = [o for o in engine_options() if o.name == name]
+    return _bounded(o.kind, o.option)
+
+
 def _bounded(kind: type, option: Option) -> Callable[[str], Any]:
     """``kind`` parsed from a flag's text and held to ``option``'s bounds
     (``config.bound_problem``), so that a flag out of range is named as the flag."""

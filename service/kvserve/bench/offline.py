@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
+from kvserve.arg_types import MinMax, positive_int, torch_device
 from kvserve.bench.results import text_row
-from kvserve.bench.suite import MODEL_SHAPES, SuiteContext
+from kvserve.bench.suite import CHECKPOINT_POSITIONS, MODEL_SHAPES, SuiteContext, device_problem
 from kvserve.bench.timelines import Workload, random_workload
 from kvserve.config import DTYPES
+from kvserve.engine_options import flag_type
 
 MODEL_SIZES = {name: MODEL_SHAPES[name] for name in ("30m", "tiny")}
 
@@ -21,14 +24,22 @@ def workload_arguments(
 ) -> None:
     """The arguments ``kvserve bench offline`` and ``kvserve bench serve`` share: the
     workload, the engine, the model size and the rounds."""
-    p.add_argument("--num-prompts", type=int, default=num_prompts)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--num-prompts", type=positive_int, default=num_prompts)
+    for flag, default in (("--prompt-len", (16, 256)), ("--output-len", (16, 128))):
+        p.add_argument(
+            flag,
+            type=positive_int,
+            nargs=2,
+            action=MinMax,
+            default=default,
+            metavar=("MIN", "MAX"),
+            help=f"tokens, drawn uniformly from MIN to MAX (default: {default[0]} {default[1]})",
+        )
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="30m", help=size_help)
-    p.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+    p.add_argument("--rounds", type=positive_int, default=rounds, help=rounds_help)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -41,7 +52,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         rounds_help="alternate the two engines this many times; report each one's best time "
         "(this machine's speed drifts, so interleaving keeps the comparison fair)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=16, help="concurrency for both sides")
+    p.add_argument(
+        "--max-num-seqs",
+        type=flag_type("max_num_seqs"),
+        default=16,
+        help="concurrency for both sides",
+    )
+
+
+def workload_problem(args: argparse.Namespace, max_positions: int) -> str | None:
+    """What makes the workload impossible for a model of ``max_positions`` positions, or
+    for this machine (found before minutes of building and loading, not after)."""
+    longest = args.prompt_len[1] + args.output_len[1]
+    if longest > max_positions:
+        return (
+            f"--prompt-len MAX + --output-len MAX is {longest} tokens, more than the "
+            f"benchmark model's {max_positions} positions"
+        )
+    return device_problem(args.device)
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
@@ -53,6 +81,9 @@ def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
 def run(args: argparse.Namespace) -> int:
     from kvserve.model.config import ModelConfig
 
+    if problem := workload_problem(args, CHECKPOINT_POSITIONS):
+        print(f"kvserve bench offline: error: {problem}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
         ctx = SuiteContext(Path(tmp), Path(tmp), args.device, seed=args.seed, rounds=args.rounds)
         model_dir = ctx.checkpoint(args.model_size)

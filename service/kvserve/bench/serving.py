@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvserve.bench.launcher import Launcher, LaunchSettings, Replica
-from kvserve.bench.offline import MODEL_SIZES, make_workload, workload_arguments
+from kvserve.bench.offline import MODEL_SIZES, make_workload, workload_arguments, workload_problem
 from kvserve.bench.results import say, text_row
 from kvserve.bench.sse_client import (
     COMPLETIONS,
@@ -29,6 +29,7 @@ from kvserve.bench.sse_client import (
 )
 from kvserve.bench.suite import SuiteContext
 from kvserve.bench.timelines import Workload, greedy, percentile_ms, timed_generate
+from kvserve.engine_options import flag_type
 from kvserve.telemetry import definitions
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 TTFT_PROMPT_LEN = 32  # the TTFT pass repeats one prompt: every request is the same work
 TTFT_MAX_TOKENS = 8  # enough to reach the first visible token; keeps the pass short
 T = TypeVar("T")
+SERVE_POSITIONS = 1024  # the benchmark checkpoint's max_position_embeddings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         rounds_help="alternate offline and serving this many times; report each one's best "
         "time and the TTFT medians over all rounds",
     )
-    p.add_argument("--concurrency", type=int, default=32, help="clients = max_num_seqs")
+    p.add_argument(
+        "--concurrency", type=flag_type("max_num_seqs"), default=32, help="clients = max_num_seqs"
+    )
     p.add_argument(
         "--ttft-requests",
         type=int,
@@ -323,8 +327,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.model.config import ModelConfig
     from kvserve.testing.checkpoints import build_random_checkpoint
 
-    if args.concurrency < 1 or args.num_prompts < 1 or args.rounds < 1:
-        say("kvserve bench serve: error: --concurrency, --num-prompts, --rounds must be ≥ 1")
+    if problem := workload_problem(args, SERVE_POSITIONS):
+        say(f"kvserve bench serve: error: {problem}")
         return 2
     # Every torch computation of this process runs in this one thread (one OpenMP team;
     # see kvserve.engine.cpu_threads); the main thread runs the clients' event loop.
@@ -340,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
         say(f"building a random {args.model_size} Llama checkpoint ...")
         model_dir = on_torch(
             lambda: build_random_checkpoint(
-                Path(tmp) / "model", "llama", max_position_embeddings=1024, seed=args.seed,
+                Path(tmp) / "model", "llama", max_position_embeddings=SERVE_POSITIONS,
+                seed=args.seed,
                 **dims,  # type: ignore[arg-type]
             )
         )  # fmt: skip

@@ -76,6 +76,7 @@ SECTIONS = (
     "kv_events",
 )
 
+CHECKPOINT_POSITIONS = 2048  # the random checkpoints' max_position_embeddings
 # Model shapes (random Llama checkpoints). vocab_size None = the test tokenizer's own
 # vocabulary, so every generated id decodes to text (the serving path streams text).
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -140,7 +141,7 @@ class SuiteContext:
             self._checkpoints[key] = build_random_checkpoint(
                 self.work_dir / f"model-{shape}{suffix}",
                 "llama",
-                max_position_embeddings=2048,
+                max_position_embeddings=CHECKPOINT_POSITIONS,
                 seed=self.seed,
                 initializer_range=0.02,
                 **dims,
@@ -290,16 +291,23 @@ def _command(args: argparse.Namespace) -> str:
     return shlex.join([*parts, "--out", str(args.out)])
 
 
+def device_problem(device: str) -> str | None:
+    """Why ``--device`` cannot run here (CUDA named but absent), or None."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"--device {device}, but CUDA is not available here"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         print("error: --rounds must be at least 1", file=sys.stderr)
         return 2
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            print(f"error: --device {args.device}, but CUDA is not available here", file=sys.stderr)
-            return 2
+    if problem := device_problem(args.device):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     names = [s for s in SECTIONS if args.only is None or s in args.only]
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
         ctx = SuiteContext(
