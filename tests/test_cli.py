@@ -163,6 +163,43 @@ def test_a_wrong_argument_is_refused_before_torch_loads(argv: list[str]) -> None
     assert heavy_modules_after(code, {"torch", "transformers"}) == set()
 
 
+WRONG_KIND_OF_PATH = [
+    (["bench", "gateway", "--json", "{dir}"], "--json: '{dir}' is a directory, not a file"),
+    (
+        ["bench", "gateway", "--json", "{dir}/no/r.json"],
+        "--json: '{dir}/no/r.json': there is no directory '{dir}/no'",
+    ),
+    (["train-demo", "--out", "{file}"], "--out: '{file}' is a file, not a directory"),
+    (["train-demo", "--out", "{file}/sub"], "--out: '{file}/sub' is under '{file}', a file"),
+    (
+        ["train-demo", "--adapter", "travel-table", "--out", "{file}"],
+        "--out: '{file}' is a file, not a directory",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), WRONG_KIND_OF_PATH)
+def test_an_output_path_of_the_wrong_kind_is_one_error_line(
+    tmp_path: Path, argv: list[str], expected: str
+) -> None:
+    """Each was a traceback (IsADirectoryError, FileExistsError), the benchmark's after its
+    whole run; now a usage error, before torch is imported."""
+    (tmp_path / "a-file").write_text("")
+    where = {"dir": str(tmp_path), "file": str(tmp_path / "a-file")}
+    argv = [arg.format(**where) for arg in argv]
+    out = run_kvserve(*argv)
+    assert out.returncode == 2, out.stderr
+    command = " ".join(argv[: 2 if argv[0] == "bench" else 1])
+    error = f"kvserve {command}: error: argument {expected.format(**where)}"
+    assert error in out.stderr, out.stderr
+    code = (
+        "from kvserve.cli import main\n"
+        f"try:\n    rc = main({argv!r})\nexcept SystemExit as exit:\n    rc = exit.code\n"
+        "assert rc == 2, rc"
+    )
+    assert heavy_modules_after(code, {"torch", "transformers"}) == set()
+
+
 def test_demo_refuses_a_zero_token_budget() -> None:
     out = run_kvserve("demo", "--max-tokens", "0")
     assert out.returncode == 2 and "--max-tokens must be ≥ 1" in out.stderr, out.stderr

@@ -7,6 +7,7 @@ import argparse
 import math
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -84,3 +85,28 @@ class MinMax(argparse.Action):
         if low > high:
             raise argparse.ArgumentError(self, f"MIN {low} is more than MAX {high}")
         setattr(namespace, self.dest, (low, high))
+
+
+def output_file(text: str) -> Path:
+    """A file to write: not a directory, in a directory that exists. Checked when the
+    command starts, not when its results are written at the end."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: there is no directory {str(parent)!r}")
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A directory to write into, made if it is missing: not an existing file, and not
+    under one."""
+    path = Path(text)
+    # The path itself, or else the nearest of its parents that exists ("/" at the least).
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if existing.is_dir():
+        return path
+    if existing == path:
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory")
+    raise argparse.ArgumentTypeError(f"{text!r} is under {str(existing)!r}, a file")

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvserve.arg_types import output_file
 from kvserve.bench.cpu import usable_cpus
 from kvserve.bench.gateway_capacity import print_capacity, run_capacity
 from kvserve.bench.gateway_overhead import print_overhead, run_overhead
@@ -32,7 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "engine's)"),
         ("--seed", 0, None),
     ])  # fmt: skip
-    p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        type=output_file,
+        help="also write every figure to this JSON file",
+    )
     _numbers(p, [("--startup-timeout", 300.0, "seconds for a process to be ready")])
     p.add_argument(
         "--placement",
@@ -186,7 +192,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print_report(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        try:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as exc:  # checked at the start, but a disk fills, a folder goes
+            say(f"kvserve bench gateway: error: --json {args.json}: {exc}")
+            return 2
         say(f"wrote {args.json}")
     failed = _failures(report)
     if failed:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.arg_types import output_dir
 from kvserve.demo_model import corpus
 from kvserve.demo_model.tokenizer import (
     ASSISTANT_TOKEN,
@@ -336,6 +337,7 @@ def file_digests(directory: Path) -> dict[str, str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
+        type=output_dir,
         help="where to write the checkpoint (default: the bundled model's directory, "
         "i.e. regenerate it in place)",
     )
