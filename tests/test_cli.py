@@ -85,6 +85,32 @@ def test_an_unknown_flag_is_refused_with_the_commands_own_usage(
     assert err.rstrip().endswith("kvserve calc: error: unrecognized arguments: --bogus 1")
 
 
+@pytest.mark.parametrize(
+    ("argv", "misplaced"),
+    [
+        (["--versio"], "--versio"),
+        (["-x"], "-x"),
+        (["--versio", "calc", "--config", "c.json"], "--versio"),
+        (["bench", "--bogus"], "--bogus"),
+        (["bench", "--version", "offline"], "--version"),
+    ],
+)
+def test_an_unknown_option_before_the_command_is_named(argv: list[str], misplaced: str) -> None:
+    """argparse set it aside and complained of something else: "the following arguments
+    are required: COMMAND" (or the command's own missing --config)."""
+    out = run_kvserve(*argv)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.splitlines()[-1]
+    assert last == f"kvserve: error: unrecognized arguments: {misplaced}", out.stderr
+
+
+def test_version() -> None:
+    from kvserve import __version__
+
+    out = run_kvserve("--version")
+    assert (out.returncode, out.stdout) == (0, f"kvserve {__version__}\n"), out.stderr
+
+
 def test_output_into_a_closed_pipe_ends_quietly() -> None:
     """``kvserve ... | head -1``: the reader is gone before the output is written. Python
     complained at exit (BrokenPipeError, status 120); a Unix tool stops quietly."""

@@ -8,7 +8,7 @@ import os
 import select
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +187,26 @@ def _chosen(argv: Sequence[str]) -> tuple[str, ...]:
     return (words[0],)
 
 
+def _misplaced_options(argv: Sequence[str]) -> list[str]:
+    """The options before the command is named whole that its parents do not take: the
+    top level takes only --help and --version, a group only --help. argparse sets such an
+    option aside and first complains of the missing command (``kvserve --versio``: "the
+    following arguments are required: COMMAND"), or of the command's own arguments."""
+    level: Mapping[str, Command | Group] = COMMANDS
+    misplaced: list[str] = []
+    for arg in argv:
+        if arg.startswith("-"):
+            allowed = ("-h", "--help", "--version") if level is COMMANDS else ("-h", "--help")
+            if arg not in allowed:
+                misplaced.append(arg)
+            continue
+        entry = level.get(arg)
+        if not isinstance(entry, Group):
+            break  # the command (its parser takes the rest), or a word argparse refuses
+        level = entry.commands
+    return misplaced
+
+
 def _add_command(sub: Any, name: str, cmd: Command, load: bool) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         name, help=cmd.help, description=cmd.description, allow_abbrev=False
@@ -237,6 +257,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
+    if misplaced := _misplaced_options(argv):
+        parser.error(f"unrecognized arguments: {' '.join(misplaced)}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the command's own usage, not the top level's (argparse's default)
         getattr(args, "command_parser", parser).error(
