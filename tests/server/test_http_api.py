@@ -993,6 +993,11 @@ def test_null_asks_for_the_default(server: RunningServer) -> None:
                              ("moderation", {"model": "omni-moderation-latest"})):  # fmt: skip
             r = c.post("/v1/chat/completions", json={**chat, field: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        # Completions' best_of: taken when it is n (its default, 1, with n 1), else refused.
+        for best_of, n, status in ((1, 1, 200), (2, 2, 200), (2, 1, 400), (1, 2, 400)):
+            r = c.post("/v1/completions", json={**completion, "best_of": best_of, "n": n})
+            assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == "best_of"
         # OpenAI's stream obfuscation: asking for none is taken, asking for it is refused.
         streamed = {**chat, "stream": True, "max_tokens": 2}
         for obfuscation, status in ((None, 200), (False, 200), (True, 400)):

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from kvserve.conversation import ChatEnding, chat_ending
@@ -206,6 +214,20 @@ class CompletionRequest(CommonRequest):
     logprobs: int | None = Field(None, ge=0, le=20)
     # OpenAI's: the answer's text (and logprobs) start with the prompt's (scored by the model).
     echo: bool = False
+    # OpenAI's: sample best_of candidates and return the n best. Only best_of = n (its
+    # default, 1, with n = 1) is taken: nothing to choose from.
+    best_of: int | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(
+                f"best_of {best_of} with n {n} is not supported: only best_of = n (each "
+                "sample returned, none chosen among more)"
+            )
+        return best_of
 
     @field_validator("prompt")
     @classmethod
