@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.gateway.app import create_gateway_app
+    from kvserve.gateway.shutdown import GatewayServer
     from kvserve.heap import freeze_startup_heap
     from kvserve.openai.http_limits import protocol_with
     from kvserve.openai.refusal_pacing import RefusalPacer
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     freeze_startup_heap()
-    uvicorn.run(
+    uvicorn_config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=config.listen.keep_alive_seconds,
         http=protocol_with(config.listen.http_limits, pacer),
     )
+    GatewayServer(uvicorn_config).run()
     return 0
 
 
