@@ -214,3 +214,35 @@ def test_tool_call_grammars_compile(parser: str, choice: ToolChoice, parallel: b
     grammar = tool_call_grammar(parser, ChatTools((WEATHER, ADD), choice, parallel))
     error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar))
     assert error == "", f"{error}\n{grammar}"
+
+
+@pytest.mark.parametrize("end_is_one_token", [False, True])
+def test_reasoning_tokens_run_to_the_one_that_completes_the_think_block(
+    end_is_one_token: bool,
+) -> None:
+    """Counted by the end marker's id where it is one (added) token, else by the shortest
+    prefix whose text holds it: the same count either way, and whatever the chunks."""
+    from kvserve.openai.reasoning import think_end_finder
+    from kvserve.testing.tokenizers import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer()
+    if end_is_one_token:
+        tokenizer.add_tokens(["</think>"], special_tokens=True)
+    think = tokenizer.encode("<think>the cache keeps", add_special_tokens=False)
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    answer = tokenizer.encode(" keys and values", add_special_tokens=False)
+    assert (len(end) == 1) == end_is_one_token
+    ids = think + end + answer
+    ends_at = think_end_finder(tokenizer)
+    for name in ("qwen3", "deepseek_r1"):
+        parser = ChatOutputParser(ReasoningParser(name), None, think_end=ends_at)
+        for i, token in enumerate(ids):
+            parser.step(tokenizer.decode([token]), "stop" if i == len(ids) - 1 else None, [token])
+        assert parser.reasoning_tokens(ids) == len(think) + len(end)
+    # No block: none; a block never closed (cut by max_tokens): all of them.
+    plain = ChatOutputParser(ReasoningParser("qwen3"), None, think_end=ends_at)
+    plain.step(tokenizer.decode(answer), "stop", answer)
+    assert plain.reasoning_tokens(answer) == 0
+    open_ = ChatOutputParser(ReasoningParser("qwen3"), None, think_end=ends_at)
+    open_.step(tokenizer.decode(think), "length", think)
+    assert open_.reasoning_tokens(think) == len(think)

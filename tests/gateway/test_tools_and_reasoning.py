@@ -202,11 +202,25 @@ def test_reasoning_deltas_through_the_gateway(reasoning_gateway: Gateway) -> Non
         seed=2,
         extra_body={"structured_outputs": {"regex": "<think>[a-z ]{5,30}</think>[a-z ]{1,12}"}},
     )
-    whole = client.chat.completions.create(**request).choices[0].message
+    response = client.chat.completions.create(**request, n=2)
+    whole = response.choices[0].message
     reasoning = whole.reasoning_content  # type: ignore[attr-defined]
     assert reasoning and "think>" not in reasoning + (whole.content or "")
     assert whole.reasoning == reasoning  # type: ignore[attr-defined]  # vLLM's name
-    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **request)]
+    # Both samples reasoned: the usage sums their think blocks' tokens, as the replica
+    # counted them.
+    assert response.usage is not None and response.usage.completion_tokens_details is not None
+    both = response.usage.completion_tokens_details.reasoning_tokens
+    assert both is not None and 2 <= both < response.usage.completion_tokens
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **request
+        )
+    )
+    one = chunks[-1].usage
+    assert one is not None and one.completion_tokens_details is not None
+    assert 0 < (one.completion_tokens_details.reasoning_tokens or 0) < one.completion_tokens
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
     assert "".join(d.content or "" for d in deltas) == whole.content
     assert sum(bool(getattr(d, "reasoning_content", None)) for d in deltas) > 1

@@ -107,8 +107,8 @@ def reasoning_server(tools_model: Any) -> Iterator[RunningServer]:
 def _detected(path: Any, reasoning: str | None) -> ChatParsing:
     from transformers import AutoTokenizer
 
-    template = AutoTokenizer.from_pretrained(str(path)).chat_template
-    parsing = ChatParsing.for_model(None, reasoning, template)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    parsing = ChatParsing.for_model(None, reasoning, tokenizer.chat_template, tokenizer)
     assert parsing.tool_parser == "hermes"
     return parsing
 
@@ -818,18 +818,26 @@ def test_reasoning_is_split_from_the_answer(reasoning_server: RunningServer) -> 
         seed=5,
         extra_body={"structured_outputs": {"regex": THINKING}},
     )
-    whole = client.chat.completions.create(**request).choices[0].message
+    response = client.chat.completions.create(**request, logprobs=True)
+    whole = response.choices[0].message
     reasoning = whole.reasoning_content  # type: ignore[attr-defined]
     assert reasoning and "<think>" not in reasoning and "</think>" not in (whole.content or "")
     assert whole.reasoning == reasoning  # type: ignore[attr-defined]  # vLLM's name
+    # The usage counts the think block's tokens, up to the one that completes "</think>".
+    tokens = [entry.token for entry in response.choices[0].logprobs.content or []]
+    thought = next(k for k in range(len(tokens) + 1) if "</think>" in "".join(tokens[:k]))
+    assert response.usage is not None and response.usage.completion_tokens_details is not None
+    assert response.usage.completion_tokens_details.reasoning_tokens == thought
+    assert 0 < thought < response.usage.completion_tokens
     raw = {k: v for k, v in request.items() if k != "extra_body"}
-    raw.update(request["extra_body"], stream=True)
+    raw.update(request["extra_body"], stream=True, stream_options={"include_usage": True})
     with (  # the raw events: reasoning_content deltas
         reasoning_server.client() as c,
         c.stream("POST", "/v1/chat/completions", json=raw) as r,
     ):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    deltas = [e["choices"][0]["delta"] for e in events]
+    assert events[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
     assert "".join(d.get("content", "") for d in deltas) == whole.content
     assert sum("reasoning_content" in d for d in deltas) > 1  # streamed, not held to the end
@@ -861,6 +869,7 @@ def test_answers_without_thinking_are_content(reasoning_server: RunningServer) -
     message = r.json()["choices"][0]["message"]
     assert message["content"] == "plain answer"
     assert "reasoning_content" not in message and "reasoning" not in message
+    assert r.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
 
 
 def test_a_schema_applies_after_the_think_block(reasoning_server: RunningServer) -> None:

@@ -300,6 +300,12 @@ class UpstreamCall:
         prompt_tokens = sum(u.prompt_tokens for u in firsts)
         return prompt_tokens, output_tokens, sum(u.cached_tokens for u in firsts)
 
+    def reasoning_tokens(self) -> int | None:
+        """The finished samples' reasoning tokens, where their replica's reasoning parser
+        counted them (None if it counted none of them)."""
+        counted = [f.usage for f in self.finals.values() if f.usage.HasField("reasoning_tokens")]
+        return sum(u.reasoning_tokens for u in counted) if counted else None
+
     def failed_upstream(self, exc: grpc.aio.AioRpcError) -> OpenAIError:
         """The request failed after its first output (never retried: output was sent):
         counted, and the error the client gets (a 400 where the engine refused it as

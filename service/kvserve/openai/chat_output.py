@@ -23,7 +23,7 @@ from typing import Any
 
 from kvserve.openai import format as fmt
 from kvserve.openai.format import ToolCallDelta
-from kvserve.openai.reasoning import REASONING_PARSERS, ReasoningParser
+from kvserve.openai.reasoning import REASONING_PARSERS, ReasoningParser, ThinkEnd, think_end_finder
 from kvserve.openai.tool_parsers import (
     TOOL_CALL_MARKERS,
     TOOL_CALL_PARSERS,
@@ -89,13 +89,23 @@ class ChatOutputParser:
         markers: Mapping[int, str] | None = None,
         decode: Callable[[list[int]], str] | None = None,
         named: bool = False,
+        think_end: ThinkEnd | None = None,
     ) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.markers = markers or {}
         self.decode = decode  # token ids to text, as the answer's text decodes them
         self.named = named
+        self.think_end = think_end  # where the think block ends in the tokens
         self._last_arguments = ""  # the last call's arguments so far
+
+    def reasoning_tokens(self, token_ids: Sequence[int]) -> int | None:
+        """Of the finished answer's tokens (``token_ids``), how many are its reasoning
+        (``ReasoningParser.count_tokens``); None without a reasoning parser, or without
+        the model's tokenizer to count with."""
+        if self.reasoning is None or self.think_end is None:
+            return None
+        return self.reasoning.count_tokens(token_ids, self.think_end)
 
     @property
     def num_calls(self) -> int:
@@ -190,6 +200,8 @@ class ChatParsing:
     # the answer's text leaves out: the reader puts them back.
     special_markers: Mapping[int, str] = field(default_factory=dict)
     decode: Callable[[list[int]], str] | None = field(default=None, compare=False)
+    # With a reasoning parser and the tokenizer: where an answer's think block ends.
+    think_end: ThinkEnd | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.tool_parser is not None and self.tool_parser not in TOOL_CALL_PARSERS:
@@ -216,14 +228,17 @@ class ChatParsing:
         that are special tokens."""
         if tool_parser is None and isinstance(chat_template, str):
             tool_parser = detect_tool_parser(chat_template)
-        if tool_parser is None or tokenizer is None:
+        if tokenizer is None:
             return cls(tool_parser, reasoning_parser)
+        thinks = think_end_finder(tokenizer) if reasoning_parser is not None else None
+        if tool_parser is None:
+            return cls(tool_parser, reasoning_parser, think_end=thinks)
         markers = special_markers(tokenizer, TOOL_CALL_MARKERS[tool_parser])
 
         def decode(ids: list[int]) -> str:
             return str(tokenizer.decode(ids, skip_special_tokens=True))
 
-        return cls(tool_parser, reasoning_parser, markers, decode if markers else None)
+        return cls(tool_parser, reasoning_parser, markers, decode if markers else None, thinks)
 
     def parser(self, tools: ChatTools, skip_special_tokens: bool = True) -> ChatOutputParser | None:
         """The reader of one answer, or None when there is nothing to read out of it.
@@ -241,7 +256,7 @@ class ChatParsing:
             return None
         markers = self.special_markers if reader is not None and skip_special_tokens else None
         named = tools.choice.mode == "function"
-        return ChatOutputParser(reasoning, reader, markers, self.decode, named)
+        return ChatOutputParser(reasoning, reader, markers, self.decode, named, self.think_end)
 
 
 def special_markers(tokenizer: Any, markers: Sequence[str]) -> dict[int, str]:

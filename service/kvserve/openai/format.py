@@ -149,13 +149,23 @@ def model_entry(model: str, listed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    reasoning_tokens: int | None = None,
+) -> dict[str, Any]:
+    """OpenAI's usage; ``completion_tokens_details.reasoning_tokens`` only where a
+    reasoning parser counted them (as vLLM gives it)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def response_ids(request_id: str, model: str, chat: bool, created: int) -> dict[str, Any]:

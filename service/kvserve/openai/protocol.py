@@ -224,8 +224,8 @@ class CompletionRequest(CommonRequest):
         n = info.data.get("n", 1)
         if best_of is not None and best_of != n:
             raise ValueError(
-                f"best_of {best_of} with n {n} is not supported: only best_of = n (each "
-                "sample returned, none chosen among more)"
+                f"unsupported: best_of {best_of} with n {n} (only best_of = n: every "
+                "sample is returned, none is chosen among more)"
             )
         return best_of
 

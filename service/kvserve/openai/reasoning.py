@@ -18,7 +18,9 @@ included (text that may be the start of a marker is held back until it is known)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.openai.tool_parsers import held_prefix
 
@@ -48,6 +50,8 @@ class ReasoningParser:
         self.implicit_start = opens_in_prompt(name)
         self.state = "start"  # start → reasoning → content
         self.buffer = ""
+        self.reasoned = False  # the output had a think block (open or closed)
+        self.closed = False  # ... and it ended with THINK_END
 
     def feed(self, text: str) -> ReasoningSplit:
         self.buffer += text
@@ -63,6 +67,7 @@ class ReasoningParser:
                 self.state = "reasoning"
             else:
                 self.state = "content"
+            self.reasoned = self.state == "reasoning"
         if self.state == "reasoning":
             end = self.buffer.find(THINK_END)
             if end < 0:
@@ -73,11 +78,48 @@ class ReasoningParser:
             out.reasoning = self.buffer[:end]
             self.buffer = self.buffer[end + len(THINK_END) :]
             self.state = "content"
+            self.closed = True
         out.content, self.buffer = self.buffer, ""
         return out
 
     def finish(self) -> ReasoningSplit:
         rest, self.buffer = self.buffer, ""
         if self.state == "reasoning" or (self.state == "start" and self.implicit_start):
+            self.reasoned = True
             return ReasoningSplit(reasoning=rest)
         return ReasoningSplit(content=rest)
+
+    def count_tokens(self, token_ids: Sequence[int], ends_at: ThinkEnd) -> int:
+        """How many of the finished output's tokens (``token_ids``, all of them) are its
+        reasoning, the think block's markers included: none without a block, all of them
+        when it never closed, else those up to the one that completes THINK_END."""
+        if not self.reasoned:
+            return 0
+        return ends_at(token_ids) if self.closed else len(token_ids)
+
+
+# Of an output's token ids: how many lead up to, and include, the one that completes
+# THINK_END (the output holds it).
+ThinkEnd = Callable[[Sequence[int]], int]
+
+
+def think_end_finder(tokenizer: Any) -> ThinkEnd:
+    """``ThinkEnd`` for ``tokenizer``'s outputs: found by its id where THINK_END is one
+    token (an added token, as in Qwen3's and DeepSeek-R1's vocabularies), else by the
+    shortest prefix whose text holds it (log₂ n decodes, once per finished answer)."""
+    ids = tokenizer.encode(THINK_END, add_special_tokens=False)
+    if len(ids) == 1:
+        (end,) = ids
+        return lambda tokens: next((i + 1 for i, t in enumerate(tokens) if t == end), len(tokens))
+
+    def shortest_prefix(tokens: Sequence[int]) -> int:
+        lo, hi = 1, len(tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if THINK_END in tokenizer.decode(list(tokens[:mid]), skip_special_tokens=False):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    return shortest_prefix

@@ -462,10 +462,13 @@ def encode_delta(
     return delta
 
 
-def encode_final(out: RequestOutput, finish_reason: str | None = None) -> pb.Final:
+def encode_final(
+    out: RequestOutput, finish_reason: str | None = None, reasoning_tokens: int | None = None
+) -> pb.Final:
     """The closing message: finish reason, usage, server-side timings.
 
-    ``finish_reason`` overrides the engine's (a chat parser's "tool_calls").
+    ``finish_reason`` overrides the engine's (a chat parser's "tool_calls");
+    ``reasoning_tokens``: a reasoning parser's count, if there is one.
     ``s`` is the request's arrival at the engine; every figure comes from
     ``kvserve.telemetry.definitions``; an undefined figure is 0.
     """
@@ -478,6 +481,7 @@ def encode_final(out: RequestOutput, finish_reason: str | None = None) -> pb.Fin
             prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=len(completion.token_ids),
             cached_tokens=out.num_cached_tokens,
+            reasoning_tokens=reasoning_tokens,
         ),
         num_preemptions=m.num_preemptions,
     )

@@ -385,7 +385,10 @@ class _Started:
         if delta is not None and not self.sent_prompt_tokens:
             delta.prompt_tokens = len(out.prompt_token_ids)
             self.sent_prompt_tokens = True
-        final = codec.encode_final(out, finish_reason) if out.finished else None
+        final = None
+        if out.finished:
+            reasoning = self.parser.reasoning_tokens(completion.token_ids) if self.parser else None
+            final = codec.encode_final(out, finish_reason, reasoning)
         return delta, final
 
 

@@ -22,7 +22,7 @@ from kvserve.lora.request import LoRARequest
 from kvserve.openai import checks
 from kvserve.openai import format as fmt
 from kvserve.openai.body import body_schema, parse_body
-from kvserve.openai.chat_output import ChatDelta, delta_chunks
+from kvserve.openai.chat_output import ChatDelta, ChatOutputParser, delta_chunks
 from kvserve.openai.disconnect import until_disconnected
 from kvserve.openai.errors import OpenAIError, error_body
 from kvserve.openai.messages import template_messages
@@ -212,6 +212,7 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
         return _sse(
             state, reqs, chunk, ids, True, body.include_usage, body.n, markers,
             chat.constraint_param, b"".join(map(encode_event, openings)),
+            _reasoning_counter(parsers),
         )  # fmt: skip
 
     if parsers[0] is None:
@@ -250,7 +251,8 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
             tool_calls=answer.tool_calls,
         )
         choices.append(fmt.with_stop_reason(choice, c.stop_reason))
-    return JSONResponse(fmt.chat_response(ids, choices, _usage(outs, body.n)))
+    usage = _usage(outs, body.n, _reasoning_counter(parsers))
+    return JSONResponse(fmt.chat_response(ids, choices, usage))
 
 
 # ---- shared pieces -------------------------------------------------------------------
@@ -323,13 +325,33 @@ def _delta_logprobs(c: CompletionOutput) -> Sequence[TokenLogprob] | None:
     return c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
 
 
-def _usage(outs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
+# Of a choice's last output: how many of its tokens are reasoning (None: not counted).
+ReasoningCounter = Callable[[RequestOutput], int | None]
+
+
+def _reasoning_counter(parsers: Sequence[ChatOutputParser | None]) -> ReasoningCounter:
+    """A chat's ``ReasoningCounter``: its choice's reader counts (by the output's index)."""
+
+    def count(out: RequestOutput) -> int | None:
+        parser = parsers[out.outputs[0].index]
+        return parser.reasoning_tokens(out.outputs[0].token_ids) if parser is not None else None
+
+    return count
+
+
+def _usage(
+    outs: Sequence[RequestOutput], n: int, reasoning: ReasoningCounter | None = None
+) -> dict[str, Any]:
     """A response's usage, from its choices' last outputs (``n`` per prompt): each prompt
-    once (and its first sample's cached share of it), every choice's output."""
+    once (and its first sample's cached share of it), every choice's output, and where
+    ``reasoning`` counts them, every choice's reasoning tokens."""
     firsts = [out for out in outs if out.outputs[0].index % n == 0]
     prompt_tokens = sum(len(out.prompt_token_ids) for out in firsts)
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outs)
-    return fmt.usage(prompt_tokens, output_tokens, sum(out.num_cached_tokens for out in firsts))
+    counts = [reasoning(out) for out in outs] if reasoning is not None else [None]
+    reasoning_tokens = None if None in counts else sum(c for c in counts if c is not None)
+    cached = sum(out.num_cached_tokens for out in firsts)
+    return fmt.usage(prompt_tokens, output_tokens, cached, reasoning_tokens)
 
 
 def _sse(
@@ -343,11 +365,12 @@ def _sse(
     every_token: bool = False,
     grammar_param: str | None = None,
     opening: bytes = b"",
+    reasoning: ReasoningCounter | None = None,
 ) -> EventStreamResponse:
     """``every_token``: ``chunk`` also sees outputs that added no text (a marker token
     that the text leaves out, which the parser puts back). ``grammar_param``: the field
     the request's constraint came in (see ``_failure``). ``opening``: events that go
-    first (the choices' openings)."""
+    first (the choices' openings). ``reasoning``: counts the usage's reasoning tokens."""
     # The requests enter the engine now, before the response starts; the response's
     # close (end, client gone, or never started) aborts those that have not finished.
     try:
@@ -385,7 +408,7 @@ def _sse(
             )
             parts.append(encode_event(body))
         if include_usage and lasts:
-            usage = _usage([lasts[i] for i in sorted(lasts)], n)
+            usage = _usage([lasts[i] for i in sorted(lasts)], n, reasoning)
             parts.append(encode_event(fmt.usage_chunk(ids, chat, usage)))
         yield b"".join([*parts, SSE_DONE])
 
