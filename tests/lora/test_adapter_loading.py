@@ -98,6 +98,25 @@ def test_refused_tensors_name_the_reason(
         load(path, base)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_or_alpha_that_are_not_finite_are_refused(
+    good: Path, base: Path, tmp_path: Path, bad: float
+) -> None:
+    """Such an adapter would give NaN to its own requests, and in a batch of several
+    adapters (stacked slots) to every other request in the step."""
+    path = copy(good, tmp_path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    key = next(k for k in tensors if "lora_A" in k)
+    tensors[key][0, 0] = bad
+    save_file(tensors, path / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match="NaN or infinity"):
+        load(path, base)
+    alpha = copy(good, tmp_path / "alpha")
+    edit_config(alpha, lora_alpha=bad)
+    with pytest.raises(LoRAError, match="lora_alpha must be a finite number"):
+        load(alpha, base)
+
+
 def test_an_adapter_for_another_model_is_refused(
     checkpoint_dir, good: Path, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

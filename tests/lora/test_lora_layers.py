@@ -134,3 +134,37 @@ def test_the_step_rule_picks_stacked_slots_for_small_mixed_steps(setup) -> None:
     assert lora.batch.masks is None  # one adapter: its segment only
     lora.set_batch([0, 1] * layers.STACKED_MAX_TOKENS)
     assert lora.batch.masks is None  # a long step: segments
+
+
+@pytest.mark.parametrize("formulation", list(FORMULATIONS))
+def test_an_adapter_that_overflows_reaches_no_other_token(
+    setup, formulation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Finite weights so large that x·A overflows: in stacked slots every token meets
+    every slot's A, and a mask's 0 times inf is NaN. The other adapters' tokens and the
+    base model's must get exactly what they get without it."""
+    lora, adapters = setup
+    monkeypatch.setattr(layers, "STACKED_MIN_ADAPTERS", FORMULATIONS[formulation][0])
+    monkeypatch.setattr(layers, "STACKED_MAX_TOKENS", FORMULATIONS[formulation][1])
+    huge = LoRAWeights(
+        LoRARequest("huge", "/huge"),
+        adapters[1].rank,
+        adapters[1].scaling,
+        {key: (a * 1e38, b) for key, (a, b) in adapters[1].weights.items()},
+    )
+    lora.load(1, huge)
+    try:
+        token_slots = [0, 1, -1, 2, 1, -1]
+        others = [i for i, slot in enumerate(token_slots) if slot != 1]
+        lora.set_batch(token_slots)
+        gen = torch.Generator().manual_seed(2)
+        for (layer, name), (hook, _) in lora.projections.items():
+            if hook.parts[name][0] != 0:
+                continue
+            x = torch.randn(len(token_slots), hook.a.shape[-1], generator=gen)
+            y = torch.randn(len(token_slots), sum(b.shape[0] for b in hook.b), generator=gen)
+            want = expected(adapters, layer, hook.parts, x, y, token_slots)
+            got = hook(x, y.clone())
+            torch.testing.assert_close(got[others], want[others], rtol=1e-4, atol=1e-4)
+    finally:
+        lora.load(1, adapters[1])

@@ -117,8 +117,8 @@ def read_config(path: Path, max_rank: int) -> tuple[int, float]:
     if r > max_rank:
         raise LoRAError(f"rank r={r} is over max_lora_rank={max_rank}")
     alpha = cfg.get("lora_alpha", r)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise LoRAError(f"lora_alpha must be a number, got {alpha!r}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoRAError(f"lora_alpha must be a finite number, got {alpha!r}")
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return r, float(scaling)
 
@@ -178,6 +178,8 @@ def load_adapter(lora: LoRARequest, model: ModelConfig, max_rank: int) -> LoRAWe
                 f"do not fit this model's projection ({n_in} -> {n_out}, r={rank}): the "
                 "adapter was made for another model"
             )
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAError(f"layer {layer} {name}: lora_A or lora_B holds NaN or infinity")
         out.weights[(layer, name)] = (a.contiguous(), b.contiguous())
     return out
 

@@ -102,9 +102,13 @@ class _ProjectionLoRA:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = self.layers.batch
-        if batch.masks is not None:  # stacked slots: 2 + parts ops
+        if batch.masks is not None:  # stacked slots: 3 + parts ops
             xa = F.linear(x, self.a_all)
             xa.mul_(batch.masks[self.num_parts])
+            # Every row meets every slot's A here: where another slot's adapter overflows
+            # (x·A = inf), its mask's 0 makes NaN, which B would add to this row. Zeroed,
+            # an adapter's numbers reach only its own requests' rows.
+            xa.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             if self.num_parts == 1:
                 return y.addmm_(xa, self.bt_all[0])
             w = xa.shape[1] // self.num_parts
