@@ -243,6 +243,42 @@ def test_an_adapter_that_cannot_be_read_back_fails_its_request_alone(
     asyncio.run(main())
 
 
+def test_an_adapter_whose_files_changed_is_not_read_back_under_its_old_identity(
+    good: Path, base: Path, tmp_path: Path
+) -> None:
+    """Read again after it left host memory, an adapter's files must be those it was
+    loaded from: its identity (and the prefix cache's KV under it) is the old weights'.
+    New files fail the request, by name, until the adapter is loaded again."""
+    first, second = copy(good, tmp_path / "1"), copy(good, tmp_path / "2")
+    cfg = EngineConfig(
+        model=str(base), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8,
+        max_loras=1, max_cpu_loras=0,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=2)
+
+    async def last(engine: AsyncEngine, lora: LoRARequest | None) -> Any:
+        outputs = engine.stream(engine.make_request("hi", params, lora_request=lora))
+        return [out async for out in outputs][-1]
+
+    async def main() -> None:
+        engine = AsyncEngine(LLMEngine(cfg))
+        engine.start()
+        try:
+            for lora in (LoRARequest("first", str(first)), LoRARequest("second", str(second))):
+                await last(engine, lora)  # "first" leaves host memory for "second"
+            weights = first / "adapter_model.safetensors"
+            save_file({k: t * 2 for k, t in load_file(weights).items()}, weights)
+            with pytest.raises(RequestFailedError, match="changed since it was loaded"):
+                await last(engine, LoRARequest("first", str(first)))
+            assert (await last(engine, None)).finished  # the engine serves on
+            again = LoRARequest("first", str(first), generation=1)  # loaded again
+            assert (await last(engine, again)).finished
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
 def test_an_adapter_with_running_and_waiting_requests_is_listed_as_both(
     good: Path, base: Path
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ class LoRAWeights:
     rank: int
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    stamp: tuple[object, ...] = ()  # ``files_stamp`` of its folder when it was read
 
     @property
     def nbytes(self) -> int:
@@ -134,11 +136,27 @@ def _check_target(name: str) -> None:
         )
 
 
+def files_stamp(path: Path) -> tuple[object, ...]:
+    """What tells an adapter folder's files apart from others at the same path: each
+    file's inode, size and modification time (a folder swapped in by rename, as
+    ``kvserve adapters sync`` does, or a file rewritten in place, gets another)."""
+    stamp: list[object] = []
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        try:
+            st = os.stat(path / name)
+        except OSError:
+            stamp.append(None)
+        else:
+            stamp.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(stamp)
+
+
 def load_adapter(lora: LoRARequest, model: ModelConfig, max_rank: int) -> LoRAWeights:
     """Read and check the adapter at ``lora.lora_path`` (float32 tensors, host memory)."""
     path = Path(lora.lora_path)
     if not path.is_dir():
         raise LoRAError(f"LoRA adapter {lora.lora_name!r}: {path} is not a directory")
+    stamp = files_stamp(path)  # before reading: a change while reading shows later
     rank, scaling = read_config(path, max_rank)
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():
@@ -166,7 +184,7 @@ def load_adapter(lora: LoRARequest, model: ModelConfig, max_rank: int) -> LoRAWe
         raise LoRAError(f"{weights_file} is not a readable safetensors file: {exc}") from None
     if not halves:
         raise LoRAError(f"{weights_file} holds no LoRA weights")
-    out = LoRAWeights(lora, rank, scaling)
+    out = LoRAWeights(lora, rank, scaling, stamp=stamp)
     for (layer, name), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"layer {layer} {name}: lora_A and lora_B must both be present")

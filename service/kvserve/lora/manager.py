@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
 
-from kvserve.lora.adapter import LoRAWeights, load_adapter
+from kvserve.lora.adapter import LoRAError, LoRAWeights, load_adapter
 from kvserve.lora.layers import LoRALayers
 from kvserve.lora.request import LoRARequest
 from kvserve.lora.slots import SlotTable
@@ -41,6 +41,10 @@ class LoRAManager:
         self.users: Counter[LoRARequest] = Counter()  # queued or running requests
         self.removed: set[LoRARequest] = set()  # unloaded, dropped once idle
         self.disk_loads = 0  # adapters read from their directories (a statistic)
+        # Each adapter's files as first read: one read again (after it left host memory)
+        # from files that changed since is refused, not served under the old identity,
+        # whose prefix-cache entries hold the old weights' KV.
+        self.stamps: dict[LoRARequest, tuple[object, ...]] = {}
 
     @property
     def capacity(self) -> int:
@@ -52,7 +56,13 @@ class LoRAManager:
         """The adapter's weights, read (and checked: ``LoRAError``) if not in host memory."""
         weights = self.host.get(lora)
         if weights is None:
-            weights = self.put(load_adapter(lora, self.model, self.max_rank))
+            read = load_adapter(lora, self.model, self.max_rank)
+            if self.stamps.get(lora, read.stamp) != read.stamp:
+                raise LoRAError(
+                    f"LoRA adapter {lora.lora_name!r}: its files in {lora.lora_path} changed "
+                    "since it was loaded; load it again (unload, then load) to serve them"
+                )
+            weights = self.put(read)
             self.disk_loads += 1
         else:
             self.host.move_to_end(lora)
@@ -62,6 +72,7 @@ class LoRAManager:
         """Keep adapter weights read elsewhere (the server reads them off the engine thread)."""
         self.host[weights.lora] = weights
         self.host.move_to_end(weights.lora)
+        self.stamps.setdefault(weights.lora, weights.stamp)
         self._trim()
         return weights
 
@@ -69,6 +80,7 @@ class LoRAManager:
         """Forget an unloaded adapter once nothing needs it (its requests finish first)."""
         if not self.users[lora] and self.slots.evict(lora):
             self.host.pop(lora, None)
+            self.stamps.pop(lora, None)
             self.removed.discard(lora)
         else:
             self.removed.add(lora)
