@@ -206,6 +206,20 @@ def test_vllm_style_lora_requests_are_the_same_adapter(good: Path, base: Path) -
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
+def one_slot_no_spare(base: Path) -> EngineConfig:
+    """One device slot and no idle adapter kept in host memory: an adapter leaves memory
+    as soon as another one runs."""
+    return EngineConfig(
+        model=str(base), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8,
+        max_loras=1, max_cpu_loras=0,
+    )  # fmt: skip
+
+
+async def last_output(engine: AsyncEngine, params: SamplingParams, lora: LoRARequest | None) -> Any:
+    outputs = engine.stream(engine.make_request("hi", params, lora_request=lora))
+    return [out async for out in outputs][-1]
+
+
 def test_an_adapter_that_cannot_be_read_back_fails_its_request_alone(
     good: Path, base: Path, tmp_path: Path
 ) -> None:
@@ -214,19 +228,12 @@ def test_an_adapter_that_cannot_be_read_back_fails_its_request_alone(
     the server's files, not the client's input) and the engine serves on. Any exception
     there used to end the engine thread, and with it every request and the server."""
     first, second = copy(good, tmp_path / "1"), copy(good, tmp_path / "2")
-    cfg = EngineConfig(
-        model=str(base), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8,
-        max_loras=1, max_cpu_loras=0,
-    )  # fmt: skip
     params = SamplingParams(max_tokens=2)
     long = SamplingParams(max_tokens=64, ignore_eos=True)
-
-    async def last(engine: AsyncEngine, params: SamplingParams, lora: LoRARequest | None) -> Any:
-        outputs = engine.stream(engine.make_request("hi", params, lora_request=lora))
-        return [out async for out in outputs][-1]
+    last = last_output
 
     async def main() -> None:
-        engine = AsyncEngine(LLMEngine(cfg))
+        engine = AsyncEngine(LLMEngine(one_slot_no_spare(base)))
         engine.start()
         try:
             for lora in (LoRARequest("first", str(first)), LoRARequest("second", str(second))):
@@ -250,18 +257,13 @@ def test_an_adapter_whose_files_changed_is_not_read_back_under_its_old_identity(
     loaded from: its identity (and the prefix cache's KV under it) is the old weights'.
     New files fail the request, by name, until the adapter is loaded again."""
     first, second = copy(good, tmp_path / "1"), copy(good, tmp_path / "2")
-    cfg = EngineConfig(
-        model=str(base), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8,
-        max_loras=1, max_cpu_loras=0,
-    )  # fmt: skip
     params = SamplingParams(max_tokens=2)
 
     async def last(engine: AsyncEngine, lora: LoRARequest | None) -> Any:
-        outputs = engine.stream(engine.make_request("hi", params, lora_request=lora))
-        return [out async for out in outputs][-1]
+        return await last_output(engine, params, lora)
 
     async def main() -> None:
-        engine = AsyncEngine(LLMEngine(cfg))
+        engine = AsyncEngine(LLMEngine(one_slot_no_spare(base)))
         engine.start()
         try:
             for lora in (LoRARequest("first", str(first)), LoRARequest("second", str(second))):
