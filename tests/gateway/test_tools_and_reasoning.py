@@ -238,7 +238,7 @@ def test_bad_input_is_refused_by_field(tools_gateway: Gateway) -> None:
         (
             {"tools": [{"type": "function",
                         "function": {"name": "f", "parameters": {"type": "nope"}}}]},
-            "tools[0].function.parameters",  # by the replica
+            "tools[0].function.parameters",  # by the gateway: not an object's schema
         ),
         (  # an integer llguidance cannot read: it was a 400 without its field
             {"tools": [{"type": "function",

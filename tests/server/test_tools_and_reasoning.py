@@ -240,6 +240,34 @@ def test_bad_tool_requests_name_their_field(tools_server: RunningServer) -> None
     }
     body = {"messages": QUESTION, "tools": [TOOLS[0], bad_schema]}
     assert refusal(tools_server, body)["param"] == "tools[1].function.parameters"
+    # A function's arguments are an object: a forced call under another schema would be
+    # a string, a list or a number, which clients cannot pass as keyword arguments.
+    for kind in ("string", "array", "integer", ["object", "null"]):
+        not_object = {"type": "function", "function": {"name": "f", "parameters": {"type": kind}}}
+        body = {"messages": QUESTION, "tools": [not_object], "tool_choice": "required"}
+        error = refusal(tools_server, body)
+        assert error["param"] == "tools[0].function.parameters", error
+        assert "JSON schema of an object" in error["message"]
+
+
+def test_a_function_without_parameters_is_called_with_none(tools_server: RunningServer) -> None:
+    """OpenAI's "empty parameter list": a forced call's arguments are {}."""
+    bare = {"type": "function", "function": {"name": "get_time"}}
+    with tools_server.client() as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": QUESTION,
+                "tools": [bare],
+                "tool_choice": "required",
+                "max_tokens": 40,
+            },
+        )
+    assert r.status_code == 200, r.text
+    [call] = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) == {}
 
 
 def test_tools_for_a_model_without_a_tool_parser(server: RunningServer) -> None:

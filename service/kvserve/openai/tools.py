@@ -15,7 +15,13 @@ from kvserve.openai.errors import OpenAIError
 from kvserve.openai.protocol import ChatCompletionRequest
 
 ToolChoiceMode = Literal["none", "auto", "required", "function"]
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# A function without ``parameters`` takes none (OpenAI's "empty parameter list"): a forced
+# call's arguments are ``{}``, not whatever object the model writes.
+EMPTY_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {},
+    "additionalProperties": False,
+}
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ def chat_tools(body: ChatCompletionRequest) -> ChatTools:
                 400, f"tools[{i}]: the tool name {f.name!r} is used twice", param="tools"
             )
         seen.add(f.name)
+        _check_object_schema(f.parameters, i)
         specs.append(
             ToolSpec(f.name, f.description, f.parameters or EMPTY_PARAMETERS, bool(f.strict))
         )
@@ -106,3 +113,18 @@ def chat_tools(body: ChatCompletionRequest) -> ChatTools:
     if resolved.mode == "required" and not specs:
         raise OpenAIError(400, 'tool_choice "required" needs tools', param="tool_choice")
     return ChatTools(tuple(specs), resolved, body.parallel_tool_calls)
+
+
+def _check_object_schema(parameters: dict[str, Any] | None, i: int) -> None:
+    """A function's arguments are a JSON object (OpenAI's rule, and what a client's
+    ``json.loads(arguments)`` then ``**kwargs`` needs): a schema whose ``type`` says
+    otherwise is refused, where a forced call would have given a string or a list."""
+    kind = (parameters or {}).get("type", "object")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "object" not in kinds or len(kinds) > 1:
+        raise OpenAIError(
+            400,
+            f"tools[{i}].function.parameters must be the JSON schema of an object "
+            f'(type "object"), not of type {kind!r}: a function\'s arguments are an object',
+            param=f"tools[{i}].function.parameters",
+        )
