@@ -14,7 +14,9 @@ from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.server.app import create_app
+from kvserve.structured import matcher
 from tests.support.engine_server import SERVED_MODEL as MODEL
+from tests.support.engine_server import start_server, stop_server
 from tests.support.net import free_port
 from tests.support.waiting import wait_until
 
@@ -81,3 +83,32 @@ def test_engine_error_fails_only_that_batch(checkpoint_dir, caplog) -> None:  # 
         wait_until(lambda: pool_.num_free_blocks == pool_.num_blocks)
     finally:
         server.should_exit = True
+
+
+def test_a_constraint_too_costly_to_enforce_fails_its_request_alone(
+    checkpoint_dir, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A token mask is filled on the engine's thread, so a grammar whose masks cost tens
+    of milliseconds (a large exact repetition) delayed every request of every step: its
+    request now fails, naming the cost, and the others run on. (The limit is lowered
+    here, far under what the pattern costs, so the test does not hang on the machine's
+    speed; an ordinary regex's mask costs a hundredth of it.)"""
+    monkeypatch.setattr(matcher, "MAX_MASK_CPU_SECONDS", 0.002)
+    srv = start_server(checkpoint_dir("llama"))
+    try:
+        with srv.client() as c, ThreadPoolExecutor(2) as pool:
+
+            def constrained(regex: str) -> httpx.Response:
+                body = {"prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": regex}}
+                return c.post("/v1/completions", json={"model": MODEL, **body})
+
+            costly = pool.submit(constrained, "a{100000}")
+            ordinary = pool.submit(constrained, "[a-z ]{1,20}")
+            refused, served = costly.result(), ordinary.result()
+    finally:
+        stop_server(srv)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert "costs too much to enforce" in error["message"], error
+    assert error["param"] == "structured_outputs"
+    assert served.status_code == 200, served.text

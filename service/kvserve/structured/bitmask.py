@@ -11,7 +11,7 @@ import llguidance
 import numpy as np
 import torch
 
-from kvserve.structured.matcher import GrammarMatcher
+from kvserve.structured.matcher import MAX_MASK_CPU_SECONDS, GrammarMatcher
 
 
 @dataclass
@@ -38,6 +38,9 @@ class TokenMasker:
     def __init__(self) -> None:
         self._executor: llguidance.LLExecutor | None = None
         self._parallel = (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS
+        # A parallel fill that took long: the next one goes row by row, to find which
+        # grammar costs it (GrammarMatcher.mask_cost).
+        self._attribute = False
         self.seconds = 0.0  # spent filling masks, in total
         self.rows = 0  # masks filled, in total
 
@@ -51,15 +54,20 @@ class TokenMasker:
         matchers = [g.matcher for g in grammars if g is not None]
         words = max(g.mask_words for g in grammars if g is not None)
         bits = torch.empty((len(rows), words), dtype=torch.int32)
-        if self._parallel and len(rows) >= PARALLEL_MIN_ROWS:
+        if self._parallel and len(rows) >= PARALLEL_MIN_ROWS and not self._attribute:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(
                 [(m, k) for k, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(rows)
             )
+            self._attribute = time.perf_counter() - start > MAX_MASK_CPU_SECONDS
         else:
-            for k, m in enumerate(matchers):
+            self._attribute = False
+            constrained = [g for g in grammars if g is not None]
+            for k, (g, m) in enumerate(zip(constrained, matchers, strict=True)):
+                cpu = time.thread_time()  # this thread's CPU: the machine's load aside
                 m.unsafe_compute_mask_ptr(bits[k].data_ptr(), words * 4)
+                g.mask_cost(time.thread_time() - cpu)
         self.seconds += time.perf_counter() - start
         self.rows += len(rows)
         return TokenMask(rows, bits)
