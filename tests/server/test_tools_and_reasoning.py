@@ -740,6 +740,23 @@ def test_bad_constraints_name_their_field(tools_server: RunningServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
 
 
+def test_a_constraint_that_matches_no_text_is_a_400_streamed_too(
+    tools_server: RunningServer,
+) -> None:
+    """A schema that refers to itself and nothing else compiles, yet no token can begin
+    it: found when its compile is awaited before the response starts, so a stream gets
+    the 400 (it got a 200, then an error event)."""
+    cycle = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+    body = {"model": MODEL, "messages": QUESTION, "response_format": cycle, "max_tokens": 8}
+    with tools_server.client() as c:
+        for stream in (False, True):
+            r = c.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "response_format.json_schema.schema", error
+            assert "matches no text" in error["message"]
+
+
 @pytest.mark.parametrize(
     ("schema", "what"),
     [

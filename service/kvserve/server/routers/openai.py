@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -96,6 +97,7 @@ async def completions(request: Request) -> JSONResponse | EventStreamResponse:
         arrival,
         constraint.params if constraint else None,
         lora,
+        param,
     )
     ids = fmt.response_ids(request.state.request_id, body.model, False, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
@@ -177,7 +179,15 @@ async def chat_completions(request: Request) -> JSONResponse | EventStreamRespon
     if limit is None:  # as much as the context allows
         limit = state.engine.engine.context_left(len(chat.prompt_ids))
     reqs = await _make_requests(
-        state, request, body, [chat.prompt_ids], limit, arrival, chat.constraint, lora
+        state,
+        request,
+        body,
+        [chat.prompt_ids],
+        limit,
+        arrival,
+        chat.constraint,
+        lora,
+        chat.constraint_param,
     )
     ids = fmt.response_ids(request.state.request_id, body.model, True, int(time.time()))
     text_of = fmt.tokenizer_text(state.tokenizer)
@@ -273,10 +283,12 @@ async def _make_requests(
     arrival: float,
     constraint: StructuredOutputsParams | None,
     lora: LoRARequest | None = None,
+    grammar_param: str | None = None,
 ) -> list[EngineRequest]:
     """The engine requests, one per prompt and sample (``n``), prompt i's sample j at
     index i·n + j (each is its own engine request, named by the engine; ``x-request-id``
-    is kept as the client's on every one)."""
+    is kept as the client's on every one), their grammars compiled (``grammar_param``:
+    the field the constraint came in)."""
     rid: str = request.state.request_id
     try:
         params = body.sampling_params(max_tokens, checks.logprobs_count(body), constraint)
@@ -296,6 +308,7 @@ async def _make_requests(
                 )
                 reqs.append(req)
                 prepared = req.prompt_token_ids  # tokenized once for all its samples
+        await _compiled(reqs, grammar_param)
         operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
         parent = None  # the caller's traceparent, in the headers
         for req in reqs:
@@ -316,6 +329,18 @@ async def _make_requests(
         raise OpenAIError(503, str(exc)) from exc
     except InvalidRequestError as exc:
         raise checks.in_client_terms(OpenAIError.invalid_request(exc), body) from exc
+
+
+async def _compiled(reqs: Sequence[EngineRequest], grammar_param: str | None) -> None:
+    """Wait for the requests' grammars to compile (the engine waits for them anyway): one
+    that cannot be enforced (it compiles, yet matches no text) is the request's 400 now,
+    before a stream's 200, not an error event after it."""
+    for req in reqs:
+        if req.grammar is not None:
+            try:
+                await asyncio.wrap_future(req.grammar.compiled)
+            except InvalidRequestError as exc:
+                raise OpenAIError(400, f"structured outputs: {exc}", param=grammar_param) from None
 
 
 def _delta_logprobs(c: CompletionOutput) -> Sequence[TokenLogprob] | None:
