@@ -341,6 +341,8 @@ async def _compiled(reqs: Sequence[EngineRequest], grammar_param: str | None) ->
                 await asyncio.wrap_future(req.grammar.compiled)
             except InvalidRequestError as exc:
                 raise OpenAIError(400, f"structured outputs: {exc}", param=grammar_param) from None
+            except Exception:  # the engine fails the request alone at admission, as before
+                pass
 
 
 def _delta_logprobs(c: CompletionOutput) -> Sequence[TokenLogprob] | None:
