@@ -24,12 +24,13 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import grpc
 
 from kvserve.engine.async_engine import (
+    MERGE_AFTER,
     AsyncEngine,
     EngineDeadError,
     GrammarFailedError,
@@ -401,11 +402,11 @@ class _ManyCall:
 
     Engine outputs arrive through ``AsyncEngine.add_request`` sinks, one event-loop
     callback per engine step, and wait per tag until the writer turns what waits into
-    messages and sends them together in one. While a write is in flight (a slow client,
-    or one that stopped reading), a tag's later outputs merge into its waiting one
-    (``RequestOutput.absorb``): the call holds one output per request, growing with its
-    text, not a message per request and step (the invariant of the engine's
-    ``RequestStream``).
+    messages and sends them together in one. Invariant (the engine's ``RequestStream``'s):
+    at most ``MERGE_AFTER`` outputs of a request wait; one that arrives when that many do
+    absorbs the latest (``RequestOutput.absorb``), so a client that stops reading holds a
+    bounded number of outputs per request, the last growing with its text, while one that
+    reads gets every step's delta as it was.
 
     Each start is built in a task of its own: a request whose building takes long (a
     long prompt tokenized off the loop, a grammar compiled) must not hold up the starts
@@ -420,9 +421,8 @@ class _ManyCall:
         self.token_text = tokenizer_text(servicer.engine.engine.tokenizer)
         self.started: dict[int, _Started] = {}
         self.starting: dict[int, asyncio.Task[None]] = {}  # being built
-        # Per tag, in order of first arrival: its output not yet encoded, and whether it
-        # absorbed others (then it may be large: its size is measured).
-        self.pending: dict[int, tuple[_Started, RequestOutput, bool]] = {}
+        # Per tag, in order of first arrival: its outputs not yet encoded.
+        self.pending: dict[int, _Waiting] = {}
         self.ready: list[pb.TaggedOutput] = []  # encoded, to write
         self.sizes: list[int] = []  # per ready output: its size if it may be large, else 0
         self.wake = asyncio.Event()
@@ -516,30 +516,33 @@ class _ManyCall:
             self._push(_error_output(tag, _refusal(out, started.grammar_param)))
             self._end(tag, started, abort=True)
             return
-        waiting = self.pending.get(tag)
-        if waiting is not None:
-            out = out.absorb(waiting[1])
-        self.pending[tag] = (started, out, waiting is not None)
+        waiting = self.pending.setdefault(tag, _Waiting(started))
+        if len(waiting.outputs) >= MERGE_AFTER:
+            waiting.outputs[-1] = out.absorb(waiting.outputs[-1])
+            waiting.merged = True
+        else:
+            waiting.outputs.append(out)
         self.wake.set()
 
     def _encode(self, tag: int) -> None:
-        """The tag's waiting output, as messages ready to write."""
-        entry = self.pending.pop(tag, None)
-        if entry is None:
+        """The tag's waiting outputs, as messages ready to write."""
+        waiting = self.pending.pop(tag, None)
+        if waiting is None:
             return
-        started, out, merged = entry
-        try:
-            delta, final = started.encode(out, self.token_text)
-        except Exception as exc:  # turning it into messages failed
-            log.exception("request %s failed in GenerateMany", started.request_id)
-            self._push(_error_output(tag, _refusal(exc, started.grammar_param)))
-            self._end(tag, started, abort=True)
-            return
-        if delta is not None:
-            self._push(pb.TaggedOutput(tag=tag, delta=delta), measure=merged)
-        if final is not None:
-            self._push(pb.TaggedOutput(tag=tag, final=final))
-            self._end(tag, started, abort=False)
+        started, last = waiting.started, len(waiting.outputs) - 1
+        for i, out in enumerate(waiting.outputs):
+            try:
+                delta, final = started.encode(out, self.token_text)
+            except Exception as exc:  # turning it into messages failed
+                log.exception("request %s failed in GenerateMany", started.request_id)
+                self._push(_error_output(tag, _refusal(exc, started.grammar_param)))
+                self._end(tag, started, abort=True)
+                return
+            if delta is not None:  # the last may have absorbed many: measured
+                self._push(pb.TaggedOutput(tag=tag, delta=delta), waiting.merged and i == last)
+            if final is not None:
+                self._push(pb.TaggedOutput(tag=tag, final=final))
+                self._end(tag, started, abort=False)
 
     def _batch(self) -> list[pb.TaggedOutput]:
         """The next message's outputs: the ready ones (the waiting ones encoded when none
@@ -576,6 +579,16 @@ class _ManyCall:
             task.cancel()
         for tag, started in list(self.started.items()):
             self._end(tag, started, abort=True)
+
+
+@dataclass
+class _Waiting:
+    """A GenerateMany request's outputs not yet encoded; ``merged``: the last absorbed
+    later ones (then it may be large)."""
+
+    started: _Started
+    outputs: list[RequestOutput] = field(default_factory=list)
+    merged: bool = False
 
 
 def _error_output(tag: int, refused: _Refused) -> pb.TaggedOutput:
