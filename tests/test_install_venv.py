@@ -46,10 +46,12 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("wheels")
     _wheel(folder, "nvidia-fake-blas")
     _wheel(folder, "small-dep")
-    # xds-protos carries an older copy of one of opentelemetry-proto's modules.
+    # xds-protos carries an older copy of one of opentelemetry-proto's modules. Here it
+    # needs opentelemetry-proto, so that a plain install unpacks it last (the order that
+    # broke the real virtualenv).
     shared = "opentelemetry/proto/common.py"
     _wheel(folder, "opentelemetry-proto", extra={shared: "OWNER = 'opentelemetry-proto'\n"})
-    _wheel(folder, "xds-protos", extra={shared: "OWNER = 'xds-protos'\n"})
+    _wheel(folder, "xds-protos", ("opentelemetry-proto",), extra={shared: "OWNER = 'xds-protos'\n"})
     _wheel(folder, "app", ("nvidia-fake-blas", "small-dep", "opentelemetry-proto", "xds-protos"))
     return folder
 
