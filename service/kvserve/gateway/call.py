@@ -274,7 +274,7 @@ class UpstreamCall:
         if len(self.finals) < len(self.grpc_calls):
             return
         self.done = True
-        prompt_tokens, output_tokens, cached_tokens = self.usage()
+        prompt_tokens, output_tokens, cached_tokens, _ = self.usage()
         self.usage_tokens = prompt_tokens + output_tokens
         reasons = [self.finals[i].finish_reason for i in range(len(self.finals))]
         self.span.set_attribute("gen_ai.response.finish_reasons", reasons)
@@ -292,19 +292,16 @@ class UpstreamCall:
             return sum(counted.values())
         return max(self.prompt_estimate, sum(counted.values()))
 
-    def usage(self) -> tuple[int, int, int]:
-        """Prompt, output and cached prompt tokens of the finished samples: each prompt
-        once (its first sample's figures), every sample's output."""
+    def usage(self) -> tuple[int, int, int, int | None]:
+        """Prompt, output and cached prompt tokens of the finished samples (each prompt
+        once, its first sample's figures; every sample's output), and their reasoning
+        tokens where their replica's reasoning parser counted them (else None)."""
         firsts = [f.usage for i, f in self.finals.items() if i % self.samples == 0]
         output_tokens = sum(f.usage.completion_tokens for f in self.finals.values())
         prompt_tokens = sum(u.prompt_tokens for u in firsts)
-        return prompt_tokens, output_tokens, sum(u.cached_tokens for u in firsts)
-
-    def reasoning_tokens(self) -> int | None:
-        """The finished samples' reasoning tokens, where their replica's reasoning parser
-        counted them (None if it counted none of them)."""
         counted = [f.usage for f in self.finals.values() if f.usage.HasField("reasoning_tokens")]
-        return sum(u.reasoning_tokens for u in counted) if counted else None
+        reasoning = sum(u.reasoning_tokens for u in counted) if counted else None
+        return prompt_tokens, output_tokens, sum(u.cached_tokens for u in firsts), reasoning
 
     def failed_upstream(self, exc: grpc.aio.AioRpcError) -> OpenAIError:
         """The request failed after its first output (never retried: output was sent):

@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
         for problem in validation_problems(exc, show_input=True):
             print(f"kvserve gateway: error: listen.{problem}", file=sys.stderr)
         return 2
-    unlistenable = listen_problem(config) or otlp_problem()
-    if unlistenable is not None:
-        print(f"kvserve gateway: error: {unlistenable}", file=sys.stderr)
+    startup_problem = listen_problem(config) or otlp_problem()
+    if startup_problem is not None:
+        print(f"kvserve gateway: error: {startup_problem}", file=sys.stderr)
         return 2
     host, port = config.listen.host, config.listen.port
     pacer = RefusalPacer.at(config.listen.refusals_per_second)

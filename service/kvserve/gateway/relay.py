@@ -108,8 +108,7 @@ def _ending(
         return end
     ending = [end]
     if include_usage:
-        usage = fmt.usage(*call.usage(), call.reasoning_tokens())
-        ending.append(encode_event(fmt.usage_chunk(ids, chat, usage)))
+        ending.append(encode_event(fmt.usage_chunk(ids, chat, fmt.usage(*call.usage()))))
     return b"".join([*ending, SSE_DONE])
 
 
@@ -134,7 +133,7 @@ async def collect(
         call.status = 502
         raise OpenAIError(502, "the replica's stream ended without a final message")
     bodies = [c.body(i, chat, call.finals[i]) for i, c in enumerate(choices)]
-    usage = fmt.usage(*call.usage(), call.reasoning_tokens())
+    usage = fmt.usage(*call.usage())
     if chat:
         return fmt.chat_response(ids, bodies, usage)
     return fmt.completion_response(ids, bodies, usage)

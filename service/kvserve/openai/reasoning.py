@@ -51,7 +51,6 @@ class ReasoningParser:
         self.state = "start"  # start → reasoning → content
         self.buffer = ""
         self.reasoned = False  # the output had a think block (open or closed)
-        self.closed = False  # ... and it ended with THINK_END
 
     def feed(self, text: str) -> ReasoningSplit:
         self.buffer += text
@@ -78,7 +77,6 @@ class ReasoningParser:
             out.reasoning = self.buffer[:end]
             self.buffer = self.buffer[end + len(THINK_END) :]
             self.state = "content"
-            self.closed = True
         out.content, self.buffer = self.buffer, ""
         return out
 
@@ -95,7 +93,8 @@ class ReasoningParser:
         when it never closed, else those up to the one that completes THINK_END."""
         if not self.reasoned:
             return 0
-        return ends_at(token_ids) if self.closed else len(token_ids)
+        closed = self.state == "content"  # (reached only through THINK_END, once it reasoned)
+        return ends_at(token_ids) if closed else len(token_ids)
 
 
 # Of an output's token ids: how many lead up to, and include, the one that completes

@@ -51,8 +51,9 @@ class TokenMasker:
         if not rows:
             return None
         start = time.perf_counter()
-        matchers = [g.matcher for g in grammars if g is not None]
-        words = max(g.mask_words for g in grammars if g is not None)
+        constrained = [g for g in grammars if g is not None]
+        matchers = [g.matcher for g in constrained]
+        words = max(g.mask_words for g in constrained)
         bits = torch.empty((len(rows), words), dtype=torch.int32)
         if self._parallel and len(rows) >= PARALLEL_MIN_ROWS and not self._attribute:
             if self._executor is None:
@@ -63,7 +64,6 @@ class TokenMasker:
             self._attribute = time.perf_counter() - start > MAX_MASK_CPU_SECONDS
         else:
             self._attribute = False
-            constrained = [g for g in grammars if g is not None]
             for k, (g, m) in enumerate(zip(constrained, matchers, strict=True)):
                 cpu = time.thread_time()  # this thread's CPU: the machine's load aside
                 m.unsafe_compute_mask_ptr(bits[k].data_ptr(), words * 4)

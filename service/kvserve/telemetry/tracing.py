@@ -99,8 +99,9 @@ class RequestTelemetry:
         parent: Context | None = None,
     ) -> Context:
         """Start the span, a child of the caller's traceparent in ``headers`` (or of
-        ``parent`` if given); returns the context with the span in it, the parent of a
-        request's further samples (``samples_parent``).
+        ``parent`` if given). Returns the parent of the request's further samples (``n``
+        > 1, a batch of prompts), so that all are in one trace: the caller's context, or
+        without a traceparent, this span's.
 
         ``request_id`` is the engine's id (the key until ``finish``); ``external_id`` the
         client's, which the span shows as ``kvserve.request_id``. ``lora_adapter``: the
@@ -118,9 +119,10 @@ class RequestTelemetry:
         }
         if lora_adapter is not None:
             attributes["kvserve.lora_adapter"] = lora_adapter
+        caller = extract(dict(headers)) if parent is None else parent
         span = self.tracer.start_span(
             f"{operation} {lora_adapter or self.model}",
-            context=extract(dict(headers)) if parent is None else parent,
+            context=caller,
             kind=SpanKind.SERVER,
             start_time=_epoch_ns(arrival),
             attributes=attributes,
@@ -129,15 +131,9 @@ class RequestTelemetry:
         trace_id = format(ctx.trace_id, "032x") if ctx.is_valid else None
         with self._lock:
             self._inflight[request_id] = _InFlight(span, trace_id)
+        if trace.get_current_span(caller).get_span_context().is_valid:
+            return caller
         return trace.set_span_in_context(span)
-
-    @staticmethod
-    def samples_parent(headers: Mapping[str, str], first: Context) -> Context:
-        """The parent of the spans of an HTTP request's further samples (``n`` > 1, or a
-        batch of prompts), so that all are in one trace: the caller's traceparent, or
-        without one, the first sample's span (``first``: what its ``begin`` returned)."""
-        caller = extract(dict(headers))
-        return caller if trace.get_current_span(caller).get_span_context().is_valid else first
 
     def trace_id(self, request_id: str) -> str | None:
         with self._lock:

@@ -310,9 +310,9 @@ async def _make_requests(
                 prepared = req.prompt_token_ids  # tokenized once for all its samples
         await _compiled(reqs, grammar_param)
         operation = "chat" if isinstance(body, ChatCompletionRequest) else "text_completion"
-        parent = None  # the caller's traceparent, in the headers
+        parent = None  # the first sample's: the caller's traceparent, in the headers
         for req in reqs:
-            opened = state.telemetry.begin(
+            parent = state.telemetry.begin(
                 req.request_id,
                 operation,
                 req.params,
@@ -322,8 +322,6 @@ async def _make_requests(
                 lora.lora_name if lora is not None else None,
                 parent,
             )
-            if parent is None:
-                parent = state.telemetry.samples_parent(request.headers, opened)
         return reqs
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
@@ -375,8 +373,9 @@ def _usage(
     firsts = [out for out in outs if out.outputs[0].index % n == 0]
     prompt_tokens = sum(len(out.prompt_token_ids) for out in firsts)
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outs)
-    counts = [reasoning(out) for out in outs] if reasoning is not None else [None]
-    reasoning_tokens = None if None in counts else sum(c for c in counts if c is not None)
+    counts = [reasoning(out) for out in outs] if reasoning is not None else []
+    counted = [c for c in counts if c is not None]
+    reasoning_tokens = sum(counted) if counted and len(counted) == len(counts) else None
     cached = sum(out.num_cached_tokens for out in firsts)
     return fmt.usage(prompt_tokens, output_tokens, cached, reasoning_tokens)
 
