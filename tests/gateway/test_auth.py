@@ -58,7 +58,7 @@ def test_keys_of_one_tenant_share_one_tenant(store: KeyStore) -> None:
         ("Basic dXNlcjpwYXNz", "invalid_api_key"),
         ("Bearer a b", "invalid_api_key"),
         ("Bearer sk-kvs-not-a-real-key", "invalid_api_key"),
-        ("Bearer " + DIGEST_A, "invalid_api_key"),  # the digest is not the key
+        pytest.param("Bearer " + DIGEST_A, "invalid_api_key", id="the-key-digest"),  # not the key
     ],
 )
 def test_missing_or_invalid_key_is_401(store: KeyStore, header: str | None, code: str) -> None:
