@@ -387,6 +387,53 @@ def test_a_replay_of_thousands_of_batches_reaches_a_slow_reader_whole(ctx) -> No
         pub.close()
 
 
+def test_a_flood_of_replay_requests_does_not_hold_back_live_batches(ctx) -> None:  # type: ignore[no-untyped-def]
+    """The publisher's thread answered every waiting replay request before it sent the
+    live batches queued meanwhile: a client that kept asking for the whole buffer held
+    back every subscriber's live stream (the review's flood: 86 s late). Now it answers
+    one replay a turn, after the live batches; so among a burst of requests sent before
+    a batch was published, the later ones are answered with that batch in the buffer."""
+    sub = Subscriber(ctx)
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KVEventPublisher(
+        sub.endpoint, block_size=BLOCK, medium="CPU", replay_endpoint=replay_endpoint
+    )
+    flood, witness = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        while not sub.recv(timeout_ms=50):  # join: probes until one arrives live
+            pub.publish([AllBlocksCleared()])
+        for _ in range(2000):
+            pub.publish([AllBlocksCleared()])
+        sub.until(pub)  # all sent, so all in the replay buffer
+        live = pub.next_seq  # the batch published below
+        for s in (flood, witness):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(replay_endpoint)
+        # Costly requests (the whole buffer, never read) and cheap ones (from the live
+        # batch on), fair-queued by the replay socket.
+        for _ in range(500):
+            flood.send_multipart((b"", (0).to_bytes(8, "big")))
+        for _ in range(500):
+            witness.send_multipart((b"", live.to_bytes(8, "big")))
+        answers, seen_live = 0, False
+        while answers < 500 and not seen_live:
+            assert witness.poll(RECV_TIMEOUT_MS), f"replay answers stopped after {answers}"
+            _, seq, _ = witness.recv_multipart()
+            if seq == END_SEQ:
+                answers += 1
+                if answers == 1:  # the thread answers the burst now: publish meanwhile
+                    pub.publish([AllBlocksCleared()])
+            else:
+                seen_live = int.from_bytes(seq, "big") == live
+        assert seen_live, "every replay request was answered before the live batch went out"
+        sub.until(pub)
+    finally:
+        flood.close()
+        witness.close()
+        sub.sub.close()
+        pub.close()
+
+
 def test_ipv6_endpoints_bind(ctx) -> None:  # type: ignore[no-untyped-def]
     """``tcp://[::1]:PORT`` and ``tcp://[::]:PORT`` bind (ZMQ sockets are IPv4-only
     unless told otherwise: they failed with "No such device")."""

@@ -303,10 +303,13 @@ class KVEventPublisher:
         try:
             while True:
                 ready = dict(poller.poll())
-                if self._replay is not None and self._replay in ready:
-                    self._serve_replays(self._replay)
+                # Live batches first, then one replay a turn: a client that sends replay
+                # requests faster than they are answered delays the live stream by one
+                # replay at most, not by all of its requests.
                 if self._pull in ready and not self._send_queued():
                     return
+                if self._replay is not None and self._replay in ready:
+                    self._serve_replay(self._replay)
         except Exception:
             log.exception("KV-cache events: the publisher thread failed; no more events")
         finally:
@@ -331,25 +334,25 @@ class KVEventPublisher:
             self._pub.send_multipart((self.topic, seq_bytes, payload))
             self._buffer.append((int.from_bytes(seq_bytes, "big"), payload))
 
-    def _serve_replays(self, replay: zmq.Socket[bytes]) -> None:
+    def _serve_replay(self, replay: zmq.Socket[bytes]) -> None:
+        """Answer the next replay request, if one is waiting."""
         import zmq
 
-        while True:
-            try:
-                frames = replay.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                log.warning("KV-cache events: ignored a malformed replay request")
-                continue
-            client, _, start = frames
-            start_seq = int.from_bytes(start, "big")
-            # Queued whole (the socket's high-water mark is the buffer's size); a client
-            # that asks again without reading gets what still fits.
-            for seq, payload in self._buffer:
-                if seq >= start_seq:
-                    replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            replay.send_multipart((client, b"", END_SEQ, b""))
+        try:
+            frames = replay.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            log.warning("KV-cache events: ignored a malformed replay request")
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        # Queued whole (the socket's high-water mark is the buffer's size); a client
+        # that asks again without reading gets what still fits.
+        for seq, payload in self._buffer:
+            if seq >= start_seq:
+                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", END_SEQ, b""))
 
 
 def _open(socket: zmq.Socket[bytes], endpoint: str, name: str, *, bind: bool) -> None:
