@@ -43,7 +43,7 @@ class Served:
     def sdk(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 
-    def post(self, path: str, body: dict[str, str]) -> httpx.Response:
+    def post(self, path: str, body: dict[str, object]) -> httpx.Response:
         return httpx.post(f"{self.url}{path}", json=body, timeout=60)
 
 
@@ -79,10 +79,10 @@ def served(checkpoint_dir, tmp_path_factory) -> Iterator[Served]:  # type: ignor
         proc.stop()
 
 
-def complete(served: Served, model: str) -> str:
+def complete(served: Served, model: str, prompt: list[int] = PROMPT) -> str:
     out = served.sdk().completions.create(
         model=model,
-        prompt=PROMPT,
+        prompt=prompt,
         max_tokens=MAX_TOKENS,
         temperature=0,
         extra_body={"ignore_eos": True},
@@ -177,8 +177,8 @@ def test_load_use_and_unload_at_run_time(served: Served) -> None:
 
 
 def test_a_reload_of_changed_files_serves_the_new_weights(served: Served) -> None:
-    """adapter-sync unloads and loads a name from the same folder when its files change
-    (a new revision): the next request runs the new weights, neither the old ones' prefix
+    """A name unloaded and loaded again from the same folder after its files changed (a
+    new revision): the next request runs the new weights, neither the old ones' prefix
     cache blocks nor their device slot, which a request in flight still holds."""
     folder = served.lora_dir / "swap"
     prompt = list(range(40, 40 + 40))  # two and a half 16-token blocks: a prefix to cache
@@ -190,11 +190,7 @@ def test_a_reload_of_changed_files_serves_the_new_weights(served: Served) -> Non
         return llm.generate([prompt], params, lora_request=lora)[0].outputs[0].text
 
     def served_text() -> str:
-        out = served.sdk().completions.create(
-            model="swap", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        return out.choices[0].text
+        return complete(served, "swap", prompt)
 
     build_adapter(served.base_dir, folder, r=8, seed=4)
     old = offline_text()
@@ -218,6 +214,55 @@ def test_a_reload_of_changed_files_serves_the_new_weights(served: Served) -> Non
     assert served_text() == new
     assert len(list(chunks)) > 0  # the old stream ran to its end meanwhile
     served.post("/v1/unload_lora_adapter", {"lora_name": "swap"})
+
+
+def test_load_inplace_replaces_a_loaded_adapter_without_a_gap(served: Served) -> None:
+    """vLLM's ``load_inplace``, as adapter-sync reloads a new revision: the name serves
+    the old weights until the new ones are read, then the new ones (never a 404, never
+    the old ones' cached KV); a request running on the old version finishes on it, and a
+    refused replacement leaves the old version serving. Without it, a loaded name could
+    only be unloaded first (404s until the load finished)."""
+    folder = served.lora_dir / "hot"
+    prompt = list(range(40, 40 + 40))  # two and a half 16-token blocks: a prefix to cache
+
+    def served_text() -> str:
+        return complete(served, "hot", prompt)
+
+    def load(lora_path: str) -> httpx.Response:
+        body = {"lora_name": "hot", "lora_path": lora_path, "load_inplace": True}
+        return served.post("/v1/load_lora_adapter", body)
+
+    build_adapter(served.base_dir, folder, r=8, seed=6)
+    assert load("hot").status_code == 200  # not loaded yet: an ordinary load
+    old = served_text()  # and its prompt's blocks are cached now
+    in_flight = served.sdk().completions.create(
+        model="hot", prompt=prompt, max_tokens=200, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(in_flight)
+    next(chunks)  # running on the old weights, in their slot
+
+    # A new revision swapped in by rename, as adapter-sync does.
+    build_adapter(served.base_dir, served.lora_dir / "hot-next", r=8, seed=7)
+    os.rename(folder, served.lora_dir / "hot-prev")
+    os.rename(served.lora_dir / "hot-next", folder)
+    r = load("hot")
+    assert r.status_code == 200, r.text
+    new = served_text()
+    assert new != old, "the new weights serve, not the old ones' cached KV"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == "length"  # the old stream ran to its end meanwhile
+
+    build_adapter(served.base_dir, served.lora_dir / "hot-big", r=16, seed=8)  # over rank 8
+    refused = load("hot-big")
+    assert refused.status_code == 400 and "max_lora_rank=8" in refused.text
+    assert served_text() == new  # the loaded version still serves
+    models = {m.id: m for m in served.sdk().models.list().data}
+    assert models["hot"].root == str(folder)  # type: ignore[attr-defined]
+
+    again = served.post("/v1/load_lora_adapter", {"lora_name": "hot", "lora_path": "hot"})
+    assert again.status_code == 400 and "load_inplace" in again.text
+    served.post("/v1/unload_lora_adapter", {"lora_name": "hot"})
 
 
 @pytest.mark.parametrize("how", ["dotdot", "absolute-outside", "symlink-dir", "symlink-file"])

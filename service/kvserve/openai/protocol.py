@@ -380,11 +380,13 @@ class ChatCompletionRequest(CommonRequest):
 # ---- LoRA adapters at run time (vLLM's endpoints and bodies) ---------------------------
 class LoadLoRAAdapterRequest(BaseModel):
     """``POST /v1/load_lora_adapter``: serve the PEFT adapter at ``lora_path`` (a folder
-    under the server's ``--lora-dir``) as the model ``lora_name``."""
+    under the server's ``--lora-dir``) as the model ``lora_name``; with ``load_inplace``,
+    in place of the adapter already loaded under that name, without a gap."""
 
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

@@ -10,9 +10,15 @@ loaded; whoever can write into ``--lora-dir`` is trusted.
 
 Unloading takes the name away at once (new requests get 404); requests in flight keep
 their adapter until they finish, and the engine then drops it from memory. Each load is
-a new adapter to the engine (``LoRARequest.generation`` counts the loads): unloading and
-loading the same name and path after its files changed serves the new weights, never the
-old ones' device slot or cached KV blocks.
+a new adapter to the engine (``LoRARequest.generation`` counts the loads): loading the
+same name and path again after its files changed serves the new weights, never the old
+ones' device slot or cached KV blocks.
+
+A load with ``load_inplace`` (vLLM's field) replaces an adapter already loaded under the
+name without a gap: the new files are read and handed to the engine first, then the
+name points at the new adapter in one step, so each request gets the old version or the
+new one, never a 404; requests already queued or running on the old one finish on it.
+A refused load (bad files, a rank over the limit) leaves the old one serving.
 """
 
 from __future__ import annotations
@@ -87,26 +93,25 @@ class LoRAAdapters:
     def add_startup(self, engine: LLMEngine, modules: dict[str, str]) -> None:
         """``--lora-modules``: read and check each (``LoRAError`` names what is wrong)."""
         for name, path in modules.items():
-            lora = LoRARequest(
-                self._new_name(name), str(Path(path).resolve()), generation=next(self._loads)
-            )
+            self._check_name(name, inplace=False)
+            lora = LoRARequest(name, str(Path(path).resolve()), generation=next(self._loads))
             engine.add_lora(lora)
             self.adapters[name] = lora
 
-    async def load(self, engine: AsyncEngine, name: str, path: str) -> LoRARequest:
+    async def load(
+        self, engine: AsyncEngine, name: str, path: str, *, inplace: bool = False
+    ) -> LoRARequest:
         """``POST /v1/load_lora_adapter``: check the path, read the adapter off the event
-        loop, hand it to the engine thread, then serve it under ``name``.
+        loop, hand it to the engine thread, then serve it under ``name``; with
+        ``inplace``, in place of the adapter already loaded under ``name`` (if any).
 
         An empty ``path`` (gRPC only: the HTTP schema requires one) means the folder named
         ``name`` in ``--lora-dir``: a gateway loads adapters on demand by name alone. The
         name is then checked as a path, by the same rules."""
         if not self.enabled:
             raise OpenAIError(400, "LoRA adapters are off: start with --enable-lora")
-        lora = LoRARequest(
-            self._new_name(name),
-            str(self.allowed_path(path or name)),
-            generation=next(self._loads),
-        )
+        self._check_name(name, inplace)
+        lora = LoRARequest(name, str(self.allowed_path(path or name)), generation=next(self._loads))
         llm = engine.engine
         try:
             weights = await asyncio.to_thread(
@@ -115,8 +120,15 @@ class LoRAAdapters:
         except LoRAError as exc:
             raise OpenAIError(400, f"LoRA adapter {name!r}: {exc}", param="lora_path") from exc
         await engine.call(lambda e: e.add_lora(lora, weights))
-        self._new_name(name)  # another load of the same name may have finished meanwhile
-        self.adapters[name] = lora
+        try:
+            self._check_name(name, inplace)  # another load may have finished meanwhile
+        except OpenAIError:
+            await engine.call(lambda e: e.remove_lora(lora))
+            raise
+        replaced = self.adapters.get(name)
+        self.adapters[name] = lora  # one step: a request resolves the old or the new one
+        if replaced is not None:
+            await engine.call(lambda e: e.remove_lora(replaced))
         return lora
 
     async def unload(self, engine: AsyncEngine, name: str) -> None:
@@ -131,7 +143,8 @@ class LoRAAdapters:
             )
         await engine.call(lambda e: e.remove_lora(lora))
 
-    def _new_name(self, name: str) -> str:
+    def _check_name(self, name: str, inplace: bool) -> None:
+        """400 unless ``name`` can name an adapter; a loaded one's only with ``inplace``."""
         problem = name_problem(name)
         if problem is not None:
             raise OpenAIError(400, problem, param="lora_name")
@@ -139,11 +152,13 @@ class LoRAAdapters:
             raise OpenAIError(
                 400, f"lora_name {name!r} is the base model's name", param="lora_name"
             )
-        if name in self.adapters:
+        if name in self.adapters and not inplace:
             raise OpenAIError(
-                400, f"a LoRA adapter named {name!r} is already loaded", param="lora_name"
+                400,
+                f"a LoRA adapter named {name!r} is already loaded (to replace it, "
+                "set load_inplace to true)",
+                param="lora_name",
             )
-        return name
 
     def allowed_path(self, path: str) -> Path:
         """The adapter folder ``path`` names, if it lies under ``--lora-dir``; else 400."""

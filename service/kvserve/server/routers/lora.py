@@ -24,7 +24,9 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
     body = await parse_body(request, LoadLoRAAdapterRequest)
     state = server_state(request)
     try:
-        await state.lora.load(state.engine, body.lora_name, body.lora_path)
+        await state.lora.load(
+            state.engine, body.lora_name, body.lora_path, inplace=body.load_inplace
+        )
     except EngineDeadError as exc:
         raise OpenAIError(503, str(exc)) from exc
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
