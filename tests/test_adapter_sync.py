@@ -9,7 +9,9 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shutil
 import signal
+import struct
 import sys
 import threading
 from collections.abc import Iterator
@@ -215,6 +217,113 @@ def test_a_refused_adapter_is_reported_and_retried_later(engine: Engine, tmp_pat
 
     write_list(config, {})
     assert sync_once(read_config(config), engine.lora_dir, client).unloaded == ["beta"]
+
+
+def test_a_reload_never_404s_and_a_refused_update_keeps_the_old_version(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """A new source for a loaded adapter was an unload then a load: the name answered 404
+    in between, and when the engine refused the new files (a rank over its limit) the
+    name stayed unloaded and the old files were gone. Now the reload is in place and a
+    refused one puts the old files back, with the old version serving."""
+    config = tmp_path / "adapters.json"
+
+    def sync_command_once() -> LoggedProcess:
+        proc = start_logged(
+            sync_command(engine.url, config, engine.lora_dir, "--once"), "adapters-sync-reload"
+        )
+        proc.wait(timeout=120)
+        return proc
+
+    write_list(config, {"alpha": engine.source("alpha")})
+    assert sync_command_once().returncode == 0
+    codes: dict[int, int] = {}
+    stop = threading.Event()
+
+    def ask_for_alpha_until_stopped() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set() or not codes:
+                body = {"model": "alpha", "prompt": "hi", "max_tokens": 1}
+                status = client.post(f"{engine.url}/v1/completions", json=body).status_code
+                codes[status] = codes.get(status, 0) + 1
+
+    asker = threading.Thread(target=ask_for_alpha_until_stopped)
+    asker.start()
+    try:
+        write_list(config, {"alpha": engine.source("alpha-v2")})
+        reload = sync_command_once()
+    finally:
+        stop.set()
+        asker.join()
+    assert reload.returncode == 0 and "reloaded alpha" in log(reload), log(reload)
+    assert set(codes) == {200}, codes  # every request got the old or the new version
+    v2_text = complete(engine, "alpha").json()["choices"][0]["text"]
+
+    write_list(config, {"alpha": engine.source("too-big")})
+    refused = sync_command_once()
+    assert refused.returncode == 1 and "max_lora_rank" in log(refused), log(refused)
+    served = complete(engine, "alpha")
+    assert served.status_code == 200, served.text
+    assert served.json()["choices"][0]["text"] == v2_text
+    marker = json.loads((engine.lora_dir / "alpha" / MARKER).read_text())
+    assert marker["source"] == engine.source("alpha-v2")  # its files are in place
+    assert not [p for p in engine.lora_dir.iterdir() if p.name.startswith(".")]
+    # Not "up to date": the next pass tries the refused source again.
+    again = sync_once(read_config(config), engine.lora_dir, EngineClient(engine.url))
+    assert "max_lora_rank" in again.failed["alpha"]
+
+    write_list(config, {})
+    assert sync_once(read_config(config), engine.lora_dir, EngineClient(engine.url)).unloaded == [
+        "alpha"
+    ]
+
+
+def test_an_adapter_whose_checks_blow_up_does_not_stop_the_others(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """An adapter_config.json (or a safetensors header) nested 100,000 deep made the JSON
+    parser raise RecursionError, which ended the long-running command (status 1) before
+    it loaded the adapters listed after it. Now such an adapter is logged and retried with
+    its backoff like any other failure, and the rest are loaded."""
+    deep = "[" * 100_000 + "]" * 100_000
+    deep_config = tmp_path / "deep-config"
+    shutil.copytree(engine.sources / "alpha", deep_config)
+    (deep_config / "adapter_config.json").write_text(deep)
+    deep_header = tmp_path / "deep-header"
+    shutil.copytree(engine.sources / "alpha", deep_header)
+    header = deep.encode()
+    (deep_header / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    config = tmp_path / "adapters.json"
+    write_list(
+        config,
+        {
+            "deep-config": f"file://{deep_config}",
+            "deep-header": f"file://{deep_header}",
+            "later": engine.source("beta"),  # after both in the command's order
+        },
+    )
+    lora_dir = engine.lora_dir
+    sync = start_logged(
+        sync_command(engine.url, config, lora_dir, "--interval", "0.2"), "adapters-sync-deep"
+    )
+    try:
+        poll(
+            "later loaded, or the command gone",
+            lambda: sync.poll() is not None or "later" in engine.models(),
+        )
+        assert sync.poll() is None, log(sync)
+
+        def retried(name: str) -> bool:
+            return log(sync).count(f"{name}: ") >= 2
+
+        poll("both retried", lambda: retried("deep-config") and retried("deep-header"))
+        assert "recursion" in log(sync) and "Traceback" not in log(sync), log(sync)
+        sync.send_signal(signal.SIGTERM)
+        assert sync.wait(timeout=30) == 0, log(sync)
+    finally:
+        sync.stop()
+    write_list(config, {})
+    assert sync_once(read_config(config), lora_dir, EngineClient(engine.url)).unloaded == ["later"]
 
 
 def test_sync_waits_for_the_engine_follows_the_file_and_stops_on_sigterm(

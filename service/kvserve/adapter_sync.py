@@ -13,9 +13,13 @@ ConfigMap in place, so a new list reaches the pod without a restart. Each pass:
    gateway loads adapters on demand by name) can load it again.
 3. Pull each listed adapter into ``--lora-dir/NAME`` (sources as ``kvserve model pull``:
    hf://, pvc://, file://; a marker file makes a repeated pull a no-op), then load it
-   (``POST /v1/load_lora_adapter``) if the engine does not serve it yet, or reload it if
-   the pull brought new files. An adapter that fails to pull or load is logged and
-   retried with its own backoff; the others go on.
+   (``POST /v1/load_lora_adapter``) if the engine does not serve it yet, or reload it in
+   place (``load_inplace``) if the pull brought new files: the old version serves until
+   the new one has loaded, so clients never see a 404 in between. New files replace the
+   old ones only for the load: if the engine refuses them (a rank over its limit), the
+   old files are put back and the old version keeps serving. An adapter that fails to
+   pull or load, or fails in any other way, is logged and retried with its own backoff
+   (at once when its source changes); the others go on.
 
 Every pass compares the list with what the engine reports, not with the previous pass,
 so an engine container that restarts (and forgets its adapters) is filled again. SIGTERM
@@ -38,7 +42,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -93,7 +98,7 @@ def read_config(path: Path) -> dict[str, str]:
     """The list file as ``{name: source}``."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise SyncError(f"{path}: {exc}") from None
     items = data.get("adapters") if isinstance(data, dict) else None
     if not isinstance(items, list):
@@ -137,7 +142,8 @@ def _verify(folder: Path, label: str) -> dict[str, int]:
     """Check the files without torch; the engine checks the adapter itself at load."""
     try:
         config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # RecursionError: JSON nested deeper than the parser's recursion limit.
         raise AdapterFailed(f"{label}: {CONFIG_FILE}: {exc}") from None
     if not isinstance(config, dict):
         raise AdapterFailed(f"{label}: {CONFIG_FILE} must hold a JSON object")
@@ -165,31 +171,56 @@ def _fetch(src: ModelSource, stage: Path, pvc_root: Path | None) -> None:
     shutil.rmtree(stage / ".cache", ignore_errors=True)
 
 
-def pull_adapter(source: str, dest: Path, *, pvc_root: Path | None = None) -> bool:
-    """Put the adapter at ``source`` into ``dest``; False when it is already there.
-
-    The files land in a staging folder beside ``dest``, are checked, get their marker,
-    and replace ``dest`` by renames, so the engine never sees half an adapter.
-    """
+def stage_adapter(source: str, dest: Path, *, pvc_root: Path | None = None) -> Path | None:
+    """The adapter at ``source``, fetched into a staging folder beside ``dest``, checked
+    and given its marker; None when ``dest`` already holds it."""
     if _up_to_date(dest, source):
-        return False
+        return None
     src = parse_source(source)
     stage = Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=dest.parent))
-    old = stage.with_name(stage.name + "-old")
     try:
         _fetch(src, stage, pvc_root)
         files = _verify(stage, str(src))
         marker = {"source": source, "files": files}
         (stage / MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n", encoding="utf-8")
-        if dest.exists():
-            os.rename(dest, old)
-        os.rename(stage, dest)
-    except OSError as exc:  # e.g. the volume is full
-        raise AdapterFailed(f"{dest}: {exc}") from None
-    finally:
+    except BaseException as exc:
         shutil.rmtree(stage, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-    return True
+        if isinstance(exc, OSError):  # e.g. the volume is full
+            raise AdapterFailed(f"{dest}: {exc}") from None
+        raise
+    return stage
+
+
+@contextmanager
+def swapped_in(stage: Path, dest: Path) -> Iterator[None]:
+    """Put the staged folder at ``dest`` (by renames: the engine never sees half an
+    adapter) while the body loads it; keep it if the body succeeds, else put the old
+    folder back, so that files the engine refused never replace those it serves (it
+    reads an adapter's files again when it needs the adapter after dropping it from
+    memory)."""
+    old = stage.with_name(stage.name + "-old")
+    had_old = dest.exists()
+    try:
+        if had_old:
+            os.rename(dest, old)
+        try:
+            os.rename(stage, dest)
+        except OSError:
+            if had_old:
+                os.rename(old, dest)
+            raise
+    except OSError as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise AdapterFailed(f"{dest}: {exc}") from None
+    try:
+        yield
+    except BaseException:
+        os.rename(dest, stage)
+        if had_old:
+            os.rename(old, dest)
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_stale_stages(lora_dir: Path) -> None:
@@ -208,7 +239,7 @@ class EngineClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
 
-    def _call(self, method: str, path: str, body: Mapping[str, str] | None = None) -> Any:
+    def _call(self, method: str, path: str, body: Mapping[str, object] | None = None) -> Any:
         try:
             response = httpx.request(method, f"{self.url}{path}", json=body, timeout=self.timeout)
         except httpx.TransportError as exc:
@@ -235,10 +266,11 @@ class EngineClient:
                 f"/v1/models: not a model list ({type(exc).__name__}): {response.text[:80]!r}"
             ) from None
 
-    def load(self, name: str, path: str) -> None:
-        response = self._call(
-            "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}
-        )
+    def load(self, name: str, path: str, *, inplace: bool = False) -> None:
+        """Serve the adapter at ``path`` as ``name``; ``inplace``: in place of the one
+        served under ``name``, which serves until the new one has loaded."""
+        body = {"lora_name": name, "lora_path": path, "load_inplace": inplace}
+        response = self._call("POST", "/v1/load_lora_adapter", body)
         if response.status_code != 200:
             raise AdapterFailed(f"load {name}: HTTP {response.status_code}: {response.text}")
 
@@ -329,16 +361,16 @@ def sync_once(
         if backoff.waiting(name, source):
             continue
         try:
-            changed = pull_adapter(source, lora_dir / name, pvc_root=pvc_root)
-            if name in ours and not changed:
+            if not _serve(name, source, lora_dir, engine, name in ours, pvc_root):
                 continue
-            if name in ours:
-                engine.unload(name)
-            engine.load(name, name)  # a path relative to the engine's --lora-dir
-        except (AdapterFailed, ModelPullError) as exc:
+        except EngineUnavailable:
+            raise  # the pass starts over
+        except Exception as exc:  # a bug or a surprise: still only this adapter's failure
+            expected = isinstance(exc, (AdapterFailed, ModelPullError))
+            problem = str(exc) if expected else f"{type(exc).__name__}: {exc}"
             delay = backoff.failed(name, source)
-            report.failed[name] = str(exc)
-            log(f"{name}: {exc} (retry in {delay:g} s)")
+            report.failed[name] = problem
+            log(f"{name}: {problem} (retry in {delay:g} s)")
             continue
         backoff.succeeded(name)
         (report.reloaded if name in ours else report.loaded).append(name)
@@ -346,11 +378,35 @@ def sync_once(
     return report
 
 
+def _serve(
+    name: str,
+    source: str,
+    lora_dir: Path,
+    engine: EngineClient,
+    served: bool,
+    pvc_root: Path | None,
+) -> bool:
+    """Pull ``name`` and have the engine serve it; False when it did and the pull brought
+    nothing new."""
+    dest = lora_dir / name
+    staged = stage_adapter(source, dest, pvc_root=pvc_root)
+    if staged is None:
+        if served:
+            return False
+        engine.load(name, name)  # a path relative to the engine's --lora-dir
+        return True
+    with swapped_in(staged, dest):
+        engine.load(name, name, inplace=served)
+    return True
+
+
 # ---- the command --------------------------------------------------------------------------
 
 
-class _Stopped(Exception):
-    """SIGTERM: leave at once (a pull in progress is staged, so it leaves nothing half done)."""
+class _Stopped(BaseException):
+    """SIGTERM: leave at once (a pull in progress is staged, so it leaves nothing half done).
+
+    Not an ``Exception``: what catches one adapter's failures must not catch it."""
 
 
 def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
