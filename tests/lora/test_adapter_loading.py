@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
+from kvserve.engine.async_engine import AdapterUnavailableError, AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequestError
 from kvserve.lora import LoRARequest
@@ -224,13 +224,18 @@ def test_an_adapter_that_cannot_be_read_back_fails_its_request_alone(
     good: Path, base: Path, tmp_path: Path
 ) -> None:
     """An adapter dropped from host memory is read again from disk, on the engine thread,
-    by the next request for it: when that fails, that request fails (RequestFailedError:
-    the server's files, not the client's input) and the engine serves on. Any exception
-    there used to end the engine thread, and with it every request and the server."""
+    by the next request for it: when that fails, that request fails alone and the engine
+    serves on. Any exception there used to end the engine thread, and with it every
+    request and the server. The failure is AdapterUnavailableError (the server's files,
+    not the client's input: front ends answer 503 so a gateway tries another replica),
+    naming the adapter but not the server's path; and the adapter stays unavailable,
+    without another read, until it is loaded again."""
     first, second = copy(good, tmp_path / "1"), copy(good, tmp_path / "2")
     params = SamplingParams(max_tokens=2)
     long = SamplingParams(max_tokens=64, ignore_eos=True)
     last = last_output
+    config = first / "adapter_config.json"
+    intact = config.read_bytes()
 
     async def main() -> None:
         engine = AsyncEngine(LLMEngine(one_slot_no_spare(base)))
@@ -238,12 +243,19 @@ def test_an_adapter_that_cannot_be_read_back_fails_its_request_alone(
         try:
             for lora in (LoRARequest("first", str(first)), LoRARequest("second", str(second))):
                 await last(engine, params, lora)  # "first" leaves host memory for "second"
-            (first / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+            config.write_text("[" * 100_000 + "]" * 100_000)
             base_model = asyncio.ensure_future(last(engine, long, None))
-            with pytest.raises(RequestFailedError, match="not valid JSON"):
+            with pytest.raises(AdapterUnavailableError, match="'first' is unavailable") as e:
                 await last(engine, params, LoRARequest("first", str(first)))
+            assert str(tmp_path) not in str(e.value)
+            assert e.value.lora == LoRARequest("first", str(first))
             assert (await base_model).outputs[0].finish_reason == "length"
             assert (await last(engine, params, None)).finished  # and new ones run
+            config.write_bytes(intact)  # not known to be the files first read
+            with pytest.raises(AdapterUnavailableError):
+                await last(engine, params, LoRARequest("first", str(first)))
+            again = LoRARequest("first", str(first), generation=1)  # loaded again
+            assert (await last(engine, params, again)).finished
         finally:
             await engine.stop()
 
@@ -270,7 +282,7 @@ def test_an_adapter_whose_files_changed_is_not_read_back_under_its_old_identity(
                 await last(engine, lora)  # "first" leaves host memory for "second"
             weights = first / "adapter_model.safetensors"
             save_file({k: t * 2 for k, t in load_file(weights).items()}, weights)
-            with pytest.raises(RequestFailedError, match="changed since it was loaded"):
+            with pytest.raises(AdapterUnavailableError, match="changed since it was loaded"):
                 await last(engine, LoRARequest("first", str(first)))
             assert (await last(engine, None)).finished  # the engine serves on
             again = LoRARequest("first", str(first), generation=1)  # loaded again

@@ -33,6 +33,7 @@ from kvserve.conversation import ChatEnding, text_chars
 from kvserve.engine.llm_engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
+from kvserve.lora.adapter import AdapterUnreadableError
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.parallel.group import GroupFailedError
@@ -69,12 +70,27 @@ class GrammarFailedError(RequestFailedError):
     it as bad input, naming the field the constraint came in."""
 
 
+class AdapterUnavailableError(RequestFailedError):
+    """The request's LoRA adapter can no longer be read from the server's disk (its
+    folder was removed, or its files changed since it was loaded). Neither the client's
+    fault nor a bug: front ends answer it as unavailable (HTTP 503, gRPC UNAVAILABLE), so
+    that a gateway tries a replica whose copy is intact, and stop listing the adapter
+    until it is loaded again. The message names the adapter, never its path."""
+
+    def __init__(self, lora: LoRARequest, message: str) -> None:
+        super().__init__(message)
+        self.lora = lora
+
+
 def _enqueue_failure(exc: Exception) -> Exception:
     """What a request that could not be queued fails with: the client's mistake as it
-    is (``InvalidRequestError``: a 400), anything else (an adapter that cannot be read
-    back from disk, say) as this request's failure inside the engine."""
+    is (``InvalidRequestError``: a 400), an adapter that cannot be read back from disk as
+    ``AdapterUnavailableError``, anything else as this request's failure inside the
+    engine."""
     if isinstance(exc, InvalidRequestError):
         return exc
+    if isinstance(exc, AdapterUnreadableError):
+        return AdapterUnavailableError(exc.lora, str(exc))
     return RequestFailedError(f"the engine could not queue the request: {exc}")
 
 

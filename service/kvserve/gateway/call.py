@@ -33,6 +33,7 @@ from kvserve.gateway import adapters
 from kvserve.gateway.admission import AdmissionRejected, QueueFull, QueueTimeout, Slot
 from kvserve.gateway.auth import Tenant
 from kvserve.gateway.failures import (
+    adapter_gone,
     client_error,
     no_healthy_replica,
     queue_refusal,
@@ -160,8 +161,10 @@ class UpstreamCall:
                 st.metrics.rejections.labels("invalid").inc()
                 raise error
             st.metrics.upstream_errors.labels(self.model, code.name if code else "EOF").inc()
-            if code == grpc.StatusCode.NOT_FOUND and self.adapter is not None:
-                # The adapter was unloaded there since the last poll: the replica is fine.
+            is_error = isinstance(first, grpc.aio.AioRpcError)
+            if self.adapter is not None and is_error and adapter_gone(first):
+                # Unloaded there since the last poll, or its files are gone there: the
+                # replica is fine, and another one may serve the adapter.
                 adapters.forget(self.replica, self.adapter)
                 exclude.add(self.replica.address)
                 last_error = f"replica {self.replica.address}: {detail}"

@@ -2,12 +2,15 @@
 of a request that could not go upstream at all (``queue_refusal``,
 ``no_healthy_replica``).
 
-Three causes, told apart by where the error came from (``kvserve.gateway.multiplex``):
+Four causes, told apart by where the error came from (``kvserve.gateway.multiplex``):
 
 - the request's own: the engine refused it as invalid (400, naming its parameter), or
   failed it alone (500). Never retried, as it would fail alike elsewhere, and the replica
   stays in rotation: a client that can make its own request fail must not take a replica
   from everyone else.
+- the adapter's: the replica does not serve the request's LoRA adapter now (unloaded, or
+  its files can no longer be read there: ``adapter_gone``). Retried on another replica,
+  which the gateway may have load the adapter; the replica stays in rotation.
 - the replica's: its call broke, or it answered UNAVAILABLE (draining, its engine dead).
   Retried on another replica while no output was sent (502 after that, or when no
   replica could serve it), and the replica is unhealthy until a load poll answers.
@@ -25,6 +28,7 @@ import grpc
 from kvserve.gateway.admission import AdmissionRejected
 from kvserve.gateway.multiplex import ReplicaAnswered
 from kvserve.gateway.routing import ReplicaLoad
+from kvserve.lora.request import ADAPTER_UNAVAILABLE
 from kvserve.openai.errors import OpenAIError
 from kvserve.rpc import codec
 
@@ -39,6 +43,17 @@ def refused(exc: grpc.aio.AioRpcError) -> OpenAIError | None:
         return None
     param, code = codec.error_fields(exc.trailing_metadata())
     return OpenAIError(400, exc.details(), param=param, code=code)
+
+
+def adapter_gone(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether ``exc`` says the replica does not serve the request's LoRA adapter now:
+    unloaded since the last poll (NOT_FOUND), or its files can no longer be read there
+    (UNAVAILABLE, ``adapter_unavailable``). The replica serves on: another one may serve
+    the adapter."""
+    if exc.code() == grpc.StatusCode.NOT_FOUND:
+        return True
+    _, code = codec.error_fields(exc.trailing_metadata())
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and code == ADAPTER_UNAVAILABLE
 
 
 def replica_broken(exc: grpc.aio.AioRpcError) -> bool:

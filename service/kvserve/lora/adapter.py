@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvserve.lora.request import LoRARequest
+from kvserve.lora.request import LoRARequest, unavailable_message
 from kvserve.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -37,6 +37,17 @@ _KEY = re.compile(
 
 class LoRAError(ValueError):
     """The adapter cannot be served; the message names the reason."""
+
+
+class AdapterUnreadableError(LoRAError):
+    """An adapter the engine has served cannot be read back from its folder (removed,
+    unreadable, or its files changed since it was loaded): the server's files, not the
+    request, are at fault. The message names the adapter but not its path, which only
+    the server's log shows (docs/security.md)."""
+
+    def __init__(self, lora: LoRARequest) -> None:
+        super().__init__(unavailable_message(lora.lora_name))
+        self.lora = lora
 
 
 @dataclass

@@ -3,7 +3,10 @@
 Host memory holds, in LRU order, every adapter that a queued or running request needs
 (those are never dropped) and up to ``max_cpu_loras`` idle ones besides those in device
 slots; a further idle adapter evicts the least recently used. An adapter that is needed
-again after it was dropped is read from its directory again. The device's
+again after it was dropped is read from its directory again; when that fails (the folder
+was removed, or its files changed since), the adapter is *unreadable*: its requests are
+refused (``AdapterUnreadableError``) without another read until it is removed, as the
+server's unload or a load of the name again does. The device's
 ``max_loras`` slots are ``kvserve.lora.slots.SlotTable``'s; filling one copies the
 adapter from host memory into the slot's tensors (``kvserve.lora.layers``).
 
@@ -12,14 +15,17 @@ Used from the engine's thread only (like the scheduler).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
 
-from kvserve.lora.adapter import LoRAError, LoRAWeights, load_adapter
+from kvserve.lora.adapter import AdapterUnreadableError, LoRAError, LoRAWeights, load_adapter
 from kvserve.lora.layers import LoRALayers
 from kvserve.lora.request import LoRARequest
 from kvserve.lora.slots import SlotTable
 from kvserve.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class LoRAManager:
@@ -45,6 +51,10 @@ class LoRAManager:
         # from files that changed since is refused, not served under the old identity,
         # whose prefix-cache entries hold the old weights' KV.
         self.stamps: dict[LoRARequest, tuple[object, ...]] = {}
+        # Adapters whose read-back failed. Never read again: files that come back (or
+        # change back) are not known to be the ones first read. The server tests
+        # membership from the event loop (one step for the interpreter) to stop serving them.
+        self.unreadable: set[LoRARequest] = set()
 
     @property
     def capacity(self) -> int:
@@ -56,17 +66,41 @@ class LoRAManager:
         """The adapter's weights, read (and checked: ``LoRAError``) if not in host memory."""
         weights = self.host.get(lora)
         if weights is None:
-            read = load_adapter(lora, self.model, self.max_rank)
-            if self.stamps.get(lora, read.stamp) != read.stamp:
-                raise LoRAError(
-                    f"LoRA adapter {lora.lora_name!r}: its files in {lora.lora_path} changed "
-                    "since it was loaded; load it again (unload, then load) to serve them"
-                )
-            weights = self.put(read)
+            weights = self.put(self._read(lora))
             self.disk_loads += 1
         else:
             self.host.move_to_end(lora)
         return weights
+
+    def is_unreadable(self, lora: LoRARequest) -> bool:
+        return lora in self.unreadable
+
+    def _read(self, lora: LoRARequest) -> LoRAWeights:
+        """Read the adapter: the first time, any ``LoRAError`` is the adapter's own; read
+        back (it was served before), a failure makes it unreadable."""
+        if lora in self.unreadable:
+            raise AdapterUnreadableError(lora)
+        first = self.stamps.get(lora)
+        try:
+            read = load_adapter(lora, self.model, self.max_rank)
+        except LoRAError as exc:
+            if first is None:
+                raise
+            raise self._lose(lora, str(exc)) from None
+        if first is not None and read.stamp != first:
+            raise self._lose(lora, "its files changed since it was loaded")
+        return read
+
+    def _lose(self, lora: LoRARequest, why: str) -> AdapterUnreadableError:
+        # The path goes to the server's log only: clients get the adapter's name.
+        log.warning(
+            "LoRA adapter %r (%s) can no longer be served, until it is loaded again: %s",
+            lora.lora_name,
+            lora.lora_path,
+            why,
+        )
+        self.unreadable.add(lora)
+        return AdapterUnreadableError(lora)
 
     def put(self, weights: LoRAWeights) -> LoRAWeights:
         """Keep adapter weights read elsewhere (the server reads them off the engine thread)."""
@@ -81,6 +115,7 @@ class LoRAManager:
         if not self.users[lora] and self.slots.evict(lora):
             self.host.pop(lora, None)
             self.stamps.pop(lora, None)
+            self.unreadable.discard(lora)
             self.removed.discard(lora)
         else:
             self.removed.add(lora)

@@ -9,6 +9,19 @@ from dataclasses import dataclass
 
 from kvserve.names import model_name_problem
 
+# The OpenAI error code (HTTP 503, gRPC UNAVAILABLE) of a request for an adapter whose
+# files the server can no longer read: the gateway then tries another replica.
+ADAPTER_UNAVAILABLE = "adapter_unavailable"
+
+
+def unavailable_message(name: str) -> str:
+    """What a request for such an adapter is told: its name, never its path (the
+    server's log has that, and the reason)."""
+    return (
+        f"LoRA adapter {name!r} is unavailable on this server: its files cannot be read "
+        "back (removed, or changed since it was loaded); it is served again once loaded again"
+    )
+
 
 def name_problem(name: str) -> str | None:
     """Why ``name`` cannot name an adapter, or None: the rule of every model name

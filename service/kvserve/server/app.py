@@ -82,6 +82,8 @@ def create_app(
     ``lora_dir`` is the folder ``/v1/load_lora_adapter`` may load from (kvserve.server.lora).
     """
     adapters = LoRAAdapters(served_model_name, engine.lora is not None, lora_dir)
+    if engine.lora is not None:  # adapters the engine can no longer read are not served
+        adapters.unreadable = engine.lora.is_unreadable
     adapters.add_startup(engine, lora_modules or {})
     metrics = metrics or EngineMetrics(served_model_name)
     metrics.set_cache_info(

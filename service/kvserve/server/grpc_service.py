@@ -31,6 +31,7 @@ import grpc
 
 from kvserve.engine.async_engine import (
     MERGE_AFTER,
+    AdapterUnavailableError,
     AsyncEngine,
     EngineDeadError,
     GrammarFailedError,
@@ -38,6 +39,7 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequestError
+from kvserve.lora.request import ADAPTER_UNAVAILABLE
 from kvserve.openai.chat_output import ChatOutputParser, ChatParsing, JoinedPieces
 from kvserve.openai.errors import OpenAIError
 from kvserve.openai.format import Echo, decoded, tokenizer_text
@@ -97,6 +99,8 @@ def _refusal(exc: BaseException, grammar_param: str | None = None) -> _Refused:
         return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, GrammarFailedError):  # the request's own constraint
         return _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), grammar_param)
+    if isinstance(exc, AdapterUnavailableError):  # a gateway tries another replica
+        return _Refused(grpc.StatusCode.UNAVAILABLE, str(exc), openai_code=ADAPTER_UNAVAILABLE)
     if isinstance(exc, RequestFailedError):
         return _Refused(grpc.StatusCode.INTERNAL, str(exc))
     return _Refused(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -291,7 +295,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             num_blocks=num_blocks,
             num_free_blocks=round((1.0 - stats.kv_cache_usage) * num_blocks),
             max_model_len=self.engine.engine.max_model_len,
-            lora_adapters=list(self.lora.adapters),
+            lora_adapters=list(self.lora.served()),
             max_loras=self.engine.engine.config.max_loras if self.lora.enabled else 0,
             # The gateway keeps polling a draining replica (its streams are still open):
             # without this flag, each answer would make it look ready for new requests.
@@ -325,7 +329,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return pb.ListLoRAAdaptersResponse(
             adapters=[
                 pb.LoRAAdapter(name=lora.lora_name, path=lora.lora_path)
-                for lora in self.lora.adapters.values()
+                for lora in self.lora.served().values()
             ],
             max_loras=slots,
         )
@@ -342,7 +346,7 @@ def _lora_refusal(exc: BaseException) -> _Refused:
     """A refused adapter name, load or unload (an HTTP-shaped error) as a gRPC status."""
     if isinstance(exc, OpenAIError):
         code = _LORA_CODES.get(exc.status, grpc.StatusCode.INTERNAL)
-        return _Refused(code, exc.message, exc.param)
+        return _Refused(code, exc.message, exc.param, exc.code)
     return _refusal(exc)
 
 

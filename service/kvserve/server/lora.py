@@ -19,32 +19,56 @@ name without a gap: the new files are read and handed to the engine first, then 
 name points at the new adapter in one step, so each request gets the old version or the
 new one, never a 404; requests already queued or running on the old one finish on it.
 A refused load (bad files, a rank over the limit) leaves the old one serving.
+
+An adapter the engine can no longer read back from its folder (removed, or its files
+changed since it was loaded: ``LoRAManager``) is *unavailable*: its requests get 503
+``adapter_unavailable`` (gRPC UNAVAILABLE), naming the adapter but not its path, and it
+leaves ``/v1/models``, ``GetLoad`` and ``ListLoRAAdapters``, so that a gateway routes it to
+other replicas; a load of the name again (or an unload) replaces it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from pathlib import Path, PurePath
 from typing import Any
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRAError, load_adapter
-from kvserve.lora.request import LoRARequest, name_problem
+from kvserve.lora.request import (
+    ADAPTER_UNAVAILABLE,
+    LoRARequest,
+    name_problem,
+    unavailable_message,
+)
 from kvserve.openai.errors import OpenAIError
 
 
 class LoRAAdapters:
-    def __init__(self, base_name: str, enabled: bool, lora_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        base_name: str,
+        enabled: bool,
+        lora_dir: str | None = None,
+        unreadable: Callable[[LoRARequest], bool] = lambda lora: False,
+    ) -> None:
         self.base_name = base_name
         self.enabled = enabled
         self.lora_dir = Path(lora_dir).resolve() if lora_dir is not None else None
-        self.adapters: dict[str, LoRARequest] = {}
+        self.adapters: dict[str, LoRARequest] = {}  # loaded, served or unavailable
+        # Whether the engine failed to read an adapter back (``LoRAManager.is_unreadable``).
+        self.unreadable = unreadable
         self._loads = itertools.count(1)  # each load's LoRARequest.generation
 
+    def served(self) -> dict[str, LoRARequest]:
+        """The adapters served by name: those loaded, less the unavailable ones."""
+        return {name: lora for name, lora in self.adapters.items() if not self.unreadable(lora)}
+
     def names(self) -> list[str]:
-        return [self.base_name, *self.adapters]
+        return [self.base_name, *self.served()]
 
     def resolve(self, model: str) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model), else 404."""
@@ -53,8 +77,11 @@ class LoRAAdapters:
         return self.adapter(model)
 
     def adapter(self, name: str, param: str = "model") -> LoRARequest:
-        """The adapter loaded as ``name``, else 404 ``model_not_found``."""
+        """The adapter loaded as ``name``, else 404 ``model_not_found``; 503
+        ``adapter_unavailable`` when its files can no longer be read."""
         lora = self.adapters.get(name)
+        if lora is not None and self.unreadable(lora):
+            raise OpenAIError(503, unavailable_message(name), code=ADAPTER_UNAVAILABLE)
         if lora is None:
             available = ", ".join(repr(n) for n in self.names())
             raise OpenAIError(
@@ -86,7 +113,7 @@ class LoRAAdapters:
                 "parent": self.base_name,
                 "max_model_len": max_model_len,
             }
-            for name, lora in self.adapters.items()
+            for name, lora in self.served().items()
         ]
         return [base, *adapters]
 
@@ -125,7 +152,7 @@ class LoRAAdapters:
         except OpenAIError:
             await engine.call(lambda e: e.remove_lora(lora))
             raise
-        replaced = self.adapters.get(name)
+        replaced = self.adapters.get(name)  # in place, or an unavailable one
         self.adapters[name] = lora  # one step: a request resolves the old or the new one
         if replaced is not None:
             await engine.call(lambda e: e.remove_lora(replaced))
@@ -152,7 +179,7 @@ class LoRAAdapters:
             raise OpenAIError(
                 400, f"lora_name {name!r} is the base model's name", param="lora_name"
             )
-        if name in self.adapters and not inplace:
+        if name in self.served() and not inplace:  # an unavailable one is replaced
             raise OpenAIError(
                 400,
                 f"a LoRA adapter named {name!r} is already loaded (to replace it, "

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvserve.engine.async_engine import (
+    AdapterUnavailableError,
     AsyncEngine,
     EngineDeadError,
     GrammarFailedError,
@@ -19,7 +20,7 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.request import Request as EngineRequest
 from kvserve.errors import InvalidRequestError
-from kvserve.lora.request import LoRARequest
+from kvserve.lora.request import ADAPTER_UNAVAILABLE, LoRARequest
 from kvserve.openai import checks
 from kvserve.openai import format as fmt
 from kvserve.openai.body import body_schema, parse_body
@@ -476,10 +477,12 @@ def _failure(
 ) -> OpenAIError:
     """The error a request that failed in the engine ends with: 400 naming the constraint
     (``grammar_param``, the field the client sent it in) when its own grammar failed it,
-    503 when the engine is gone, else 500."""
+    503 when the engine is gone or the adapter's files can no longer be read, else 500."""
     why = f"request {req.external_id} failed: {exc}"
     if isinstance(exc, GrammarFailedError):
         return OpenAIError(400, why, param=grammar_param)
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, str(exc))
+    if isinstance(exc, AdapterUnavailableError):
+        return OpenAIError(503, str(exc), code=ADAPTER_UNAVAILABLE)
     return OpenAIError(500, why)
