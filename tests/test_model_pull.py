@@ -485,3 +485,27 @@ def test_cli_as_a_process(model: Path, tmp_path: Path) -> None:
         "kvserve model pull: error: hf://kvserve-test/does-not-exist@main: download failed: "
         in hub_err
     )
+
+
+def test_json_nested_too_deeply_is_one_error_line(
+    built: dict[str, Path], model: Path, sharded: Path, tmp_path: Path
+) -> None:
+    """json.loads raises RecursionError on 100,000 nested lists, which nothing caught:
+    verify and pull printed a traceback instead of the promised one line, exit 1."""
+    deep = "[" * 100_000 + "]" * 100_000
+    (model / "config.json").write_text(deep)
+    (sharded / "model.safetensors.index.json").write_text(deep)
+    header = Path(shutil.copytree(built["single"], tmp_path / "header"))
+    (header / "model.safetensors").write_bytes(struct.pack("<Q", len(deep)) + deep.encode())
+    runs = {
+        "config.json": start_kvserve("model", "verify", str(model)),
+        "model.safetensors.index.json": start_kvserve("model", "verify", str(sharded)),
+        "model.safetensors: header": start_kvserve(
+            "model", "pull", f"file://{header}", str(tmp_path / "dest")
+        ),
+    }
+    for what, process in runs.items():
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 1, err
+        assert "Traceback" not in err, err
+        assert err.endswith(f"{what}: JSON nested too deeply to read\n"), err

@@ -72,6 +72,10 @@ class ModelConfig:
             raise FileNotFoundError(where) from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
+        except RecursionError:  # json's parser recurses once a level
+            raise ValueError(f"{path}: JSON nested too deeply to read") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
         return cls.from_dict(data)
 
     @classmethod

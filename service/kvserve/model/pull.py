@@ -66,6 +66,8 @@ _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z
 _HF_NAME_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
 _HF_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+# What json.loads' RecursionError means: no checkpoint file nests anywhere near that deep.
+_TOO_DEEP = "JSON nested too deeply to read"
 # Bytes per element of safetensors dtypes; sub-byte and unknown dtypes are not size-checked.
 _DTYPE_BYTES = {
     "BOOL": 1,
@@ -272,6 +274,8 @@ def _check_config(path: Path) -> tuple[str, str]:
         raise ModelPullError(f"config.json: unreadable: {e}") from None
     except json.JSONDecodeError as e:
         raise ModelPullError(f"config.json: not valid JSON: {e}") from None
+    except RecursionError:  # json's parser recurses once a level
+        raise ModelPullError(f"config.json: {_TOO_DEEP}") from None
     if not isinstance(data, dict):
         raise ModelPullError(f"config.json: expected a JSON object, got {type(data).__name__}")
     if not data.get("architectures") and not data.get("model_type"):
@@ -294,6 +298,8 @@ def _weight_files(model_dir: Path) -> list[str]:
             data = json.loads(index.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelPullError(f"{index_name}: unreadable: {e}") from None
+        except RecursionError:
+            raise ModelPullError(f"{index_name}: {_TOO_DEEP}") from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelPullError(f"{index_name}: no 'weight_map' object")
@@ -346,6 +352,8 @@ def check_safetensors(path: Path) -> SafetensorsInfo:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelPullError(f"{name}: header is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ModelPullError(f"{name}: header: {_TOO_DEEP}") from None
     if not isinstance(header, dict):
         raise ModelPullError(f"{name}: header is not a JSON object")
     spans = sorted(
@@ -566,7 +574,7 @@ def read_marker(folder: Path, name: str = MARKER) -> dict[str, Any] | None:
     """The JSON object in ``folder``'s marker file ``name``, or None (missing or not one)."""
     try:
         data = json.loads((folder / name).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
