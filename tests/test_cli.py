@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from kvserve.cli import command_paths
 from tests.support.fresh_python import heavy_modules_after
+from tests.support.net import free_port
 from tests.support.processes import run_into_closed_pipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -248,3 +250,57 @@ def test_offline_benchmark_smoke() -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["output_tokens"] > 0 and result["ratio"] > 0
     assert result["kvserve_seconds"] > 0 and result["transformers_seconds"] > 0
+
+
+def _break_checkpoint(model: Path, what: str) -> None:
+    """Damage one thing in a copy of a checkpoint, as the reviewer's cases did."""
+    config = json.loads((model / "config.json").read_text())
+    if what in ("vocab_size", "num_hidden_layers"):
+        (model / "config.json").write_text(
+            json.dumps({**config, what: 10**12 if what == "vocab_size" else 10**5})
+        )
+    elif what == "truncated":
+        weights = model / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size - 1000)
+    elif what == "tokenizer structure":
+        (model / "tokenizer.json").write_text(
+            '{"version": "1.0", "model": {"type": "BPE", "vocab": 5}}'
+        )
+    elif what == "tokenizer json":
+        (model / "tokenizer.json").write_text("{not json")
+    elif what == "nested config":
+        (model / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+
+
+BROKEN_CHECKPOINTS = [
+    (
+        "vocab_size",
+        "model.safetensors: tensor 'lm_head.weight' has shape [{vocab}, 64], but "
+        "config.json's vocab_size makes it [1000000000000, 64]",
+    ),
+    ("num_hidden_layers", "config.json's num_hidden_layers is 100000, but the checkpoint has"),
+    ("truncated", "model.safetensors: truncated: header says"),
+    ("tokenizer structure", "cannot be loaded: KeyError: 'added_tokens'"),
+    ("tokenizer json", "cannot be loaded: tokenizer.json is not valid JSON: Expecting"),
+    ("nested config", "config.json: JSON nested too deeply to read"),
+]
+
+
+@pytest.mark.parametrize(("what", "expected"), BROKEN_CHECKPOINTS)
+def test_serve_on_a_broken_checkpoint_is_one_error_line(
+    tmp_path: Path, checkpoint_dir, what: str, expected: str
+) -> None:  # type: ignore[no-untyped-def]
+    """They were tracebacks (exit 1): a 512 TB allocation for vocab_size 10^12, two
+    minutes and 2.9 GB for num_hidden_layers 10^5, a SafetensorError, a KeyError from the
+    tokenizer library, a RecursionError; an invalid tokenizer.json was named nowhere."""
+    model = Path(shutil.copytree(checkpoint_dir("llama"), tmp_path / "model"))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    _break_checkpoint(model, what)
+    out = run_kvserve(
+        "serve", "--model", str(model), "--port", str(free_port()), "--no-grpc", "--device", "cpu"
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"kvserve serve: error: {model}"), out.stderr
+    assert expected.format(vocab=vocab) in last, out.stderr

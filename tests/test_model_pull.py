@@ -325,6 +325,45 @@ def test_verify_refuses_shapes_no_model_has(
         verify_model(model)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "vocab_size",
+            10**12,
+            "model.safetensors: tensor 'lm_head.weight' has shape [{vocab_size}, "
+            "64], but config.json's vocab_size makes it [1000000000000, 64]",
+        ),
+        (
+            "num_hidden_layers",
+            10**5,
+            "config.json's num_hidden_layers is 100000, but the checkpoint has no tensors of "
+            "99998 of them (the first: layer 2)",
+        ),
+        (
+            "num_hidden_layers",
+            1,
+            "model.safetensors: tensor 'model.layers.1.",  # ... is in layer 1, but ... is 1
+        ),
+        (
+            "intermediate_size",
+            96,
+            "model.safetensors: tensor 'model.layers.0.mlp.",  # ... intermediate_size makes it
+        ),
+    ],
+)
+def test_verify_refuses_a_config_its_weights_do_not_match(
+    model: Path, field: str, value: object, message: str
+) -> None:
+    """verify said "verified" for a config.json of vocab_size 10^12 over weights of the
+    real vocabulary, which the engine then tried to allocate (512 TB)."""
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ModelPullError) as info:
+        verify_model(model)
+    assert str(info.value).startswith(message.format(**config)), info.value
+
+
 def test_verify_truncated_safetensors(model: Path) -> None:
     path = model / "model.safetensors"
     size = path.stat().st_size

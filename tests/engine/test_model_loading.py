@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -61,10 +62,29 @@ def test_mistral_with_sliding_window_is_refused(tmp_path: Path, checkpoint_dir) 
 
 def test_missing_and_misshaped_weights_are_named(tmp_path: Path, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     path = _edit_config(checkpoint_dir("llama"), tmp_path / "layers", num_hidden_layers=3)
-    with pytest.raises(ValueError, match=r"lacks weights: model\.layers\.2\."):
+    with pytest.raises(ValueError, match=r"num_hidden_layers is 3, .* \(the first: layer 2\)"):
         LLM(str(path), dtype="float32", device="cpu")
     path = _edit_config(checkpoint_dir("llama"), tmp_path / "shape", intermediate_size=96)
     with pytest.raises(ValueError, match=r"mlp\.(gate|up|down)_proj\.weight' has shape"):
+        LLM(str(path), dtype="float32", device="cpu")
+
+
+def test_a_config_its_weights_do_not_match_is_refused_before_allocating(
+    tmp_path: Path, checkpoint_dir
+) -> None:  # type: ignore[no-untyped-def]
+    """vocab_size 10^12 was a RuntimeError from allocating 512 TB for the whole model,
+    before any tensor was compared with the config; a truncated file a SafetensorError;
+    a tokenizer.json of the wrong structure a KeyError."""
+    path = _edit_config(checkpoint_dir("llama"), tmp_path / "vocab", vocab_size=10**12)
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' has shape .* vocab_size"):
+        LLM(str(path), dtype="float32", device="cpu")
+    path = Path(shutil.copytree(checkpoint_dir("llama"), tmp_path / "truncated"))
+    os.truncate(path / "model.safetensors", (path / "model.safetensors").stat().st_size - 8)
+    with pytest.raises(ValueError, match=r"model\.safetensors: truncated: "):
+        LLM(str(path), dtype="float32", device="cpu")
+    path = Path(shutil.copytree(checkpoint_dir("llama"), tmp_path / "tokenizer"))
+    (path / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 5}}')
+    with pytest.raises(ValueError, match=r"tokenizer \(tokenizer\.json.*\) cannot be loaded"):
         LLM(str(path), dtype="float32", device="cpu")
 
 

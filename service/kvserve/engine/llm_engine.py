@@ -869,23 +869,56 @@ def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     p = Path(path)
-    if not any((p / name).exists() for name in _TOKENIZER_FILES):
+    present = [name for name in _TOKENIZER_FILES if (p / name).exists()]
+    if not present:
         return None
-    return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # a foreign library's errors on a bad file (KeyError, JSON, ...)
+        detail = _json_problem(p, present) or f"{type(e).__name__}: {' '.join(str(e).split())}"
+        raise ValueError(
+            f"{p}: the tokenizer ({', '.join(present)}) cannot be loaded: {detail}"
+        ) from None
+
+
+def _json_problem(folder: Path, names: list[str]) -> str | None:
+    """Which of the JSON files ``names`` does not parse, and why: the tokenizer library's
+    own error does not say which file it was reading."""
+    for name in names:
+        if name.endswith(".json"):
+            try:
+                json.loads((folder / name).read_text(encoding="utf-8"))
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                return f"{name} is not valid JSON: {e}"
+            except RecursionError:
+                return f"{name}: JSON nested too deeply to read"
+    return None
 
 
 def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> set[int]:
     """EOS ids from generation_config.json, else config.json, else the tokenizer."""
     gen = model_dir / "generation_config.json"
     if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = _generation_eos(gen)
         if eos is not None:
-            return set(eos) if isinstance(eos, list) else {int(eos)}
+            return eos
     if config.eos_token_ids:
         return set(config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return {int(tokenizer.eos_token_id)}
     return set()
+
+
+def _generation_eos(path: Path) -> set[int] | None:
+    """generation_config.json's eos_token_id (one id or a list), or None if it has none."""
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is None:
+            return None
+        return {int(i) for i in eos} if isinstance(eos, list) else {int(eos)}
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
+        detail = "JSON nested too deeply to read" if isinstance(e, RecursionError) else e
+        raise ValueError(f"{path}: no usable eos_token_id: {detail}") from None
 
 
 def _template_failed(exc: Exception, template_kwargs: Mapping[str, Any]) -> InvalidRequestError:

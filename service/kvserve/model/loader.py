@@ -8,8 +8,6 @@ int8 weights.
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,29 +16,10 @@ from safetensors import safe_open
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import CausalLM, DecoderLayer
+from kvserve.model.pull import ModelPullError, check_weights
+from kvserve.model.tensor_shapes import IGNORED_TENSOR
 from kvserve.parallel.group import TensorGroup
 from kvserve.parallel.shard import TensorShard
-
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / name for name in weight_map.values()})
-    elif (model_dir / "model.safetensors").exists():
-        files = [model_dir / "model.safetensors"]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors weights in {model_dir} (only safetensors checkpoints are supported)"
-        )
-    missing = [f for f in files if not f.exists()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint shard(s) missing: {', '.join(map(str, missing))}")
-    return files
 
 
 def load_model(
@@ -57,10 +36,11 @@ def load_model(
     if quantization not in (None, "int8"):
         raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
     model_dir = Path(model_dir)
+    files = _checked_weight_files(model_dir, config)
     with torch.device("meta"):
         model = CausalLM(config, dtype, group)
     model = model.to_empty(device=device)
-    _fill(model, config, model_dir)
+    _fill(model, config, files)
     if quantization == "int8":
         model.quantize_int8()
         if device.type == "cuda":
@@ -69,6 +49,16 @@ def load_model(
             torch.cuda.empty_cache()
     model.prepack_cpu_weights()
     return model.eval()
+
+
+def _checked_weight_files(model_dir: Path, config: ModelConfig) -> list[Path]:
+    """The safetensors files to read, once their headers hold the tensors ``config``
+    implies: checked before anything is allocated, since a config.json that does not
+    describe its weights may ask for any amount of memory (``vocab_size`` 10^12)."""
+    try:
+        return [model_dir / name for name in check_weights(model_dir, config)]
+    except ModelPullError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -84,7 +74,7 @@ class _Target:
     zero: bool = False
 
 
-def _fill(model: CausalLM, config: ModelConfig, model_dir: Path) -> None:
+def _fill(model: CausalLM, config: ModelConfig, files: list[Path]) -> None:
     """Copy the checkpoint's tensors into ``model``. A function of its own so that its
     views of the parameters are gone when it returns: quantization releases them.
 
@@ -96,10 +86,10 @@ def _fill(model: CausalLM, config: ModelConfig, model_dir: Path) -> None:
         if table is not None:
             table.data[len(model.vocab) :].zero_()
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
+    for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if _IGNORED.search(name):
+                if IGNORED_TENSOR.search(name):
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied: the embedding matrix serves as the head
@@ -129,7 +119,7 @@ def _fill(model: CausalLM, config: ModelConfig, model_dir: Path) -> None:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
-        raise ValueError(f"checkpoint in {model_dir} lacks weights: {shown}")
+        raise ValueError(f"checkpoint in {files[0].parent} lacks weights: {shown}")
 
 
 def _target_slices(model: CausalLM, c: ModelConfig) -> dict[str, _Target]:

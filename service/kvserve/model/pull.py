@@ -32,7 +32,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from kvserve.model.config import ModelConfig
 
 SourceKind = Literal["hf", "pvc", "file"]
 
@@ -138,6 +141,7 @@ class ModelSource:
 class SafetensorsInfo:
     tensors: int
     data_bytes: int
+    shapes: dict[str, tuple[int, ...]]  # tensor name → shape
 
 
 @dataclass(frozen=True)
@@ -237,13 +241,8 @@ def verify_model(model_dir: str | Path) -> VerifyReport:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelPullError("no such directory")  # (the caller names it, as every error)
-    model_type, architecture = _check_config(model_dir / "config.json")
-    names = _weight_files(model_dir)
-    tensors = data_bytes = 0
-    for name in names:
-        info = check_safetensors(model_dir / name)
-        tensors += info.tensors
-        data_bytes += info.data_bytes
+    model_type, config = _check_config(model_dir / "config.json")
+    infos = check_weights(model_dir, config)
     warnings: list[str] = []
     if (
         not (model_dir / "tokenizer.json").is_file()
@@ -255,15 +254,32 @@ def verify_model(model_dir: str | Path) -> VerifyReport:
         )
     return VerifyReport(
         model_type=model_type,
-        architecture=architecture,
-        safetensors_files=tuple(names),
-        tensors=tensors,
-        tensor_bytes=data_bytes,
+        architecture=config.architecture,
+        safetensors_files=tuple(infos),
+        tensors=sum(info.tensors for info in infos.values()),
+        tensor_bytes=sum(info.data_bytes for info in infos.values()),
         warnings=tuple(warnings),
     )
 
 
-def _check_config(path: Path) -> tuple[str, str]:
+def check_weights(model_dir: Path, config: ModelConfig) -> dict[str, SafetensorsInfo]:
+    """Check the safetensors files the loader will read (by name, in its order): each
+    file whole, and together the tensors ``config`` implies, of the shapes it implies.
+    Reads only the headers, so the loader calls it before it allocates the model."""
+    from kvserve.model.tensor_shapes import CheckpointTensor, checkpoint_problem
+
+    infos = {name: check_safetensors(model_dir / name) for name in _weight_files(model_dir)}
+    tensors = {
+        tensor: CheckpointTensor(name, shape)
+        for name, info in infos.items()
+        for tensor, shape in info.shapes.items()
+    }
+    if (problem := checkpoint_problem(config, tensors)) is not None:
+        raise ModelPullError(problem)
+    return infos
+
+
+def _check_config(path: Path) -> tuple[str, ModelConfig]:
     from kvserve.model.config import ModelConfig  # stdlib-only module; kept lazy anyway
 
     try:
@@ -286,7 +302,7 @@ def _check_config(path: Path) -> tuple[str, str]:
         raise ModelPullError(f"config.json: {e}") from None
     except (TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
         raise ModelPullError(f"config.json: malformed: {type(e).__name__}: {e}") from None
-    return str(data.get("model_type") or config.architecture), config.architecture
+    return str(data.get("model_type") or config.architecture), config
 
 
 def _weight_files(model_dir: Path) -> list[str]:
@@ -356,10 +372,9 @@ def check_safetensors(path: Path) -> SafetensorsInfo:
         raise ModelPullError(f"{name}: header: {_TOO_DEEP}") from None
     if not isinstance(header, dict):
         raise ModelPullError(f"{name}: header is not a JSON object")
+    entries = {tensor: entry for tensor, entry in header.items() if tensor != "__metadata__"}
     spans = sorted(
-        (*_tensor_span(name, tensor, entry), tensor)
-        for tensor, entry in header.items()
-        if tensor != "__metadata__"
+        (*_tensor_span(name, tensor, entry), tensor) for tensor, entry in entries.items()
     )
     # The data is the tensors end to end, as the safetensors loader requires: no gap, no
     # byte shared by two tensors.
@@ -380,7 +395,8 @@ def check_safetensors(path: Path) -> SafetensorsInfo:
             f"{name}: size mismatch: header says {data_end} bytes of tensor data, "
             f"file has {available}"
         )
-    return SafetensorsInfo(tensors=tensors, data_bytes=data_end)
+    shapes = {tensor: tuple(entry["shape"]) for tensor, entry in entries.items()}
+    return SafetensorsInfo(tensors=tensors, data_bytes=data_end, shapes=shapes)
 
 
 def _tensor_span(file_name: str, tensor: str, entry: Any) -> tuple[int, int]:
