@@ -293,6 +293,42 @@ def test_an_adapter_whose_files_changed_is_not_read_back_under_its_old_identity(
     asyncio.run(main())
 
 
+def test_an_unloaded_identity_is_never_read_again_under_its_old_name(
+    good: Path, base: Path, tmp_path: Path
+) -> None:
+    """The server resolves a request's adapter on its event loop and the engine queues it
+    on its own thread, so a request may come for an identity unloaded (or replaced in
+    place) meanwhile. Read again then, the folder's new files ran under the old identity,
+    whose cached KV holds the old weights; now that request is refused (503 through the
+    server, which a gateway retries), and the engine serves the identity again only when
+    it is loaded again."""
+    folder = copy(good, tmp_path)
+    params = SamplingParams(max_tokens=2)
+
+    async def main() -> None:
+        engine = AsyncEngine(LLMEngine(one_slot_no_spare(base)))
+        engine.start()
+        try:
+            old = LoRARequest("a", str(folder))
+            await engine.call(lambda e: e.add_lora(old))
+            assert (await last_output(engine, params, old)).finished
+            await engine.call(lambda e: e.remove_lora(old))  # idle: forgotten at once
+            weights = folder / "adapter_model.safetensors"
+            save_file({k: t * 2 for k, t in load_file(weights).items()}, weights)
+            with pytest.raises(AdapterUnavailableError, match="unloaded or replaced"):
+                await last_output(engine, params, old)
+            assert (await last_output(engine, params, None)).finished  # the engine serves on
+            new = LoRARequest("a", str(folder), generation=1)  # the new files, loaded
+            await engine.call(lambda e: e.add_lora(new))
+            assert (await last_output(engine, params, new)).finished
+            await engine.call(lambda e: e.add_lora(old))  # loaded again: served again
+            assert (await last_output(engine, params, old)).finished
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+
+
 def test_an_adapter_with_running_and_waiting_requests_is_listed_as_both(
     good: Path, base: Path
 ) -> None:

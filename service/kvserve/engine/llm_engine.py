@@ -342,10 +342,7 @@ class LLMEngine:
         elsewhere. Call it from the thread that steps the engine."""
         self._require_lora()
         assert self.lora is not None
-        if weights is None:
-            self.lora.add(lora)
-        else:
-            self.lora.put(weights)
+        self.lora.load(lora, weights)
 
     def remove_lora(self, lora: LoRARequest) -> None:
         """Drop an adapter from memory once no queued or running request needs it."""

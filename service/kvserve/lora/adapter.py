@@ -45,8 +45,8 @@ class AdapterUnreadableError(LoRAError):
     request, are at fault. The message names the adapter but not its path, which only
     the server's log shows (docs/security.md)."""
 
-    def __init__(self, lora: LoRARequest) -> None:
-        super().__init__(unavailable_message(lora.lora_name))
+    def __init__(self, lora: LoRARequest, message: str | None = None) -> None:
+        super().__init__(message or unavailable_message(lora.lora_name))
         self.lora = lora
 
 

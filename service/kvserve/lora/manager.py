@@ -27,6 +27,8 @@ from kvserve.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
+FORGOTTEN_MAX = 4096  # unloaded adapters' identities remembered (see LoRAManager.forgotten)
+
 
 class LoRAManager:
     def __init__(
@@ -46,6 +48,12 @@ class LoRAManager:
         self.host: OrderedDict[LoRARequest, LoRAWeights] = OrderedDict()
         self.users: Counter[LoRARequest] = Counter()  # queued or running requests
         self.removed: set[LoRARequest] = set()  # unloaded, dropped once idle
+        # Unloaded and dropped: never read again under that identity, though a request
+        # that named it before the unload may still come (the server resolves names on
+        # its event loop, the engine queues on its thread). Read then, the folder's
+        # files (replaced, for a load in place) would run under the old identity, on
+        # its cached KV. The newest FORGOTTEN_MAX are kept (a request outlives fewer).
+        self.forgotten: OrderedDict[LoRARequest, None] = OrderedDict()
         self.disk_loads = 0  # adapters read from their directories (a statistic)
         # Each adapter's files as first read: one read again (after it left host memory)
         # from files that changed since is refused, not served under the old identity,
@@ -110,6 +118,16 @@ class LoRAManager:
         self._trim()
         return weights
 
+    def load(self, lora: LoRARequest, weights: LoRAWeights | None = None) -> None:
+        """Serve ``lora`` from now on (``LLMEngine.add_lora``): read it now, or keep
+        ``weights`` read elsewhere; an unloaded identity loaded again is served again."""
+        self.removed.discard(lora)
+        self.forgotten.pop(lora, None)
+        if weights is None:
+            self.add(lora)
+        else:
+            self.put(weights)
+
     def remove(self, lora: LoRARequest) -> None:
         """Forget an unloaded adapter once nothing needs it (its requests finish first)."""
         if not self.users[lora] and self.slots.evict(lora):
@@ -117,12 +135,20 @@ class LoRAManager:
             self.stamps.pop(lora, None)
             self.unreadable.discard(lora)
             self.removed.discard(lora)
+            self.forgotten[lora] = None
+            if len(self.forgotten) > FORGOTTEN_MAX:
+                self.forgotten.popitem(last=False)
         else:
             self.removed.add(lora)
 
     def begin(self, lora: LoRARequest) -> None:
         """A request for ``lora`` is queued (reads the adapter if it is not in memory)."""
-        self.removed.discard(lora)  # loaded again
+        if lora in self.forgotten:
+            raise AdapterUnreadableError(
+                lora,
+                f"LoRA adapter {lora.lora_name!r} was unloaded or replaced while this "
+                "request was on its way to the engine; send it again",
+            )
         self.users[lora] += 1  # first, so that reading it cannot trim it away
         try:
             self.add(lora)
