@@ -137,6 +137,11 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; EngineConfig's default, shared b
 DEFAULT_SPECULATIVE_MAX_BATCH = 8  # measured: docs/performance.md, "Speculative decoding"
 SPECULATIVE_METHODS = ("ngram", "suffix")
 DEFAULT_SUFFIX_MIN_TOKEN_PROB = 0.1  # vLLM's default
+DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX = 1, 5  # a missing bound's default
+# "suffix" stores every n-gram up to prompt_lookup_max, so a learned token costs the sum of
+# their lengths (~max²/2): the longest allowed is vLLM's default suffix tree depth (its
+# suffix_decoding_max_tree_depth, which bounds match and draft together).
+MAX_SUFFIX_PROMPT_LOOKUP = 24
 
 
 @dataclass(frozen=True)
@@ -185,11 +190,20 @@ def speculative_settings(config: dict[str, Any] | SpeculativeSettings) -> Specul
 
     k = integer("num_speculative_tokens", config["num_speculative_tokens"])
     # Missing bounds: min 1, max 5 (or min, when min is larger).
-    lo = integer("prompt_lookup_min", config.get("prompt_lookup_min", 1))
-    hi = integer("prompt_lookup_max", config.get("prompt_lookup_max", max(lo, 5)))
+    lo = integer("prompt_lookup_min", config.get("prompt_lookup_min", DEFAULT_PROMPT_LOOKUP_MIN))
+    hi = integer(
+        "prompt_lookup_max", config.get("prompt_lookup_max", max(lo, DEFAULT_PROMPT_LOOKUP_MAX))
+    )
     if lo > hi:
         raise ValueError(
             f"speculative_config.prompt_lookup_min ({lo}) must be ≤ prompt_lookup_max ({hi})"
+        )
+    if method == "suffix" and hi > MAX_SUFFIX_PROMPT_LOOKUP:
+        # Without prompt_lookup_max, it is prompt_lookup_min that is too large.
+        key = "prompt_lookup_max" if "prompt_lookup_max" in config else "prompt_lookup_min"
+        raise ValueError(
+            f"speculative_config.{key} must be ≤ {MAX_SUFFIX_PROMPT_LOOKUP} for method "
+            f'"suffix" (the history stores every n-gram up to that length), got {hi}'
         )
     prob = config.get("suffix_decoding_min_token_prob", DEFAULT_SUFFIX_MIN_TOKEN_PROB)
     if method != "suffix" and "suffix_decoding_min_token_prob" in config:
