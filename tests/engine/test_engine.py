@@ -285,3 +285,46 @@ def test_prompt_logprobs_match_transformers(checkpoint_dir) -> None:  # type: ig
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
     assert torch.allclose(ours, ref, atol=1e-4)
+
+
+def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """Full blocks enter the prefix cache when allocated, before the step computes them.
+    A step whose forward pass failed (a CUDA OOM, a kernel error: the async engine fails
+    that batch and serves on) left them cached with KV never written, and the next
+    request with the prompt decoded from it: wrong output, and no error."""
+    import asyncio
+
+    from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
+
+    llm = LLM(str(checkpoint_dir("llama")), dtype="float32", device="cpu", block_size=4)
+    engine = llm.engine
+    prompt = list(range(100, 113))  # 13 tokens: 3 full blocks
+    want = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    # The pool's blocks hold another prompt's KV (not zeros), then nothing is cached.
+    llm.generate([list(range(300, 330))], GREEDY)
+    assert engine.reset_prefix_cache()
+    execute, failures = engine.runner.execute, [RuntimeError("out of device memory")]
+
+    def fails_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if failures:
+            raise failures.pop()
+        return execute(*args, **kwargs)
+
+    engine.runner.execute = fails_once  # type: ignore[method-assign]
+
+    async def tokens() -> list[int]:
+        outputs = [o async for o in async_engine.stream(async_engine.make_request(prompt, GREEDY))]
+        return list(outputs[-1].outputs[0].token_ids)
+
+    async def main() -> list[int]:
+        async_engine.start()
+        try:
+            with pytest.raises(RequestFailedError, match="out of device memory"):
+                await tokens()
+            assert engine.kv.pool.cached == {}
+            return await tokens()
+        finally:
+            await async_engine.stop()
+
+    async_engine = AsyncEngine(engine)
+    assert asyncio.run(main()) == want

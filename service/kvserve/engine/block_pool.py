@@ -65,12 +65,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
-            if block.block_hash is not None:  # evict its cached content
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                    if self.events is not None:
-                        self.events.removed(block.block_hash)
-                block.block_hash = None
+            self._forget(block)  # evict its cached content
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -82,6 +77,21 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take ``blocks`` out of the prefix cache (their KV was never computed: the step
+        that was to compute it failed); they stay with their holders."""
+        for block in blocks:
+            self._forget(block)
+
+    def _forget(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
+        block.block_hash = None
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
         """Register a block that now holds a full, computed block of tokens; whether its

@@ -143,6 +143,20 @@ class KVCacheManager:
         self.pool.cache_full_blocks(held, hashes, start, num_full, request)  # and its events
         self._num_registered[rid] = num_full
 
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Take the request's blocks past its computed tokens out of the prefix cache:
+        full blocks are registered when allocated, before the step computes them, so a
+        step that fails leaves them cached with KV never written, for the next request
+        with that prefix to reuse."""
+        held = self.req_blocks.get(request.request_id)
+        if not held:
+            return
+        first = request.num_computed_tokens // self.block_size  # the first not all computed
+        self.pool.uncache(held[first:])
+        rid = request.request_id
+        if rid in self._num_registered:
+            self._num_registered[rid] = min(self._num_registered[rid], first)
+
     def trim(self, request: Request, num_tokens: int) -> None:
         """Give back the blocks past the first ``num_tokens`` tokens' (those that held
         only rejected draft tokens), tail first."""

@@ -703,7 +703,15 @@ class LLMEngine:
         if self.lora is not None:  # each request's slot (-1: the base model); the LoRA
             # layers take the tokens in the runner's order (kvserve.lora.layers)
             lora_slots = {r.request_id: self.lora.slot(r.lora) for r, _ in sched.scheduled}
-        sampled_reqs, sampled = self.runner.execute(sched.scheduled, self.kv.tables, lora_slots)
+        try:
+            sampled_reqs, sampled = self.runner.execute(sched.scheduled, self.kv.tables, lora_slots)
+        except BaseException:
+            # Nothing of this step was computed (a CUDA OOM, a kernel error); the blocks
+            # it was to fill must not stay in the prefix cache (their removal events go
+            # out with the next step's batch).
+            for req, _ in sched.scheduled:
+                self.kv.uncache_uncomputed(req)
+            raise
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
         now = self.clock()
