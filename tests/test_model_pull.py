@@ -5,10 +5,12 @@ hf:// is only parsed and made to fail offline here: this machine cannot reach th
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -30,6 +32,8 @@ from kvserve.model.pull import (
 )
 from kvserve.testing.checkpoints import build_random_checkpoint
 from tests.support.fresh_python import heavy_modules_after
+from tests.support.processes import start_logged
+from tests.support.waiting import wait_until
 
 PULL_PY = Path(__file__).resolve().parents[1] / "service" / "kvserve" / "model" / "pull.py"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -548,3 +552,39 @@ def test_json_nested_too_deeply_is_one_error_line(
         assert process.returncode == 1, err
         assert "Traceback" not in err, err
         assert err.endswith(f"{what}: JSON nested too deeply to read\n"), err
+
+
+def test_two_pulls_into_one_dest_take_turns(model: Path, tmp_path: Path) -> None:
+    """Two pulls into one DEST at once (two init containers on one volume, a job retried
+    while the first run still copies): the second removed the first's staging folder as
+    a stale one, and the first failed with "file://SOURCE: no such directory". Now the
+    second waits for the first's lock, then finds DEST up to date and copies nothing.
+
+    The first is stopped once it says "pulling" (it holds the lock by then), so the
+    second certainly starts while the first is mid-pull; a big file keeps the first
+    copying until the stop arrives."""
+    with (model / "zzz-padding.json").open("wb") as f:
+        f.truncate(256_000_000)  # sparse here; copied byte by byte
+    dest = tmp_path / "dest"
+    args = (sys.executable, "-m", "kvserve", "model", "pull", f"file://{model}", str(dest))
+    first = start_logged(args, "pull-1")
+    try:
+        wait_until(lambda: "pulling " in first.log.read_text(), timeout=60)
+        os.kill(first.pid, signal.SIGSTOP)
+        second = start_logged(args, "pull-2")
+        waiting = f"waiting for another pull into {dest} to finish"
+        wait_until(lambda: waiting in second.log.read_text() or second.poll() is not None, 60)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=120) == 0, first.tail()
+    assert second.wait(timeout=120) == 0, second.tail()
+
+    second_out = second.log.read_text()
+    assert waiting in second_out, second.tail()
+    assert "copied" not in second_out and "pulling" not in second_out, second.tail()
+    assert f"up to date: {dest} already holds file://{model}" in second_out, second.tail()
+    assert "copied " in first.log.read_text(), first.tail()
+    for source_file in model.iterdir():
+        assert filecmp.cmp(source_file, dest / source_file.name, shallow=False)
+    assert not [p for p in dest.iterdir() if p.name.startswith(".kvserve-pull-")]  # no stage
+    assert pull(f"file://{model}", dest).action == "up to date"

@@ -8,9 +8,10 @@ container runs ``kvserve serve --model DEST``. Sources:
 - ``file:///ABS/PATH``: a directory on the local filesystem (e.g. baked into the image)
 
 A pull writes ``DEST/.kvserve-pull.json`` last, so a later pull of the same source
-finds it and does nothing (init containers rerun on every pod restart). Verification
-reads only config.json and the safetensors headers, with the standard library, so it
-is quick on multi-GB checkpoints and needs no torch.
+finds it and does nothing (init containers rerun on every pod restart). Local pulls
+into one DEST take turns, holding an exclusive lock on ``DEST/.kvserve-pull.lock``.
+Verification reads only config.json and the safetensors headers, with the standard
+library, so it is quick on multi-GB checkpoints and needs no torch.
 
 This module imports only the standard library at import time: the operator imports
 ``parse_source`` to validate specs and to find which claim to mount.
@@ -19,6 +20,8 @@ This module imports only the standard library at import time: the operator impor
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import fnmatch
 import json
 import math
@@ -29,7 +32,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,6 +46,10 @@ ACCEPTED_FORMS = "hf://ORG/NAME[@REVISION], pvc://CLAIM[/PATH] or file:///ABS/PA
 DEFAULT_PVC_ROOT = "/mnt/pvc"
 PVC_ROOT_ENV = "KVSERVE_PVC_ROOT"
 MARKER = ".kvserve-pull.json"
+# Inside DEST, not beside it: DEST is usually a volume mount point shared by the pod's
+# containers, and its parent is each container's own filesystem. Never deleted, so
+# every pull locks the same file (a pull waiting on a deleted file would not exclude).
+LOCK_FILE = ".kvserve-pull.lock"
 MARKER_VERSION = 1
 
 # What the engine reads from a checkpoint; everything else in a Hub repo (other weight
@@ -470,35 +477,80 @@ def pull(
             f"note: revision {src.revision!r} is not a commit; pinning one is recommended "
             f"(hf://{src.repo_id}@<40-hex commit>) so every replica serves the same weights"
         )
-    if not force:
-        files = _up_to_date(dest, src)
-        if files is not None:
-            say(
-                f"up to date: {dest} already holds {src} "
-                f"({len(files)} files, {_mb(sum(files.values()))}); --force pulls again"
-            )
-            return PullResult("up to date", dest, files, None)
-
-    say(f"pulling {src} → {dest}")
-    start = time.monotonic()
+    # Checked before locking too, so an up-to-date DEST needs no write access.
+    if not force and (done := _skip_if_up_to_date(dest, src, say, "--force pulls again")):
+        return done
     try:
         dest.mkdir(parents=True, exist_ok=True)
-        previous = read_marker(dest)
-        (dest / MARKER).unlink(missing_ok=True)
-        _remove_stale_stages(dest)
-        if local is not None:
-            files = _copy_local(src, local, dest)
-            action: Literal["copied", "downloaded"] = "copied"
-        else:
-            files = _download_hf(src, dest)
-            action = "downloaded"
-        elapsed = time.monotonic() - start
-        say(f"{action} {len(files)} files ({_mb(sum(files.values()))}) in {elapsed:.1f} s")
-        _remove_leftovers(dest, previous, files)
-        report = _verify_labelled(dest, str(src))
-        _write_marker(dest, src, files)
+        # Not for hf://: huggingface_hub locks its own downloads into DEST, and with the
+        # Hub unreachable it returns a DEST holding any file (a lock file too) as done.
+        lock = _exclusive_lock(dest, say) if local is not None else contextlib.nullcontext(False)
+        with lock as waited:
+            # A pull that finished while this one waited is as fresh as --force asks for.
+            if not force or waited:
+                note = (
+                    "written by the pull this one waited for" if waited else "--force pulls again"
+                )
+                if (done := _skip_if_up_to_date(dest, src, say, note)) is not None:
+                    return done
+            return _pull_locked(src, local, dest, say)
     except OSError as e:  # e.g. DEST read-only or its volume full
         raise ModelPullError(f"{dest}: {e}") from None
+
+
+def _skip_if_up_to_date(
+    dest: Path, src: ModelSource, say: Callable[[str], None], note: str
+) -> PullResult | None:
+    files = _up_to_date(dest, src)
+    if files is None:
+        return None
+    say(
+        f"up to date: {dest} already holds {src} "
+        f"({len(files)} files, {_mb(sum(files.values()))}); {note}"
+    )
+    return PullResult("up to date", dest, files, None)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(dest: Path, say: Callable[[str], None]) -> Iterator[bool]:
+    """Hold ``DEST/.kvserve-pull.lock`` exclusively; yields whether it had to wait.
+
+    Two pulls into one DEST (two init containers on one volume, a job retried while the
+    first run still copies) would otherwise remove each other's staging folders. The
+    kernel drops the lock when its holder exits, killed or not, so none is ever stale.
+    """
+    path = dest / LOCK_FILE
+    with path.open("a") as f:
+        waited = False
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another pull into {dest} to finish (lock: {path})")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            waited = True
+        yield waited  # closing the file releases the lock
+
+
+def _pull_locked(
+    src: ModelSource, local: Path | None, dest: Path, say: Callable[[str], None]
+) -> PullResult:
+    """The pull itself; a local one holds DEST's lock (so no other pull's stage is live)."""
+    say(f"pulling {src} → {dest}")
+    start = time.monotonic()
+    previous = read_marker(dest)
+    (dest / MARKER).unlink(missing_ok=True)
+    _remove_stale_stages(dest)
+    if local is not None:
+        files = _copy_local(src, local, dest)
+        action: Literal["copied", "downloaded"] = "copied"
+    else:
+        files = _download_hf(src, dest)
+        action = "downloaded"
+    elapsed = time.monotonic() - start
+    say(f"{action} {len(files)} files ({_mb(sum(files.values()))}) in {elapsed:.1f} s")
+    _remove_leftovers(dest, previous, files)
+    report = _verify_labelled(dest, str(src))
+    _write_marker(dest, src, files)
     _report(report, say)
     return PullResult(action, dest, files, report)
 
@@ -516,7 +568,9 @@ def _copy_local(src: ModelSource, local: Path, dest: Path) -> dict[str, int]:
             try:
                 shutil.copyfile(local / name, stage / name)
             except OSError as e:
-                raise ModelPullError(f"{src}: copying {name}: {e}") from None
+                raise ModelPullError(f"{src}: copying {name} into {stage}: {e}") from None
+        if not stage.is_dir():  # verify would blame the source for "no such directory"
+            raise ModelPullError(f"{stage}: the staging folder was removed during the copy")
         # Verify before anything in dest is replaced: a bad source leaves dest as it was.
         _verify_labelled(stage, str(src))
         files = _sizes(stage, names)
@@ -626,7 +680,8 @@ def _write_marker(dest: Path, src: ModelSource, files: dict[str, int]) -> None:
 
 
 def _remove_stale_stages(dest: Path) -> None:
-    """Staging directories left by a pull that was killed (pod deleted mid-copy)."""
+    """Staging directories left by a pull that was killed (pod deleted mid-copy). Only
+    called holding DEST's lock: a live pull's stage would be removed under it."""
     for p in dest.glob(f"{_STAGE_PREFIX}*"):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
