@@ -8,6 +8,7 @@ checkpoints are wide enough that no greedy choice is that close to a tie."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import transformers
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.parallel.group import GroupFailedError, TensorGroup
 from kvserve.parallel.launch import Launch, LocalWorkers
 from kvserve.testing.checkpoints import build_random_checkpoint
@@ -119,3 +121,54 @@ def test_a_worker_gone_before_the_group_forms_fails_the_join_at_once(checkpoint_
             0, 2, launch.master_addr, launch.master_port, torch.device("cpu"), workers.exited
         )
     workers.stop(timeout=0)
+
+
+def test_a_rendezvous_port_in_use_is_named(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """The port was a torch DistNetworkError, which `kvserve serve` printed as a
+    traceback; now a ValueError naming the address and the flags (one error line)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = EngineConfig(
+            model=str(checkpoint_dir("llama")), device="cpu", tensor_parallel_size=2
+        )
+        with pytest.raises(ValueError, match=rf"127.0.0.1:{port} .*--master-port.*in use"):
+            LLMEngine(config, time.monotonic, Launch(master_port=port))
+
+
+def test_a_step_that_fails_on_rank_0_is_fatal(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+    """With one rank a failed step fails its batch and the engine serves on. With more,
+    rank 0 may have left the step between two collectives the others still wait in (a
+    review made the token masker raise there: the next request hung for the 5-minute
+    collective timeout): the engine stops at once, as when a rank is lost."""
+    import asyncio
+
+    from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+
+    llm = LLM(str(checkpoint_dir("llama")), device="cpu", dtype="float32", tensor_parallel_size=2)
+
+    def fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of device memory")
+
+    llm.engine.runner.execute = fails  # type: ignore[method-assign]
+    engine = AsyncEngine(llm.engine)
+
+    async def main() -> None:
+        engine.start()
+        try:
+            with pytest.raises(EngineDeadError, match="a step failed on rank 0"):
+                async for _ in engine.stream(engine.make_request([1, 2, 3], GREEDY)):
+                    pass
+            with pytest.raises(EngineDeadError):  # at once, not after a collective's wait
+                async for _ in engine.stream(engine.make_request([4, 5, 6], GREEDY)):
+                    pass
+        finally:
+            await engine.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.close()

@@ -424,6 +424,11 @@ class AsyncEngine:
         except GroupFailedError:
             raise  # a rank is gone: no later step can run either
         except Exception as exc:
+            if self.engine.group is not None:
+                # Rank 0 may have failed between two of the step's collectives, which
+                # the other ranks then wait for: the ranks are out of step, and the next
+                # step would hang until the collective timeout. Fatal, as a lost rank is.
+                raise GroupFailedError(f"a step failed on rank 0: {exc}") from exc
             # A failure inside a batched step cannot be pinned on one request: fail the
             # requests of that batch, keep the engine serving the others.
             log.exception("engine step failed; failing the requests in that batch")

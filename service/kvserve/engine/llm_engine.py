@@ -280,7 +280,7 @@ class LLMEngine:
                 0, tp, launch.master_addr, launch.master_port, self.device, workers.exited
             )
         except BaseException:
-            workers.stop(timeout=0)
+            workers.terminate()  # they have not joined: nothing to wait for
             raise
         return group, workers
 

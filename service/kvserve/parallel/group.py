@@ -138,10 +138,17 @@ def _rendezvous(
         store = TCPStore(master_addr, master_port, size, is_master=False, timeout=MODEL_TIMEOUT)
         store.add(JOINED_KEY, 1)
         return store
-    store = TCPStore(
-        master_addr, master_port, size, is_master=True, timeout=MODEL_TIMEOUT,
-        wait_for_workers=False,
-    )  # fmt: skip
+    try:
+        store = TCPStore(
+            master_addr, master_port, size, is_master=True, timeout=MODEL_TIMEOUT,
+            wait_for_workers=False,
+        )  # fmt: skip
+    except dist.DistNetworkError as exc:  # the port is taken, or the address is not this host's
+        reason = str(exc).rpartition("message: ")[2] or str(exc)
+        raise ValueError(
+            f"the tensor-parallel rendezvous cannot listen on {master_addr}:{master_port} "
+            f"(--master-addr, --master-port): {reason}"
+        ) from None
     deadline = time.monotonic() + MODEL_TIMEOUT.total_seconds()
     while (joined := store.add(JOINED_KEY, 0)) < size - 1:
         if (why := gone()) is not None:

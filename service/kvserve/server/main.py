@@ -219,6 +219,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, launch: Launch
     from kvserve.engine.cpu_threads import call_in_short_lived_thread
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.heap import freeze_startup_heap
+    from kvserve.parallel.group import GroupFailedError
     from kvserve.server.app import create_app
     from kvserve.server.shutdown import DrainingServer
     from kvserve.telemetry.prometheus import EngineMetrics
@@ -231,6 +232,9 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, launch: Launch
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 2
+    except GroupFailedError as exc:  # a worker died, or never came, before the group formed
+        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        return 1
     bs = engine.config.block_size
     # On a CPU, the compute threads: more than the CPUs this process gets leaves every op
     # waiting for a thread that is not running (docs/engine.md, "CPU threads").
