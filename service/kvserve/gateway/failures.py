@@ -11,9 +11,12 @@ Four causes, told apart by where the error came from (``kvserve.gateway.multiple
 - the adapter's: the replica does not serve the request's LoRA adapter now (unloaded, or
   its files can no longer be read there: ``adapter_gone``). Retried on another replica,
   which the gateway may have load the adapter; the replica stays in rotation.
-- the replica's: its call broke, or it answered UNAVAILABLE (draining, its engine dead).
-  Retried on another replica while no output was sent (502 after that, or when no
-  replica could serve it), and the replica is unhealthy until a load poll answers.
+- the replica's: its call broke, it answered UNAVAILABLE (draining, its engine dead), or
+  a load poll failed while the request had no output from it yet
+  (``kvserve.gateway.replicas``: a replica that keeps its connection open but answers
+  nothing would otherwise hold the request until its deadline). Retried on another
+  replica while no output was sent (502 after that, or when no replica could serve it),
+  and the replica is unhealthy until a load poll answers.
 - the clock's: ``request_timeout_seconds`` passed since the request arrived (504
   ``timeout``); the gateway's own deadline, which says nothing of the replica.
 """

@@ -11,7 +11,10 @@ gateway's gRPC cost per streamed token shrinks with the number of concurrent str
 and raises ``grpc.aio.AioRpcError`` when the request fails (the engine refused it, the
 call broke, its deadline passed); ``cancel()`` aborts it on the replica. One task reads
 the call and hands each output to its request; a broken call fails every request on it,
-and the next request opens a new call.
+and the next request opens a new call. ``Multiplexer.fail_unanswered`` ends the requests
+that have had no output yet with UNAVAILABLE (and cancels them on the replica): for a
+replica that stopped answering while its call stays open, which no read would notice
+before the request's deadline.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class UpstreamRequest:
         self.tag = tag
         self._items: deque[Any] = deque()  # TaggedOutput, or the AioRpcError that ends it
         self._waiter: asyncio.Future[None] | None = None
+        self._answered = False  # the replica has sent it an output
         self._ended = False  # its last item has arrived (or it was cancelled)
         self._drained = False  # ... and has been read
         loop = asyncio.get_running_loop()
@@ -105,10 +109,20 @@ class UpstreamRequest:
         """Abort the request on the replica unless it has ended."""
         self._abort(rpc_error(grpc.StatusCode.CANCELLED, "cancelled by the gateway"))
 
+    def fail_unanswered(self, error: grpc.aio.AioRpcError) -> bool:
+        """End the request with ``error`` (and abort it on the replica) if the replica
+        has sent it nothing yet; whether it did."""
+        if self._answered or self._ended:
+            return False
+        self._abort(error)
+        return True
+
     # ---- fed by the shared call ------------------------------------------------------
     def put(self, item: Any) -> None:
         if self._ended:
             return
+        if not isinstance(item, BaseException):
+            self._answered = True
         if isinstance(item, BaseException) or item.WhichOneof("kind") != "delta":
             self._end(item)
             return
@@ -162,6 +176,10 @@ class _SharedCall:
 
     def forget(self, tag: int) -> None:
         self.requests.pop(tag, None)
+
+    def fail_unanswered(self, error: grpc.aio.AioRpcError) -> int:
+        """``UpstreamRequest.fail_unanswered`` on each open request; how many it ended."""
+        return sum(request.fail_unanswered(error) for request in list(self.requests.values()))
 
     async def _commands(self) -> AsyncIterator[pb.GenerateManyRequest]:
         """What the call sends, until it ends. grpc.aio reads this in a task of its own,
@@ -259,6 +277,13 @@ class Multiplexer:
         call.requests[upstream.tag] = upstream
         call.send(pb.TaggedCommand(tag=upstream.tag, start=request, metadata=metadata))
         return upstream
+
+    def fail_unanswered(self, why: str) -> int:
+        """End the requests the replica has sent nothing yet with UNAVAILABLE ``why``,
+        and cancel them there; how many. Those that have had output go on."""
+        if self._call is None:
+            return 0
+        return self._call.fail_unanswered(rpc_error(grpc.StatusCode.UNAVAILABLE, why))
 
     def close(self) -> None:
         if self._call is not None:

@@ -2,7 +2,9 @@
 
 Health is active and passive: a poller calls every replica's ``GetLoad`` each
 ``load_poll_seconds`` (a failure marks it unhealthy, a success healthy again), and a
-request that fails to reach it marks it unhealthy at once.
+request that fails to reach it marks it unhealthy at once. A failed poll also fails the
+requests open on the replica that have had no output yet, as the replica's failure, so
+that they are retried elsewhere instead of waiting for a replica that may never answer.
 
 A *draining* replica gets no new requests while its in-flight ones finish. It drains
 for either of two reasons, which routing, ``/ready`` and the metrics do not tell apart:
@@ -237,12 +239,28 @@ class Fleet:
                 # Unreachable: unhealthy, whatever it said before (a drained replica
                 # that has exited is down, not draining).
                 rep.reports_draining = False
-                self.mark_failed(rep, f"GetLoad failed: {type(res).__name__}")
+                why = f"GetLoad failed: {type(res).__name__}"
+                self.mark_failed(rep, why)
+                self._give_up_unanswered(rep, why)
                 continue
             self._read_load(rep, res)
             self.mark_ok(rep)
         await self.reap()
         self._changed()
+
+    def _give_up_unanswered(self, rep: Replica, why: str) -> None:
+        """Fail the requests open on ``rep`` that it has sent nothing yet, so that their
+        calls retry them elsewhere (``kvserve.gateway.call``) rather than wait out their
+        deadline: a replica that keeps its connection open while it answers nothing (a
+        wedged engine, a stopped process) would hold them to it. A stream that has had
+        output cannot move, and stays."""
+        ended = rep.client.fail_unanswered(f"replica {rep.address} stopped answering ({why})")
+        if ended:
+            log.warning(
+                "%d request(s) without output on unhealthy replica %s of model %s "
+                "cancelled there, to be retried elsewhere",
+                ended, rep.address, rep.model,
+            )  # fmt: skip
 
     def _read_load(self, rep: Replica, load: Any) -> None:
         """Take a ``GetLoadResponse`` in: load figures, adapters, and whether it drains."""

@@ -53,6 +53,11 @@ class ReplicaClient:
         """Start ``request`` on the shared call; ``cancel()`` the result to abort it."""
         return self._requests.start(request, timeout, metadata)
 
+    def fail_unanswered(self, why: str) -> int:
+        """End the requests this replica has sent no output yet as its failure (UNAVAILABLE
+        ``why``; the caller may retry them elsewhere) and cancel them there; how many."""
+        return self._requests.fail_unanswered(why)
+
     async def get_load(self, timeout: float) -> Any:
         return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=timeout)
 
