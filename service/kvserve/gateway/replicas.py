@@ -2,9 +2,10 @@
 
 Health is active and passive: a poller calls every replica's ``GetLoad`` each
 ``load_poll_seconds`` (a failure marks it unhealthy, a success healthy again), and a
-request that fails to reach it marks it unhealthy at once. A failed poll also fails the
-requests open on the replica that have had no output yet, as the replica's failure, so
-that they are retried elsewhere instead of waiting for a replica that may never answer.
+request that fails to reach it marks it unhealthy at once. A second failed poll in a row
+also fails the requests open on the replica that have had no output yet, as the
+replica's failure, so that they are retried on another healthy replica (if the model has
+one) instead of waiting for a replica that may never answer.
 
 A *draining* replica gets no new requests while its in-flight ones finish. It drains
 for either of two reasons, which routing, ``/ready`` and the metrics do not tell apart:
@@ -34,6 +35,11 @@ from kvserve.gateway.slots import ReplicaSlots
 from kvserve.gateway.upstream import ReplicaClient
 
 log = logging.getLogger("kvserve.gateway")
+
+
+# Failed load polls in a row after which a replica's requests without output yet are
+# retried elsewhere (Fleet._give_up_unanswered).
+UNANSWERED_AFTER_POLLS = 2
 
 
 @dataclass
@@ -253,7 +259,16 @@ class Fleet:
         calls retry them elsewhere (``kvserve.gateway.call``) rather than wait out their
         deadline: a replica that keeps its connection open while it answers nothing (a
         wedged engine, a stopped process) would hold them to it. A stream that has had
-        output cannot move, and stays."""
+        output cannot move, and stays.
+
+        Only after UNANSWERED_AFTER_POLLS failed polls in a row (one slow poll of a busy
+        replica is no proof that it stopped), and only while another replica of the model
+        can take them: with none, they are better off waiting where they are."""
+        others = self.replicas.get(rep.model, {}).values()
+        if rep.failures < UNANSWERED_AFTER_POLLS or not any(
+            r is not rep and r.healthy and not r.draining for r in others
+        ):
+            return
         ended = rep.client.fail_unanswered(f"replica {rep.address} stopped answering ({why})")
         if ended:
             log.warning(
