@@ -74,7 +74,15 @@ def ns(k8s_cluster: Cluster, operator: OperatorProcess) -> Iterator[str]:
     yield "models"
     # Before the operator stops (it holds the models' finalizers): later modules share
     # the control plane, and a gateway there watching every namespace must not find
-    # these models' engines.
+    # these models' engines. The pods go first: the namespace controller, finding pods
+    # in their termination grace period (the engines' drain time, 45 s and more), looks
+    # again only after it, though kwok removes them at once (this teardown took 11-16 s
+    # or 72 s, by which came first).
+    k8s_cluster.kubectl("delete", "inferencemodels", "--all", "-n", "models", "--timeout=120s")
+    k8s_cluster.kubectl("delete", "deployments", "--all", "-n", "models", "--timeout=120s")
+    k8s_cluster.kubectl(
+        "wait", "--for=delete", "pods", "--all", "-n", "models", "--timeout=120s", check=False
+    )
     k8s_cluster.kubectl("delete", "namespace", "models", "--timeout=120s")
 
 
