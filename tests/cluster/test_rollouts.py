@@ -56,7 +56,11 @@ STREAMS = 6  # concurrent streams of the load
 # stays well inside the drain timeout (30 s), so the drain never has to abort one: 40
 # tokens took 2-16 s while each engine pod ran more threads than it had CPUs; with a
 # thread per requested CPU (OMP_NUM_THREADS from the operator) a token takes ~5-15 ms.
-LOAD_TOKENS = 240
+# At 240 tokens, a quiet machine's streams took ~2.5 s: a pod let go about 1 s after its
+# replacement became ready, while new requests went to the replacement, had all of its
+# streams finished by then in one run (0 and 0 in flight); 400 (the demo model's
+# max_model_len is 512) makes that unlikelier, not impossible.
+LOAD_TOKENS = 400
 # Requests per stream loop at most: the loops stop when the phase ends, this only bounds
 # a phase that hangs (the phase's own wait fails first).
 LOOP_LIMIT = 80
