@@ -281,7 +281,7 @@ BROKEN_CHECKPOINTS = [
     ("num_hidden_layers", "config.json's num_hidden_layers is 100000, but the checkpoint has"),
     ("truncated", "model.safetensors: truncated: header says"),
     ("tokenizer structure", "cannot be loaded: KeyError: 'added_tokens'"),
-    ("tokenizer json", "cannot be loaded: tokenizer.json is not valid JSON: Expecting"),
+    ("tokenizer json", "cannot be loaded: tokenizer.json: not valid JSON: Expecting"),
     ("nested config", "config.json: JSON nested too deeply to read"),
 ]
 

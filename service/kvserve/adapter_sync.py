@@ -52,6 +52,7 @@ from typing import Any
 import httpx
 
 from kvserve.arg_types import positive_seconds
+from kvserve.json_input import JSONInputError, read_json_object
 from kvserve.model.pull import (
     ModelPullError,
     ModelSource,
@@ -97,10 +98,9 @@ class AdapterFailed(Exception):
 def read_config(path: Path) -> dict[str, str]:
     """The list file as ``{name: source}``."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        items = read_json_object(path).get("adapters")
+    except JSONInputError as exc:
         raise SyncError(f"{path}: {exc}") from None
-    items = data.get("adapters") if isinstance(data, dict) else None
     if not isinstance(items, list):
         raise SyncError(f'{path}: expected {{"adapters": [...]}}')
     wanted: dict[str, str] = {}
@@ -141,12 +141,9 @@ def _up_to_date(folder: Path, source: str) -> bool:
 def _verify(folder: Path, label: str) -> dict[str, int]:
     """Check the files without torch; the engine checks the adapter itself at load."""
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        # RecursionError: JSON nested deeper than the parser's recursion limit.
+        read_json_object(folder / CONFIG_FILE)
+    except JSONInputError as exc:
         raise AdapterFailed(f"{label}: {CONFIG_FILE}: {exc}") from None
-    if not isinstance(config, dict):
-        raise AdapterFailed(f"{label}: {CONFIG_FILE} must hold a JSON object")
     try:
         check_safetensors(folder / WEIGHTS_FILE)
     except (ModelPullError, OSError) as exc:

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import difflib
 import functools
-import json
 import re
 import sys
 import typing
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.config import EngineConfig, Option, bound_problem, value_type
+from kvserve.json_input import JSONInputError, parse_json_object
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KWARGS_MODULE = Path(__file__).resolve().parent / "engine_kwargs.py"
@@ -241,12 +241,9 @@ _OPENAPI_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean
 def _json_object(text: str) -> dict[str, Any]:
     """A flag's JSON-object value (``--speculative-config '{"method": "ngram", ...}'``)."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
+        return parse_json_object(text)
+    except JSONInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _number(kind: type, value: float) -> int | float:

@@ -285,7 +285,8 @@ def test_max_tokens_still_ends_a_constrained_request(llm: LLM) -> None:
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ({"json": "{not json"}, "is not valid JSON"),
+        ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
+        ({"json": "[" * 5000}, "structured_outputs.json: JSON nested too deeply to read"),
         ({"json": "[1, 2]"}, "must be a JSON object"),
         ({"json": {"type": "strnig"}}, "Invalid type: strnig"),
         ({"json": {"type": "string", "format": "zipcode"}}, "Unknown format: zipcode"),

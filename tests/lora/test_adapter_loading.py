@@ -132,7 +132,7 @@ def test_missing_files_and_pickles_are_refused(good: Path, base: Path, tmp_path:
     with pytest.raises(LoRAError, match="pickle"):
         load(path, base)
     (path / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(LoRAError, match="not valid JSON"):  # json's RecursionError
+    with pytest.raises(LoRAError, match=r"adapter_config\.json: JSON nested too deeply to read"):
         load(path, base)
     (path / "adapter_config.json").unlink()
     with pytest.raises(LoRAError, match=r"adapter_config\.json"):

@@ -182,6 +182,12 @@ def _chat(role: str) -> pb.ChatMessages:
             {"chat": _chat("user"), "tools": [pb.Tool(name='a"b', parameters_json="{}")]},
             "tools[0].function.name",
         ),
+        # nested past json's recursion limit: a RecursionError, not a ValueError
+        ({"chat": _chat("user"), "chat_template_kwargs_json": "[" * 1500}, "chat_template_kwargs"),
+        (
+            {"chat": _chat("user"), "tools": [pb.Tool(name="f", parameters_json="[" * 1500)]},
+            "tools[0].function.parameters",
+        ),
     ],
 )
 def test_invalid_argument_names_the_param(

@@ -203,10 +203,11 @@ def test_a_call_whose_arguments_are_not_an_object_goes_back_as_written(
 ) -> None:
     """A call cut short by max_tokens has arguments that are not JSON: sent back in the
     conversation (as agent frameworks do, with an error as the tool's result), its text
-    reaches the template as it was written (it was a 400 that ended the conversation)."""
+    reaches the template as it was written (it was a 400 that ended the conversation).
+    So do arguments nested too deeply for json's parser (its RecursionError was a 500)."""
     with tools_server.client() as c:
         usages = []
-        for arguments in ('{"city": "Paris"}', '{"city": "Par', "[1"):
+        for arguments in ('{"city": "Paris"}', '{"city": "Par', "[1", "[" * 1500):
             call = {"id": "call_1", "type": "function",
                     "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
             messages = [

@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import functools
 import inspect
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +42,7 @@ from kvserve.engine.model_runner import KEEPALIVE, ModelRunner
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
+from kvserve.json_input import JSONInputError, read_json_object
 from kvserve.lora.request import LoRARequest
 from kvserve.model.config import ModelConfig
 from kvserve.outputs import (
@@ -892,11 +892,9 @@ def _json_problem(folder: Path, names: list[str]) -> str | None:
     for name in names:
         if name.endswith(".json"):
             try:
-                json.loads((folder / name).read_text(encoding="utf-8"))
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                return f"{name} is not valid JSON: {e}"
-            except RecursionError:
-                return f"{name}: JSON nested too deeply to read"
+                read_json_object(folder / name)
+            except JSONInputError as e:
+                return f"{name}: {e}"
     return None
 
 
@@ -917,13 +915,12 @@ def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> set[
 def _generation_eos(path: Path) -> set[int] | None:
     """generation_config.json's eos_token_id (one id or a list), or None if it has none."""
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
+        eos = read_json_object(path).get("eos_token_id")
         if eos is None:
             return None
         return {int(i) for i in eos} if isinstance(eos, list) else {int(eos)}
-    except (ValueError, TypeError, AttributeError, RecursionError) as e:
-        detail = "JSON nested too deeply to read" if isinstance(e, RecursionError) else e
-        raise ValueError(f"{path}: no usable eos_token_id: {detail}") from None
+    except (ValueError, TypeError) as e:  # JSONInputError is a ValueError
+        raise ValueError(f"{path}: no usable eos_token_id: {e}") from None
 
 
 def _template_failed(exc: Exception, template_kwargs: Mapping[str, Any]) -> InvalidRequestError:

@@ -11,17 +11,16 @@ layer the model does not have, and tensors whose shapes belong to another model.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvserve.json_input import JSONInputError, read_json_object
 from kvserve.lora.request import LoRARequest, unavailable_message
 from kvserve.model.config import ModelConfig
 
@@ -89,13 +88,9 @@ def read_config(path: Path, max_rank: int) -> tuple[int, float]:
     if not where.is_file():
         raise LoRAError(f"{path} is not a PEFT adapter: it has no {CONFIG_FILE}")
     try:
-        cfg: dict[str, Any] = json.loads(where.read_text("utf-8"))
-    except OSError as exc:
-        raise LoRAError(f"{where} cannot be read: {exc}") from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nested too deep: the last
-        raise LoRAError(f"{where} is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise LoRAError(f"{where} must hold a JSON object")
+        cfg = read_json_object(where)
+    except JSONInputError as exc:
+        raise LoRAError(f"{where}: {exc}") from None
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise LoRAError(f"peft_type {peft_type!r} is not served (only LORA adapters)")

@@ -6,13 +6,13 @@ engine refuses is also refused by ``kvserve calc`` (never sized wrongly).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvserve.config import blocks_for
+from kvserve.json_input import JSONInputError, read_json_object
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -66,16 +66,12 @@ class ModelConfig:
         if given_dir:
             path = path / "config.json"
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            where = f"no config.json in {path.parent}" if given_dir else f"{path}: no such file"
-            raise FileNotFoundError(where) from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        except RecursionError:  # json's parser recurses once a level
-            raise ValueError(f"{path}: JSON nested too deeply to read") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+            data = read_json_object(path)
+        except JSONInputError as e:
+            if e.missing:
+                where = f"no config.json in {path.parent}" if given_dir else f"{path}: no such file"
+                raise FileNotFoundError(where) from None
+            raise ValueError(f"{path}: {e}") from None
         return cls.from_dict(data)
 
     @classmethod

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvserve.json_input import JSONInputError, parse_json_object, read_json_object
+
 if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
 
@@ -76,8 +78,6 @@ _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z
 _HF_NAME_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
 _HF_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]*")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-# What json.loads' RecursionError means: no checkpoint file nests anywhere near that deep.
-_TOO_DEEP = "JSON nested too deeply to read"
 # Bytes per element of safetensors dtypes; sub-byte and unknown dtypes are not size-checked.
 _DTYPE_BYTES = {
     "BOOL": 1,
@@ -290,17 +290,9 @@ def _check_config(path: Path) -> tuple[str, ModelConfig]:
     from kvserve.model.config import ModelConfig  # stdlib-only module; kept lazy anyway
 
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelPullError("config.json: missing") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelPullError(f"config.json: unreadable: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ModelPullError(f"config.json: not valid JSON: {e}") from None
-    except RecursionError:  # json's parser recurses once a level
-        raise ModelPullError(f"config.json: {_TOO_DEEP}") from None
-    if not isinstance(data, dict):
-        raise ModelPullError(f"config.json: expected a JSON object, got {type(data).__name__}")
+        data = read_json_object(path)
+    except JSONInputError as e:
+        raise ModelPullError(f"config.json: {e}") from None
     if not data.get("architectures") and not data.get("model_type"):
         raise ModelPullError("config.json: has neither 'architectures' nor 'model_type'")
     try:
@@ -318,12 +310,9 @@ def _weight_files(model_dir: Path) -> list[str]:
     index = model_dir / index_name
     if index.is_file():
         try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelPullError(f"{index_name}: unreadable: {e}") from None
-        except RecursionError:
-            raise ModelPullError(f"{index_name}: {_TOO_DEEP}") from None
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            weight_map = read_json_object(index).get("weight_map")
+        except JSONInputError as e:
+            raise ModelPullError(f"{index_name}: {e}") from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelPullError(f"{index_name}: no 'weight_map' object")
         shards = sorted({str(v) for v in weight_map.values()})
@@ -372,13 +361,9 @@ def check_safetensors(path: Path) -> SafetensorsInfo:
     except OSError as e:
         raise ModelPullError(f"{name}: unreadable: {e}") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelPullError(f"{name}: header is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ModelPullError(f"{name}: header: {_TOO_DEEP}") from None
-    if not isinstance(header, dict):
-        raise ModelPullError(f"{name}: header is not a JSON object")
+        header = parse_json_object(raw)
+    except JSONInputError as e:
+        raise ModelPullError(f"{name}: header: {e}") from None
     entries = {tensor: entry for tensor, entry in header.items() if tensor != "__metadata__"}
     spans = sorted(
         (*_tensor_span(name, tensor, entry), tensor) for tensor, entry in entries.items()
@@ -643,10 +628,9 @@ def _sizes(directory: Path, names: Iterable[str]) -> dict[str, int]:
 def read_marker(folder: Path, name: str = MARKER) -> dict[str, Any] | None:
     """The JSON object in ``folder``'s marker file ``name``, or None (missing or not one)."""
     try:
-        data = json.loads((folder / name).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return read_json_object(folder / name)
+    except JSONInputError:
         return None
-    return data if isinstance(data, dict) else None
 
 
 def _up_to_date(dest: Path, src: ModelSource) -> dict[str, int] | None:

@@ -16,11 +16,11 @@ step's token ids and puts the marker back into the text it reads, where the toke
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvserve.json_input import JSONInputError, parse_json
 from kvserve.openai import format as fmt
 from kvserve.openai.format import ToolCallDelta
 from kvserve.openai.reasoning import REASONING_PARSERS, ReasoningParser, ThinkEnd, think_end_finder
@@ -307,7 +307,7 @@ def delta_chunks(
 
 def _whole_json(text: str) -> bool:
     try:
-        json.loads(text)
-    except ValueError:
+        parse_json(text)
+    except JSONInputError:
         return False
     return True

@@ -9,9 +9,9 @@ string that is not a JSON object is a 400 naming it).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from kvserve.json_input import JSONInputError, parse_json
 from kvserve.openai.errors import OpenAIError
 from kvserve.openai.protocol import ChatMessage, ContentPart
 
@@ -115,7 +115,7 @@ def tool_call_arguments(text: str) -> dict[str, Any] | str:
     if not text.strip():
         return {}
     try:
-        value = json.loads(text)
-    except ValueError:
+        value = parse_json(text)
+    except JSONInputError:
         return text
     return value if isinstance(value, dict) else text

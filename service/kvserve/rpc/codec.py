@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 
 from kvserve.conversation import ChatEnding
 from kvserve.errors import InvalidRequestError
+from kvserve.json_input import JSONInputError, parse_json_object
 from kvserve.openai.chat_output import ChatDelta
 from kvserve.openai.format import Echo, TokenText, ToolCallDelta
 from kvserve.openai.messages import tool_call_arguments
@@ -302,12 +303,9 @@ def decode_template_kwargs(request: pb.GenerateRequest) -> dict[str, Any] | None
 def _json_object(text: str, param: str) -> dict[str, Any]:
     """``text`` read as a JSON object; InvalidRequestError naming ``param`` otherwise."""
     try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise InvalidRequestError(f"{param} must be a JSON object", param)
-    return value
+        return parse_json_object(text)
+    except JSONInputError as e:
+        raise InvalidRequestError(f"{param} must be a JSON object: {e}", param) from None
 
 
 def decode_prompt(request: pb.GenerateRequest) -> Prompt:

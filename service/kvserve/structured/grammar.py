@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 
 from kvserve.errors import InvalidRequestError
+from kvserve.json_input import JSONInputError, parse_json
 from kvserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -117,11 +118,9 @@ def _schema_object(schema: str | dict[str, Any] | None) -> dict[str, Any]:
     if isinstance(schema, str):
         _check_size(len(schema), "json schema")
         try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(
-                f"structured_outputs.json is not valid JSON: {exc}", PARAM
-            ) from None
+            schema = parse_json(schema)
+        except JSONInputError as exc:
+            raise InvalidRequestError(f"structured_outputs.json: {exc}", PARAM) from None
     if not isinstance(schema, dict):
         raise InvalidRequestError(
             f"a JSON schema must be a JSON object, got {type(schema).__name__}", PARAM
