@@ -397,6 +397,15 @@ def test_grpc_selects_loads_lists_and_unloads_adapters(served: Served) -> None:
         )
         assert loaded.adapter.path == str((served.lora_dir / "third").resolve())
         assert generate("via-grpc")
+        again = pb.LoadLoRAAdapterRequest(lora_name="via-grpc", lora_path="second")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.LoadLoRAAdapter(again)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "load_inplace" in (err.value.details() or "")
+        again.load_inplace = True  # as over HTTP: the name now serves the other folder
+        replaced = stub.LoadLoRAAdapter(again)
+        assert replaced.adapter.path == str((served.lora_dir / "second").resolve())
+        assert generate("via-grpc")
         stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="via-grpc"))
         with pytest.raises(grpc.RpcError) as err:
             stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="via-grpc"))

@@ -306,7 +306,9 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         self, request: pb.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadLoRAAdapterResponse:
         try:
-            lora = await self.lora.load(self.engine, request.lora_name, request.lora_path)
+            lora = await self.lora.load(
+                self.engine, request.lora_name, request.lora_path, inplace=request.load_inplace
+            )
         except (OpenAIError, EngineDeadError) as exc:
             await _abort(context, _lora_refusal(exc))
         return pb.LoadLoRAAdapterResponse(
