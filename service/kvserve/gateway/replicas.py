@@ -1,11 +1,16 @@
 """The replicas behind each model: their clients, health and load, and what routers see.
 
 Health is active and passive: a poller calls every replica's ``GetLoad`` each
-``load_poll_seconds`` (a failure marks it unhealthy, a success healthy again), and a
-request that fails to reach it marks it unhealthy at once. A second failed poll in a row
-also fails the requests open on the replica that have had no output yet, as the
-replica's failure, so that they are retried on another healthy replica (if the model has
-one) instead of waiting for a replica that may never answer.
+``load_poll_seconds`` (a success marks it healthy again), and a request that fails to
+reach it marks it unhealthy at once. A poll that fails marks it unhealthy too, at once if
+the replica could not be reached, but only at the second in a row if it merely did not
+answer within the poll's timeout (``SLOW_POLLS_UNHEALTHY``): a busy replica, or a busy
+gateway, answers late now and then, and when every replica of a model was slow in the
+same round the model turned all its traffic away with 503s while each replica was
+serving. A second failed poll in a row also fails the requests open on the replica that
+have had no output yet, as the replica's failure, so that they are retried on another
+healthy replica (if the model has one) instead of waiting for a replica that may never
+answer.
 
 A *draining* replica gets no new requests while its in-flight ones finish. It drains
 for either of two reasons, which routing, ``/ready`` and the metrics do not tell apart:
@@ -30,6 +35,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from kvserve.gateway.routing import ReplicaLoad
 from kvserve.gateway.slots import ReplicaSlots
 from kvserve.gateway.upstream import ReplicaClient
@@ -40,6 +47,9 @@ log = logging.getLogger("kvserve.gateway")
 # Failed load polls in a row after which a replica's requests without output yet are
 # retried elsewhere (Fleet._give_up_unanswered).
 UNANSWERED_AFTER_POLLS = 2
+# Load polls in a row that found the replica connected but got no answer within their
+# timeout, after which it is unhealthy (one that cannot be reached is at once).
+SLOW_POLLS_UNHEALTHY = 2
 
 
 @dataclass
@@ -242,10 +252,15 @@ class Fleet:
         )
         for rep, res in zip(reps, results, strict=True):
             if isinstance(res, BaseException):
-                # Unreachable: unhealthy, whatever it said before (a drained replica
-                # that has exited is down, not draining).
-                rep.reports_draining = False
-                why = f"GetLoad failed: {type(res).__name__}"
+                why = f"GetLoad failed: {_failure(res)}"
+                if _timed_out(res) and rep.healthy and rep.failures + 1 < SLOW_POLLS_UNHEALTHY:
+                    rep.failures += 1  # late, not gone: healthy until the next one is late too
+                    log.info("replica %s of model %s is slow: %s", rep.address, rep.model, why)
+                    continue
+                if not _timed_out(res):
+                    # Unreachable: unhealthy, whatever it said before (a drained replica
+                    # that has exited is down, not draining).
+                    rep.reports_draining = False
                 self.mark_failed(rep, why)
                 self._give_up_unanswered(rep, why)
                 continue
@@ -300,3 +315,16 @@ class Fleet:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a failed poll found the replica connected but without an answer in time."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    return isinstance(exc, TimeoutError)
+
+
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    return type(exc).__name__
