@@ -320,11 +320,11 @@ class Fleet:
 def _timed_out(exc: BaseException) -> bool:
     """Whether a failed poll found the replica connected but without an answer in time."""
     if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return bool(exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
     return isinstance(exc, TimeoutError)
 
 
 def _failure(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code().name
+        return str(exc.code().name)
     return type(exc).__name__
