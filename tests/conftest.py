@@ -31,6 +31,20 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
 
 
 @pytest.fixture(scope="session")
+def shared_replicas(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """Two ``kvserve serve`` replicas of the llama checkpoint (``start_replicas``' default
+    flags), started once for every module that neither stops nor reconfigures its
+    replicas: a test that does starts its own. Starting a pair cost ~10 s of the suite
+    in each of the ten modules that now share this one."""
+    from tests.support.replicas import start_replicas
+
+    reps = start_replicas(checkpoint_dir("llama"), 2)
+    yield reps
+    for rep in reps:
+        rep.stop()
+
+
+@pytest.fixture(scope="session")
 def lws_crd_file() -> Path:
     """The LeaderWorkerSet CRD file from its Go module (tests/support/lws.py); the test is
     skipped when it cannot be fetched."""

@@ -1,6 +1,6 @@
 """Fixtures of the gateway tests: real replica processes and an in-process gateway
-(the launchers live in ``tests.support``). Everything is stopped at the end of the module
-or test that started it."""
+(the launchers live in ``tests.support``). Everything is stopped at the end of the session,
+module or test that started it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.gateway import Gateway, start_gateway
-from tests.support.replicas import Replica, start_replicas
+from tests.support.replicas import Replica
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +18,9 @@ def model_dir(checkpoint_dir: Callable[[str], Path]) -> Path:
     return checkpoint_dir("llama")
 
 
-@pytest.fixture(scope="module")
-def replicas(model_dir: Path) -> Iterator[list[Replica]]:
-    reps = start_replicas(model_dir, 2)
-    yield reps
-    for rep in reps:
-        rep.stop()
+@pytest.fixture(scope="session")
+def replicas(shared_replicas: list[Replica]) -> list[Replica]:
+    return shared_replicas
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +24,7 @@ from kvserve.gateway.config import GatewayConfig
 from tests.cluster.controlplane import Cluster
 from tests.support.gateway import Gateway, keys_file, serve_gateway
 from tests.support.product import metrics
-from tests.support.replicas import REPLICA_MODEL, Replica, start_replicas
+from tests.support.replicas import REPLICA_MODEL, Replica
 from tests.support.waiting import poll
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -122,10 +121,8 @@ def post_on_thread(
 
 
 @pytest.fixture(scope="module")
-def replica(model_dir: Path) -> Iterator[Replica]:
-    (rep,) = start_replicas(model_dir, 1)
-    yield rep
-    rep.stop()
+def replica(shared_replicas: list[Replica]) -> Replica:
+    return shared_replicas[0]
 
 
 def test_a_request_is_held_until_the_first_replica_appears(

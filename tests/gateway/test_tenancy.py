@@ -9,14 +9,13 @@ tenants in one sharing group share.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvserve.gateway.keys import hash_key
 from tests.support.gateway import KEY_A, KEY_B, Gateway, keys_file, start_gateway
-from tests.support.replicas import REPLICA_MODEL, Replica, start_replicas
+from tests.support.replicas import REPLICA_MODEL, Replica
 
 BLOCK_SIZE = 4  # the replicas' --block-size
 KEY_C1, KEY_C2 = "sk-test-tenant-c-1", "sk-test-tenant-c-2"  # one tenant, two keys
@@ -38,10 +37,8 @@ EXTRA_KEYS = (
 
 
 @pytest.fixture(scope="module")
-def one_replica(model_dir: Path) -> Iterator[Replica]:
-    (rep,) = start_replicas(model_dir, 1)
-    yield rep
-    rep.stop()
+def one_replica(shared_replicas: list[Replica]) -> Replica:
+    return shared_replicas[0]
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,13 @@ replica, and ``tests.support.wedged_replica``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 
 from kvserve.gateway.config import GatewayConfig
 from kvserve.gateway.keys import hash_key
 from tests.support.gateway import keys_file, serve_gateway
-from tests.support.replicas import REPLICA_MODEL, Replica, start_replicas
+from tests.support.replicas import REPLICA_MODEL, Replica
 from tests.support.waiting import wait_until
 from tests.support.wedged_replica import wedged_replica
 
@@ -27,10 +24,8 @@ TOKENS_PER_MINUTE = 100_000
 
 
 @pytest.fixture(scope="module")
-def replica(model_dir: Path) -> Iterator[Replica]:
-    [rep] = start_replicas(model_dir, 1)
-    yield rep
-    rep.stop()
+def replica(shared_replicas: list[Replica]) -> Replica:
+    return shared_replicas[0]
 
 
 def test_a_request_on_a_replica_that_stopped_answering_moves_to_another(

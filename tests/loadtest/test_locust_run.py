@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from kvserve.loadtest.report import Slo, WindowRule, read_summary, summarize
 from kvserve.loadtest.sweep import locust_runner, sweep
 from tests.support.net import free_port
 from tests.support.processes import start_logged
-from tests.support.replicas import Replica, start_replicas
+from tests.support.replicas import Replica
 from tests.support.waiting import wait_until
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
@@ -31,10 +30,8 @@ GENEROUS = ["--slo-ttft-ms", "120000", "--slo-tpot-ms", "60000"]
 
 
 @pytest.fixture(scope="module")
-def replica(checkpoint_dir: Callable[[str], Path]) -> Iterator[Replica]:
-    (rep,) = start_replicas(checkpoint_dir("llama"), 1)
-    yield rep
-    rep.stop()
+def replica(shared_replicas: list[Replica]) -> Replica:
+    return shared_replicas[0]
 
 
 def locust(host: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -32,7 +32,7 @@ from tests.support.gateway import KEY_A, KEY_LIMITED, Gateway, start_gateway
 from tests.support.prometheus import RULES, Prometheus, interpolate
 from tests.support.prometheus import start_prometheus as start
 from tests.support.replicas import REPLICA_MODEL as MODEL
-from tests.support.replicas import Replica, start_replicas
+from tests.support.replicas import Replica
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -87,11 +87,11 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(
-    checkpoint_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+    shared_replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     if shutil.which("prometheus") is None:
         pytest.skip("the live dashboard test needs `prometheus` on PATH (apt install prometheus)")
-    reps = start_replicas(checkpoint_dir("llama"), 2)
+    reps = shared_replicas
     gw: Gateway | None = None
     prom: Prometheus | None = None
     try:
@@ -110,8 +110,6 @@ def stack(
             prom.stop()
         if gw is not None:
             gw.stop()
-        for rep in reps:
-            rep.stop()
 
 
 # ---- traffic ---------------------------------------------------------------------------------
