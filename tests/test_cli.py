@@ -304,3 +304,23 @@ def test_serve_on_a_broken_checkpoint_is_one_error_line(
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"kvserve serve: error: {model}"), out.stderr
     assert expected.format(vocab=vocab) in last, out.stderr
+    if what != "tokenizer structure":  # found by the tokenizer library only, as it loads
+        # Found as `kvserve model verify` finds it, before torch and the model load.
+        assert f"loading {model}" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("what", "expected"), BROKEN_CHECKPOINTS)
+def test_the_engine_refuses_a_broken_checkpoint_itself(
+    tmp_path: Path, checkpoint_dir, what: str, expected: str
+) -> None:  # type: ignore[no-untyped-def]
+    """`LLM` and the engine do not rely on the server's check before loading: the loader
+    checks the weights' headers before it allocates, the tokenizer's files are named."""
+    from kvserve.config import EngineConfig
+    from kvserve.engine.llm_engine import LLMEngine
+
+    model = Path(shutil.copytree(checkpoint_dir("llama"), tmp_path / "model"))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    _break_checkpoint(model, what)
+    with pytest.raises(ValueError) as refused:
+        LLMEngine(EngineConfig(model=str(model), device="cpu"))
+    assert expected.format(vocab=vocab) in str(refused.value)

@@ -71,6 +71,38 @@ def model_dir_problem(model: str) -> str | None:
     )
 
 
+# The files of a tokenizer folder (what transformers' AutoTokenizer reads).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_files(folder: str | Path) -> list[str]:
+    """The ``TOKENIZER_FILES`` present in ``folder``."""
+    return [name for name in TOKENIZER_FILES if (Path(folder) / name).exists()]
+
+
+def tokenizer_problem(tokenizer: str | None, model: str) -> str | None:
+    """What is wrong with the tokenizer the engine would load (``tokenizer``, else the
+    model's folder), found without the tokenizer library: none there although one was
+    named, or one of its JSON files unreadable. The library's own checks come at load."""
+    from kvserve.json_input import JSONInputError, read_json_object
+
+    folder = Path(tokenizer or model)
+    present = tokenizer_files(folder)
+    if not present:
+        if tokenizer is None:
+            return None  # served without one: token-id requests only
+        return f"tokenizer {tokenizer!r}: no tokenizer there ({', '.join(TOKENIZER_FILES)})"
+    for name in present:
+        if name.endswith(".json"):
+            try:
+                read_json_object(folder / name)
+            except JSONInputError as e:
+                return (
+                    f"{folder}: the tokenizer ({', '.join(present)}) cannot be loaded: {name}: {e}"
+                )
+    return None
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks that hold ``num_tokens`` tokens: ceil(tokens / block_size)."""
     return -(-num_tokens // block_size)

@@ -28,11 +28,13 @@ import torch
 from kvserve.capacity import num_kv_blocks
 from kvserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
+    TOKENIZER_FILES,
     EngineConfig,
     blocks_for,
     kv_cache_torch_dtype,
     model_dir_problem,
     speculative_settings,
+    tokenizer_files,
 )
 from kvserve.conversation import ChatEnding, text_chars
 from kvserve.detokenizer import IncrementalDetokenizer
@@ -191,8 +193,7 @@ class LLMEngine:
         if self.tokenizer is None and config.tokenizer is not None:
             # Asked for by name: serving without it would refuse every text request.
             raise ValueError(
-                f"tokenizer {config.tokenizer!r}: no tokenizer there "
-                f"({', '.join(_TOKENIZER_FILES)})"
+                f"tokenizer {config.tokenizer!r}: no tokenizer there ({', '.join(TOKENIZER_FILES)})"
             )
         self.eos_token_ids = _eos_token_ids(model_dir, self.model_config, self.tokenizer)
         # No token stands for more characters than the longest token's text, so a prompt
@@ -867,14 +868,11 @@ def _require_utf8(text: str, param: str) -> None:
         ) from None
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
 def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     p = Path(path)
-    present = [name for name in _TOKENIZER_FILES if (p / name).exists()]
+    present = tokenizer_files(p)
     if not present:
         return None
     try:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kvserve import engine_options
-from kvserve.config import EngineConfig, model_dir_problem
+from kvserve.config import EngineConfig, model_dir_problem, tokenizer_problem
 from kvserve.lora.request import name_problem
 from kvserve.names import model_name_problem
 from kvserve.openai.chat_output import ChatParsing
@@ -201,8 +201,13 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.parallel.node import serve_worker_node
 
         return serve_worker_node(engine_config, launch, args.host, args.port)
-    problem = ports_problem(args) or model_dir_problem(args.model)
-    if problem is not None:  # before the model loads, which can take minutes
+    problem = (
+        ports_problem(args)
+        or model_dir_problem(args.model)
+        or checkpoint_problem(args.model)
+        or tokenizer_problem(args.tokenizer, args.model)
+    )
+    if problem is not None:  # before torch and the model load, which can take minutes
         print(f"kvserve serve: error: {problem}", file=sys.stderr)
         return 2
     if (warning := lora_dir_warning(args)) is not None:
@@ -315,6 +320,20 @@ def _ports(args: argparse.Namespace) -> dict[str, int]:
     if args.metrics_port is not None:
         ports["--metrics-port"] = args.metrics_port
     return ports
+
+
+def checkpoint_problem(model: str) -> str | None:
+    """What ``kvserve model verify`` finds wrong with the checkpoint (its config, and
+    its safetensors files read only as far as their headers), without torch: a broken
+    checkpoint then fails in a fraction of a second, not after torch has loaded. The
+    loader runs the same checks again (kvserve.model.loader)."""
+    from kvserve.model.pull import ModelPullError, verify_model
+
+    try:
+        verify_model(model)
+    except ModelPullError as exc:
+        return f"{model}: {exc}"
+    return None
 
 
 def ports_problem(args: argparse.Namespace) -> str | None:
