@@ -86,16 +86,30 @@ def _installed(venv: Path) -> set[str]:
     return {line.split("==")[0] for line in listed.stdout.split()}
 
 
-def test_heavy_packages_go_first_one_at_a_time(venv: Path, wheels: Path) -> None:
-    proc = _install(venv, wheels, "--min-free-gb", "0")
+@pytest.fixture(scope="module")
+def installed(
+    wheels: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One install of ``app`` into a new virtualenv, which the next two tests read."""
+    path = tmp_path_factory.mktemp("installed") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
+    return path, _install(path, wheels, "--min-free-gb", "0")
+
+
+def test_heavy_packages_go_first_one_at_a_time(
+    installed: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    venv, proc = installed
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = [line for line in proc.stdout.splitlines() if line.startswith("[")]
     assert steps == ["[1/2] nvidia-fake-blas==1.0", "[2/2] xds-protos==1.0"], proc.stdout
     assert {"app", "nvidia-fake-blas", "small-dep"} <= _installed(venv)
 
 
-def test_the_owner_of_a_shared_file_keeps_it(venv: Path, wheels: Path) -> None:
-    proc = _install(venv, wheels, "--min-free-gb", "0")
+def test_the_owner_of_a_shared_file_keeps_it(
+    installed: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    venv, proc = installed
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [shared] = venv.glob("lib/python*/site-packages/opentelemetry/proto/common.py")
     assert shared.read_text() == "OWNER = 'opentelemetry-proto'\n"
