@@ -252,8 +252,10 @@ def test_offline_benchmark_smoke() -> None:
     assert result["kvserve_seconds"] > 0 and result["transformers_seconds"] > 0
 
 
-def _break_checkpoint(model: Path, what: str) -> None:
-    """Damage one thing in a copy of a checkpoint, as the reviewer's cases did."""
+def _broken_checkpoint(good: Path, folder: Path, what: str) -> tuple[Path, int]:
+    """A copy of the checkpoint ``good`` in ``folder`` with one thing damaged, as the
+    reviewer's cases did, and its original vocab_size."""
+    model = Path(shutil.copytree(good, folder / "model"))
     config = json.loads((model / "config.json").read_text())
     if what in ("vocab_size", "num_hidden_layers"):
         (model / "config.json").write_text(
@@ -270,6 +272,7 @@ def _break_checkpoint(model: Path, what: str) -> None:
         (model / "tokenizer.json").write_text("{not json")
     elif what == "nested config":
         (model / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    return model, int(config["vocab_size"])
 
 
 BROKEN_CHECKPOINTS = [
@@ -293,9 +296,7 @@ def test_serve_on_a_broken_checkpoint_is_one_error_line(
     """They were tracebacks (exit 1): a 512 TB allocation for vocab_size 10^12, two
     minutes and 2.9 GB for num_hidden_layers 10^5, a SafetensorError, a KeyError from the
     tokenizer library, a RecursionError; an invalid tokenizer.json was named nowhere."""
-    model = Path(shutil.copytree(checkpoint_dir("llama"), tmp_path / "model"))
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    _break_checkpoint(model, what)
+    model, vocab = _broken_checkpoint(checkpoint_dir("llama"), tmp_path, what)
     out = run_kvserve(
         "serve", "--model", str(model), "--port", str(free_port()), "--no-grpc", "--device", "cpu"
     )
@@ -318,9 +319,7 @@ def test_the_engine_refuses_a_broken_checkpoint_itself(
     from kvserve.config import EngineConfig
     from kvserve.engine.llm_engine import LLMEngine
 
-    model = Path(shutil.copytree(checkpoint_dir("llama"), tmp_path / "model"))
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    _break_checkpoint(model, what)
+    model, vocab = _broken_checkpoint(checkpoint_dir("llama"), tmp_path, what)
     with pytest.raises(ValueError) as refused:
         LLMEngine(EngineConfig(model=str(model), device="cpu"))
     assert expected.format(vocab=vocab) in str(refused.value)

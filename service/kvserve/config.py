@@ -83,7 +83,8 @@ def tokenizer_files(folder: str | Path) -> list[str]:
 def tokenizer_problem(tokenizer: str | None, model: str) -> str | None:
     """What is wrong with the tokenizer the engine would load (``tokenizer``, else the
     model's folder), found without the tokenizer library: none there although one was
-    named, or one of its JSON files unreadable. The library's own checks come at load."""
+    named, or one of its JSON files unreadable (the library's own error does not say
+    which file it was reading). The library's other checks come at load."""
     from kvserve.json_input import JSONInputError, read_json_object
 
     folder = Path(tokenizer or model)
@@ -97,10 +98,13 @@ def tokenizer_problem(tokenizer: str | None, model: str) -> str | None:
             try:
                 read_json_object(folder / name)
             except JSONInputError as e:
-                return (
-                    f"{folder}: the tokenizer ({', '.join(present)}) cannot be loaded: {name}: {e}"
-                )
+                return tokenizer_load_failure(folder, present, f"{name}: {e}")
     return None
+
+
+def tokenizer_load_failure(folder: str | Path, present: list[str], detail: str) -> str:
+    """The error for a tokenizer folder holding ``present`` that cannot be loaded."""
+    return f"{folder}: the tokenizer ({', '.join(present)}) cannot be loaded: {detail}"
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 # What the parser's RecursionError means: no file this project reads nests anywhere near
 # that deep (the limit is about a thousand levels).
-TOO_DEEP = "JSON nested too deeply to read"
+_TOO_DEEP = "JSON nested too deeply to read"
 
 
 class JSONInputError(ValueError):
@@ -41,7 +41,7 @@ def parse_json(data: str | bytes) -> Any:
     except json.JSONDecodeError as e:
         raise JSONInputError(f"not valid JSON: {e}") from None
     except RecursionError:
-        raise JSONInputError(TOO_DEEP) from None
+        raise JSONInputError(_TOO_DEEP) from None
 
 
 def parse_json_object(data: str | bytes) -> dict[str, Any]:

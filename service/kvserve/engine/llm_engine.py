@@ -28,13 +28,14 @@ import torch
 from kvserve.capacity import num_kv_blocks
 from kvserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
-    TOKENIZER_FILES,
     EngineConfig,
     blocks_for,
     kv_cache_torch_dtype,
     model_dir_problem,
     speculative_settings,
     tokenizer_files,
+    tokenizer_load_failure,
+    tokenizer_problem,
 )
 from kvserve.conversation import ChatEnding, text_chars
 from kvserve.detokenizer import IncrementalDetokenizer
@@ -44,7 +45,7 @@ from kvserve.engine.model_runner import KEEPALIVE, ModelRunner
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
-from kvserve.json_input import JSONInputError, read_json_object
+from kvserve.json_input import read_json_object
 from kvserve.lora.request import LoRARequest
 from kvserve.model.config import ModelConfig
 from kvserve.outputs import (
@@ -192,9 +193,7 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
         if self.tokenizer is None and config.tokenizer is not None:
             # Asked for by name: serving without it would refuse every text request.
-            raise ValueError(
-                f"tokenizer {config.tokenizer!r}: no tokenizer there ({', '.join(TOKENIZER_FILES)})"
-            )
+            raise ValueError(tokenizer_problem(config.tokenizer, config.model))
         self.eos_token_ids = _eos_token_ids(model_dir, self.model_config, self.tokenizer)
         # No token stands for more characters than the longest token's text, so a prompt
         # of more than max_model_len times that (twice, for normalizers that drop
@@ -878,22 +877,11 @@ def _load_tokenizer(path: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # a foreign library's errors on a bad file (KeyError, JSON, ...)
-        detail = _json_problem(p, present) or f"{type(e).__name__}: {' '.join(str(e).split())}"
+        # Which JSON file is broken, if one is; else the library's own words.
         raise ValueError(
-            f"{p}: the tokenizer ({', '.join(present)}) cannot be loaded: {detail}"
+            tokenizer_problem(None, path)
+            or tokenizer_load_failure(p, present, f"{type(e).__name__}: {' '.join(str(e).split())}")
         ) from None
-
-
-def _json_problem(folder: Path, names: list[str]) -> str | None:
-    """Which of the JSON files ``names`` does not parse, and why: the tokenizer library's
-    own error does not say which file it was reading."""
-    for name in names:
-        if name.endswith(".json"):
-            try:
-                read_json_object(folder / name)
-            except JSONInputError as e:
-                return f"{name}: {e}"
-    return None
 
 
 def _eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Any) -> set[int]:

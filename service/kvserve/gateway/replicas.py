@@ -253,11 +253,12 @@ class Fleet:
         for rep, res in zip(reps, results, strict=True):
             if isinstance(res, BaseException):
                 why = f"GetLoad failed: {_failure(res)}"
-                if _timed_out(res) and rep.healthy and rep.failures + 1 < SLOW_POLLS_UNHEALTHY:
+                late = _timed_out(res)  # connected, but no answer in time
+                if late and rep.healthy and rep.failures + 1 < SLOW_POLLS_UNHEALTHY:
                     rep.failures += 1  # late, not gone: healthy until the next one is late too
                     log.info("replica %s of model %s is slow: %s", rep.address, rep.model, why)
                     continue
-                if not _timed_out(res):
+                if not late:
                     # Unreachable: unhealthy, whatever it said before (a drained replica
                     # that has exited is down, not draining).
                     rep.reports_draining = False

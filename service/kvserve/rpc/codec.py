@@ -305,7 +305,7 @@ def _json_object(text: str, param: str) -> dict[str, Any]:
     try:
         return parse_json_object(text)
     except JSONInputError as e:
-        raise InvalidRequestError(f"{param} must be a JSON object: {e}", param) from None
+        raise InvalidRequestError(f"{param}: {e}", param) from None
 
 
 def decode_prompt(request: pb.GenerateRequest) -> Prompt:
