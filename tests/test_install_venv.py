@@ -1,11 +1,13 @@
 """scripts/install_venv.py, the installer behind `make install`, run for real on wheels
-made here: a package that needs a "heavy" one (named like PyTorch's CUDA libraries) is
-installed with the heavy one first, on its own; a disk without the room refuses before
-anything is installed. No network: the virtualenv is made here with its bundled pip, and
-pip reads only the local folder of wheels."""
+made here: the install goes through uv, the owner of a file that another package copies
+keeps it, pip's index settings reach uv, and a disk without the room refuses before
+anything is installed. No network: the new virtualenv gets this environment's uv (a
+single binary), and uv reads only the local folder of wheels, with a cache of its own."""
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -44,34 +46,41 @@ def _wheel(
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("wheels")
-    _wheel(folder, "nvidia-fake-blas")
     _wheel(folder, "small-dep")
     # xds-protos carries an older copy of one of opentelemetry-proto's modules. Here it
-    # needs opentelemetry-proto, so that a plain install unpacks it last (the order that
-    # broke the real virtualenv).
+    # needs opentelemetry-proto, so that an install in dependency order unpacks it last
+    # (the order that broke the real virtualenv).
     shared = "opentelemetry/proto/common.py"
     _wheel(folder, "opentelemetry-proto", extra={shared: "OWNER = 'opentelemetry-proto'\n"})
     _wheel(folder, "xds-protos", ("opentelemetry-proto",), extra={shared: "OWNER = 'xds-protos'\n"})
-    _wheel(folder, "app", ("nvidia-fake-blas", "small-dep", "opentelemetry-proto", "xds-protos"))
+    _wheel(folder, "app", ("small-dep", "opentelemetry-proto", "xds-protos"))
     return folder
 
 
-@pytest.fixture
-def venv(tmp_path: Path) -> Path:
-    path = tmp_path / "venv"
+def _venv(path: Path) -> Path:
+    """A new virtualenv with this environment's uv in it, as the installer would put it."""
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    assert uv is not None, "the test extra installs uv beside this Python"
+    shutil.copy2(uv, path / "bin" / "uv")
     return path
 
 
-def _install(venv: Path, wheels: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    args = [str(venv), *flags, "--no-index", "--find-links", str(wheels), "app"]
+def _install(
+    venv: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, str(SCRIPT), str(venv), *args, "--no-index", "app"],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
-        env={"PATH": "/usr/bin:/bin", "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "UV_CACHE_DIR": str(venv.parent / "uv-cache"),
+            **(env or {}),
+        },
     )
 
 
@@ -90,20 +99,19 @@ def _installed(venv: Path) -> set[str]:
 def installed(
     wheels: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """One install of ``app`` into a new virtualenv, which the next two tests read."""
-    path = tmp_path_factory.mktemp("installed") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
-    return path, _install(path, wheels, "--min-free-gb", "0")
+    """One install of ``app`` into a new virtualenv, which the next two tests read. The
+    folder of wheels reaches uv as pip's setting (PIP_FIND_LINKS), not as an argument."""
+    venv = _venv(tmp_path_factory.mktemp("installed") / "venv")
+    proc = _install(venv, "--min-free-gb", "0", env={"PIP_FIND_LINKS": str(wheels)})
+    return venv, proc
 
 
-def test_heavy_packages_go_first_one_at_a_time(
+def test_pips_index_settings_reach_uv(
     installed: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
     venv, proc = installed
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    steps = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert steps == ["[1/2] nvidia-fake-blas==1.0", "[2/2] xds-protos==1.0"], proc.stdout
-    assert {"app", "nvidia-fake-blas", "small-dep"} <= _installed(venv)
+    assert {"app", "small-dep", "opentelemetry-proto", "xds-protos"} <= _installed(venv)
 
 
 def test_the_owner_of_a_shared_file_keeps_it(
@@ -111,13 +119,38 @@ def test_the_owner_of_a_shared_file_keeps_it(
 ) -> None:
     venv, proc = installed
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "opentelemetry-proto again, over xds-protos's copies" in proc.stdout
     [shared] = venv.glob("lib/python*/site-packages/opentelemetry/proto/common.py")
     assert shared.read_text() == "OWNER = 'opentelemetry-proto'\n"
 
 
-def test_a_short_disk_refuses_before_installing(venv: Path, wheels: Path) -> None:
-    proc = _install(venv, wheels, "--min-free-gb", "1e9")
+def test_a_short_disk_refuses_before_installing(wheels: Path, tmp_path: Path) -> None:
+    venv = _venv(tmp_path / "venv")
+    proc = _install(venv, "--min-free-gb", "1e9", "--find-links", str(wheels))
     assert proc.returncode == 1
     assert "GB free here, the install needs about 1000000000.0 GB" in proc.stderr
     assert "MIN_FREE_GB=0" in proc.stderr
-    assert not {"app", "nvidia-fake-blas", "small-dep"} & _installed(venv)
+    assert not {"app", "small-dep"} & _installed(venv)
+
+
+def test_pips_settings_become_uvs_variables() -> None:
+    spec = importlib.util.spec_from_file_location("install_venv", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    config = (
+        "global.index-url='https://files.example/simple'\n"
+        ":env:.index-url='https://env.example/simple'\n"
+        "install.find-links='/wheels/a\\n/wheels/b'\n"
+        "global.cert='/etc/pip-ca.pem'\n"
+        "global.timeout='60'\n"
+    )
+    # pip's environment variables win over its files, in either order of the listing;
+    # a variable of uv's own that is set wins over both.
+    for listing in (config, "\n".join(reversed(config.splitlines()))):
+        env = script.uv_environment(listing, {"SSL_CERT_FILE": "/etc/mine.pem"})
+        assert env == {
+            "SSL_CERT_FILE": "/etc/mine.pem",
+            "UV_INDEX_URL": "https://env.example/simple",
+            "UV_FIND_LINKS": "/wheels/a /wheels/b",
+        }
