@@ -179,6 +179,9 @@ def test_bad_model_arguments_are_one_error_line(
         ["demo", "--model", "/nonexistent"],
         ["eval-demo", "--model", "/nonexistent"],
         ["train-demo", "--steps", "0"],
+        # LLM() checks its settings before it imports the engine.
+        ["demo", "--dtype", "float64"],
+        ["eval-demo", "--dtype", "float64"],
     ],
 )
 def test_a_wrong_argument_is_refused_before_torch_loads(argv: list[str]) -> None:

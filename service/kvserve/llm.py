@@ -7,16 +7,18 @@ import itertools
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 from kvserve.config import EngineConfig
 from kvserve.conversation import chat_ending
-from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_kwargs import EngineKwargs
 from kvserve.engine_options import check_kwargs
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -44,7 +46,12 @@ class LLM:
             from kvserve.demo_model import default_model_dir
 
             model = default_model_dir()  # the bundled travel-assistant demo model
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+        config = EngineConfig(model=str(model), **engine_args)
+        # Imported once the settings are known to be valid: refusing a wrong one (a
+        # ValueError naming it) does not wait for torch to load (seconds).
+        from kvserve.engine.llm_engine import LLMEngine
+
+        self.engine: LLMEngine = LLMEngine(config)
         self._ids = itertools.count()
 
     def close(self) -> None:
