@@ -182,6 +182,8 @@ def test_bad_model_arguments_are_one_error_line(
         # LLM() checks its settings before it imports the engine.
         ["demo", "--dtype", "float64"],
         ["eval-demo", "--dtype", "float64"],
+        ["eval-demo", "--adapter", "nope"],
+        ["train-demo", "--adapter", "nope"],
     ],
 )
 def test_a_wrong_argument_is_refused_before_torch_loads(argv: list[str]) -> None:

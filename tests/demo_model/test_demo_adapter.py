@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from kvserve import LLM, SamplingParams
-from kvserve.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, corpus
+from kvserve.demo_model import ADAPTERS_DIR, DEMO_MODEL_DIR, DEMO_MODEL_NAME, corpus
 from kvserve.demo_model.table_style import (
     check_table_answer,
     format_table_answer,
@@ -24,7 +24,7 @@ from kvserve.demo_model.table_style import (
     parse_table_answer,
     table_answer_from_base,
 )
-from kvserve.demo_model.train_adapter import ADAPTERS_DIR, peft_key
+from kvserve.demo_model.train_adapter import peft_key
 from kvserve.lora import LoRARequest
 from kvserve.lora.adapter import WEIGHTS_FILE, read_config
 from tests.support.cli_server import start_cli_server

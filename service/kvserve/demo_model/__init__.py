@@ -13,6 +13,11 @@ from pathlib import Path
 
 DEMO_MODEL_NAME = "kvserve-travel-tiny"
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / DEMO_MODEL_NAME
+#: The adapters ``kvserve train-demo --adapter NAME`` can train, by name (here, not in
+#: ``train_adapter``, so that a wrong name is refused before torch is imported).
+ADAPTER_NAMES = ("travel-table",)
+#: Where the trained adapters ship: ``ADAPTERS_DIR / NAME``.
+ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
 
 
 def default_model_dir() -> Path:

@@ -533,9 +533,7 @@ def _load(args: argparse.Namespace, model: Path, **settings: Any) -> LLM | None:
 
 
 def _run_adapter(args: argparse.Namespace, model: Path) -> int:
-    from kvserve.demo_model.train_adapter import ADAPTER_NAMES, ADAPTERS_DIR
-    from kvserve.lora import LoRARequest
-    from kvserve.lora.adapter import read_config
+    from kvserve.demo_model import ADAPTER_NAMES, ADAPTERS_DIR
 
     if args.adapter is None or args.adapter not in ADAPTER_NAMES:
         print(
@@ -543,6 +541,9 @@ def _run_adapter(args: argparse.Namespace, model: Path) -> int:
             file=sys.stderr,
         )
         return 2
+    from kvserve.lora import LoRARequest
+    from kvserve.lora.adapter import read_config
+
     path = Path(args.adapter_dir) if args.adapter_dir else ADAPTERS_DIR / args.adapter
     try:
         rank, _ = read_config(path, max_rank=1 << 16)

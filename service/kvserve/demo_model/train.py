@@ -368,13 +368,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_adapter(args: argparse.Namespace) -> int:
-    from kvserve.demo_model import default_model_dir
-    from kvserve.demo_model.train_adapter import (
-        ADAPTER_NAMES,
-        ADAPTERS_DIR,
-        AdapterConfig,
-        train_adapter,
-    )
+    from kvserve.demo_model import ADAPTER_NAMES, ADAPTERS_DIR, default_model_dir
 
     if args.adapter not in ADAPTER_NAMES or args.check or args.no_tools:
         print(
@@ -383,6 +377,8 @@ def _run_adapter(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from kvserve.demo_model.train_adapter import AdapterConfig, train_adapter
+
     base = AdapterConfig(name=args.adapter)
     cfg = dataclasses.replace(base, seed=args.seed, steps=args.steps or base.steps)
     out = Path(args.out) if args.out else ADAPTERS_DIR / args.adapter

@@ -29,11 +29,6 @@ import torch
 from kvserve.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME, corpus
 from kvserve.demo_model.table_style import table_answer_from_base
 
-#: The adapters ``kvserve train-demo --adapter NAME`` can train, by name.
-ADAPTER_NAMES: Final = ("travel-table",)
-#: Where the trained adapters ship: ``ADAPTERS_DIR / NAME``.
-ADAPTERS_DIR: Final = Path(__file__).resolve().parent / "adapters"
-
 _ATTENTION: Final = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP: Final = ("gate_proj", "up_proj", "down_proj")
 
