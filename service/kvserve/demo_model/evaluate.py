@@ -45,8 +45,11 @@ phrased differently).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -60,6 +63,7 @@ from kvserve.demo_model import corpus
 from kvserve.demo_model.table_style import check_table_answer, is_table_answer
 from kvserve.demo_model.tool_call import call_satisfies, parse_tool_call
 from kvserve.demo_model.train import TOOL_RECIPE, TrainConfig, encode_corpus
+from kvserve.json_input import parse_json
 
 PromptT = TypeVar("PromptT", corpus.EvalPrompt, corpus.ToolEvalPrompt)
 
@@ -250,12 +254,49 @@ def evaluate_tools(
 
 
 def training_user_messages(cfg: TrainConfig) -> set[str]:
-    return {
+    """The user messages of ``cfg``'s training corpus.
+
+    Generating the 60,000 conversations of a recipe takes about 5 s, so the set is kept in
+    the user's cache (``$XDG_CACHE_HOME/kvserve/eval-demo``, else ``~/.cache/...``) under
+    a name hashed from all that decides it: ``corpus.py``'s source, the recipe's corpus
+    fields and Python's version (``random``'s streams). A file that cannot be read, or
+    does not hold a list of strings, is made again; one that cannot be written is skipped.
+    """
+    key = repr(
+        (
+            Path(corpus.__file__).read_bytes(),
+            cfg.num_conversations,
+            cfg.seed,
+            cfg.tool_share,
+            sys.version_info[:2],
+        )
+    )
+    name = f"training-user-messages-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    path = _cache_dir() / name
+    with contextlib.suppress(OSError, ValueError):
+        cached = parse_json(path.read_bytes())
+        if isinstance(cached, list) and all(isinstance(m, str) for m in cached):
+            return set(cached)
+    messages = {
         m["content"]
         for conv in corpus.generate_corpus(cfg.num_conversations, cfg.seed, cfg.tool_share)
         for m in conv.messages
         if m["role"] == "user"
     }
+    partial = path.with_name(f"{name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(sorted(messages)))
+        os.replace(partial, path)  # whole or not at all, also with two runs at once
+    except OSError:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+    return messages
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvserve" / "eval-demo"
 
 
 def perplexity(llm: LLM, conversations: list[corpus.Conversation]) -> tuple[float, int]:
