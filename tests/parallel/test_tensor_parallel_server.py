@@ -73,11 +73,6 @@ def tp_server(checkpoint_dir):  # type: ignore[no-untyped-def]
         proc.stop()
 
 
-def test_two_ranks_serve_what_one_rank_computes(tp_server) -> None:  # type: ignore[no-untyped-def]
-    model, proc, url = tp_server
-    assert completion(url, 12) == one_rank_completion(model, 12), proc.tail()
-
-
 def test_a_killed_worker_fails_the_replica_fast(tp_server) -> None:  # type: ignore[no-untyped-def]
     _, proc, url = tp_server
     [worker] = children(proc.pid)
@@ -100,10 +95,12 @@ def test_a_killed_worker_fails_the_replica_fast(tp_server) -> None:  # type: ign
     assert "tensor-parallel worker rank 1" in proc.log.read_text(errors="replace")
 
 
-def test_sigterm_stops_every_rank(tp_server) -> None:  # type: ignore[no-untyped-def]
-    _, proc, url = tp_server
+def test_two_ranks_serve_what_one_rank_computes_and_sigterm_stops_every_rank(tp_server) -> None:  # type: ignore[no-untyped-def]
+    """One server's life (a start of two ranks is ~8 s of the suite): it answers as one
+    rank does, then SIGTERM ends both ranks."""
+    model, proc, url = tp_server
     [worker] = children(proc.pid)
-    assert completion(url, 4)
+    assert completion(url, 12) == one_rank_completion(model, 12), proc.tail()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=EXIT_TIMEOUT) == 0, proc.tail()
     wait_until(lambda: gone(worker), timeout=EXIT_TIMEOUT)
