@@ -9,8 +9,8 @@ STAMP  := $(VENV)/.installed
 # Create .venv and install kvserve with its test extras (all from PyPI, by name).
 # PyPI's Linux torch wheel brings its CUDA libraries (the virtualenv is ~6.3 GB):
 # scripts/install_venv.py installs with uv, whose cache makes a second virtualenv on this
-# machine a matter of seconds, and stops before installing when the disk is short
-# (MIN_FREE_GB=0 tries anyway).
+# machine take under a minute (mostly compiling bytecode) and almost no disk, and stops
+# before installing when the disk is short (MIN_FREE_GB=0 tries anyway).
 MIN_FREE_GB ?=
 $(STAMP): pyproject.toml scripts/install_venv.py
 	$(PYTHON) scripts/install_venv.py $(VENV) $(if $(MIN_FREE_GB),--min-free-gb $(MIN_FREE_GB)) -e '.[test]'

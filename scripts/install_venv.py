@@ -80,7 +80,10 @@ def uv_environment(pip_config: str, environ: Mapping[str, str]) -> dict[str, str
         from_env = section == ":env:"
         if key in found and found[key][0] and not from_env:
             continue
-        value = ast.literal_eval(quoted)
+        try:
+            value = ast.literal_eval(quoted)  # pip prints each value's repr()
+        except (ValueError, SyntaxError):
+            continue
         found[key] = (from_env, " ".join(str(value).split()))
     env = dict(environ)
     for key, (_, value) in found.items():

@@ -144,6 +144,7 @@ def test_pips_settings_become_uvs_variables() -> None:
         "install.find-links='/wheels/a\\n/wheels/b'\n"
         "global.cert='/etc/pip-ca.pem'\n"
         "global.timeout='60'\n"
+        "global.extra-index-url=not a repr\n"  # not pip's format: passed over
     )
     # pip's environment variables win over its files, in either order of the listing;
     # a variable of uv's own that is set wins over both.
