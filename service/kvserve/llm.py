@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, model_dir_problem
 from kvserve.conversation import chat_ending
 from kvserve.engine_kwargs import EngineKwargs
 from kvserve.engine_options import check_kwargs
@@ -47,8 +47,10 @@ class LLM:
 
             model = default_model_dir()  # the bundled travel-assistant demo model
         config = EngineConfig(model=str(model), **engine_args)
-        # Imported once the settings are known to be valid: refusing a wrong one (a
-        # ValueError naming it) does not wait for torch to load (seconds).
+        if (problem := model_dir_problem(config.model)) is not None:
+            raise FileNotFoundError(problem)
+        # Imported once the settings and the folder are known to be valid: refusing a
+        # wrong one does not wait for torch to load (seconds).
         from kvserve.engine.llm_engine import LLMEngine
 
         self.engine: LLMEngine = LLMEngine(config)

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, model_dir_problem
+from kvserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from kvserve.demo_model import corpus
 from kvserve.demo_model.table_style import check_table_answer, is_table_answer
 from kvserve.demo_model.tool_call import call_satisfies, parse_tool_call
@@ -553,10 +553,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace, model: Path, **settings: Any) -> LLM | None:
-    """The engine the flags ask for, or None after printing why it cannot be built."""
-    if (problem := model_dir_problem(str(model))) is not None:  # before torch loads
-        print(f"kvserve eval-demo: error: {problem}", file=sys.stderr)
-        return None
+    """The engine the flags ask for, or None after printing why it cannot be built
+    (``LLM()`` checks the settings and the folder before it imports torch)."""
     from kvserve import LLM
 
     try:
