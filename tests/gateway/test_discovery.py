@@ -196,17 +196,23 @@ class Recorder:
             return self.snapshots[-1] if self.snapshots else None
 
 
-@pytest.fixture
-def watcher(k8s_cluster: Cluster, discovery_ns: str) -> Iterator[Recorder]:
-    recorder = Recorder()
-    discovery = KubernetesDiscovery(
-        namespaces=[discovery_ns],
+def discovery_of(cluster: Cluster, ns: str, recorder: Recorder, **kw: Any) -> KubernetesDiscovery:
+    """Discovery of the operator's Services in ``ns``, calling ``recorder``."""
+    return KubernetesDiscovery(
+        namespaces=[ns],
         label_selector="app.kubernetes.io/managed-by=kvserve-operator",
         port_name="grpc",
         on_change=recorder,
-        kubeconfig=k8s_cluster.kubeconfig,
-        watch_timeout_seconds=5,  # also exercises re-watching from the last version
+        kubeconfig=cluster.kubeconfig,
+        **kw,
     )
+
+
+@pytest.fixture
+def watcher(k8s_cluster: Cluster, discovery_ns: str) -> Iterator[Recorder]:
+    recorder = Recorder()
+    # A 5 s watch timeout also exercises re-watching from the last version.
+    discovery = discovery_of(k8s_cluster, discovery_ns, recorder, watch_timeout_seconds=5)
     discovery.start()
     yield recorder
     discovery.stop()
@@ -244,6 +250,30 @@ def test_watch_follows_pods_becoming_ready_and_going_away(
     k8s_cluster.kubectl("delete", "service", "llm", "-n", discovery_ns)
     poll("the model to disappear", lambda: watcher.latest() == {})
     k8s_cluster.kubectl("delete", "deployment", "llm", "-n", discovery_ns)
+
+
+@pytest.mark.cluster
+def test_stop_ends_threads_that_are_blocked_in_a_watch(k8s_cluster: Cluster) -> None:
+    """A watch thread saw the stop only with the next event or the watch's timeout
+    (60 s by default), so stop() gave up on it after 5 s: every gateway with discovery
+    took 5 s more to exit. Now stop() closes the watches' connections."""
+    ns = "discovery-stop"
+    k8s_cluster.kubectl("create", "namespace", ns)
+    recorder = Recorder()
+    discovery = discovery_of(k8s_cluster, ns, recorder)  # the default 60 s watches
+    discovery.start()
+    try:
+        # A Service seen through the watch: both threads are past their list, watching.
+        fake_engine(k8s_cluster, ns, "llm", "llama-3.1-8b", replicas=1)
+        poll(
+            "the replica seen by the watches", lambda: (recorder.latest() or {}).get("llama-3.1-8b")
+        )
+    finally:
+        discovery.stop()
+    alive = [
+        t.name for t in threading.enumerate() if t.name.startswith("discovery-") and ns in t.name
+    ]
+    assert alive == [], alive
 
 
 @pytest.mark.cluster

@@ -158,6 +158,7 @@ class KubernetesDiscovery:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._watches: set[Any] = set()  # kubernetes.watch.Watch objects streaming now
         self._last: Snapshot | None = None
         self._shared: dict[str, list[str]] = {}  # warned about (shared_names)
 
@@ -174,10 +175,16 @@ class KubernetesDiscovery:
                 self._threads.append(thread)
 
     def stop(self) -> None:
-        self._stop.set()
-        # One deadline for all: a thread blocked in a watch only sees the stop when an
-        # event or the watch's timeout comes, and the threads are daemons, so waiting 5 s
-        # for each (two per namespace) would only delay the gateway's exit.
+        with self._lock:
+            self._stop.set()
+            watches = list(self._watches)
+        # A thread blocked reading a watch sees the stop only when an event or the
+        # watch's timeout comes: Watch.stop() (kubernetes >= 37) shuts its socket
+        # down, which ends the read at once. The join deadline is for a thread still in
+        # a list call; the threads are daemons, so waiting longer would only delay the
+        # gateway's exit.
+        for w in watches:
+            w.stop()
         deadline = time.monotonic() + 5
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -232,34 +239,43 @@ class KubernetesDiscovery:
         self._publish()
         yield
         version = body["metadata"]["resourceVersion"]
-        while not self._stop.is_set():
-            stream = watch.Watch().stream(
-                list_fn,
-                label_selector=self.label_selector,
-                resource_version=version,
-                timeout_seconds=self.watch_timeout_seconds,
-                allow_watch_bookmarks=True,
-                # The server ends the watch at timeout_seconds; a connection silent
-                # for longer has gone dead under us (a load balancer's failover, a
-                # dropped conntrack entry): give up on it and relist, rather than wait
-                # on it for ever with the fleet frozen.
-                _request_timeout=(
-                    CONNECT_TIMEOUT_SECONDS,
-                    self.watch_timeout_seconds + WATCH_SILENCE_MARGIN_SECONDS,
-                ),
-            )
-            for event in stream:
-                obj = event["raw_object"]
-                if event["type"] == "ERROR":
-                    raise RuntimeError(f"watch error: {obj.get('message')}")
-                version = obj["metadata"]["resourceVersion"]
-                if event["type"] != "BOOKMARK":
-                    with self._lock:
-                        self.state.apply(kind, event["type"], obj)
-                    self._publish()
-                yield
+        while True:
+            w = watch.Watch()
+            with self._lock:  # stop() either sees this watch or is seen here
                 if self._stop.is_set():
                     return
+                self._watches.add(w)
+            try:
+                stream = w.stream(
+                    list_fn,
+                    label_selector=self.label_selector,
+                    resource_version=version,
+                    timeout_seconds=self.watch_timeout_seconds,
+                    allow_watch_bookmarks=True,
+                    # The server ends the watch at timeout_seconds; a connection silent
+                    # for longer has gone dead under us (a load balancer's failover, a
+                    # dropped conntrack entry): give up on it and relist, rather than
+                    # wait on it for ever with the fleet frozen.
+                    _request_timeout=(
+                        CONNECT_TIMEOUT_SECONDS,
+                        self.watch_timeout_seconds + WATCH_SILENCE_MARGIN_SECONDS,
+                    ),
+                )
+                for event in stream:
+                    obj = event["raw_object"]
+                    if event["type"] == "ERROR":
+                        raise RuntimeError(f"watch error: {obj.get('message')}")
+                    version = obj["metadata"]["resourceVersion"]
+                    if event["type"] != "BOOKMARK":
+                        with self._lock:
+                            self.state.apply(kind, event["type"], obj)
+                        self._publish()
+                    yield
+                    if self._stop.is_set():
+                        return
+            finally:
+                with self._lock:
+                    self._watches.discard(w)
 
     def _publish(self) -> None:
         with self._lock:
