@@ -22,10 +22,13 @@ import httpx
 import pytest
 
 from kvserve.adapter_sync import (
+    ENGINE_LOG_EVERY_S,
+    ENGINE_RETRY_MAX_S,
     MARKER,
     Backoff,
     EngineClient,
     EngineUnavailable,
+    EngineWait,
     read_config,
     sync_once,
 )
@@ -327,6 +330,25 @@ def test_an_adapter_whose_checks_blow_up_does_not_stop_the_others(
         sync.stop()
     write_list(config, {})
     assert sync_once(read_config(config), lora_dir, EngineClient(engine.url)).unloaded == ["later"]
+
+
+def test_an_engine_that_is_not_up_is_asked_again_every_few_seconds_and_logged_seldom() -> None:
+    """The wait for the engine grew to 60 s, so a model that took minutes to load had its
+    adapters missing for up to a minute after it was ready; every retry was logged."""
+    moment = [0.0]
+    wait = EngineWait(now=lambda: moment[0])
+    tries = []
+    for _ in range(40):
+        delay, said = wait.failed("connection refused")
+        tries.append((delay, said))
+        moment[0] += delay
+    delays = [d for d, _ in tries]
+    assert delays[:4] == [0.25, 0.5, 1.0, 2.0] and set(delays[3:]) == {ENGINE_RETRY_MAX_S}
+    said_at = [i for i, (_, said) in enumerate(tries) if said]
+    assert said_at[0] == 0 and len(said_at) == 1 + int(sum(delays[:-1]) // ENGINE_LOG_EVERY_S)
+    assert wait.failed("HTTP 503") == (ENGINE_RETRY_MAX_S, True)  # a new reason: said
+    wait.answered()
+    assert wait.failed("connection refused") == (0.25, True)  # a new wait starts over
 
 
 def test_sync_waits_for_the_engine_follows_the_file_and_stops_on_sigterm(

@@ -7,7 +7,8 @@ spec.adapters into a ConfigMap mounted in the pod; the kubelet rewrites a mounte
 ConfigMap in place, so a new list reaches the pod without a restart. Each pass:
 
 1. ``GET /v1/models`` on the engine (``--url``, its HTTP port on 127.0.0.1): which
-   adapters it serves. While the engine is not up yet, passes are retried with backoff.
+   adapters it serves. While the engine is not up yet, it is asked again every 2 s at
+   most, so the adapters load within seconds of it becoming ready.
 2. Unload (``POST /v1/unload_lora_adapter``) every adapter that this command loaded from
    ``--lora-dir`` and the list no longer names, and delete its folder, so nothing (the
    gateway loads adapters on demand by name) can load it again.
@@ -75,7 +76,13 @@ _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _NAME_MAX = 63
 
 DEFAULT_INTERVAL_S = 5.0
-MAX_BACKOFF_S = 60.0
+MAX_BACKOFF_S = 60.0  # an adapter that keeps failing is tried at most this often
+# An engine that is not up yet is asked again at most this long after: it is on
+# 127.0.0.1, so a refused connection costs nothing, and its adapters then load within
+# seconds of it becoming ready (a large model can take minutes to load; a backoff growing
+# with that wait would leave its adapters missing for up to MAX_BACKOFF_S after).
+ENGINE_RETRY_MAX_S = 2.0
+ENGINE_LOG_EVERY_S = 30.0  # an unchanged "engine not ready" is logged this often
 
 Log = Callable[[str], None]
 
@@ -316,6 +323,29 @@ class Backoff:
             del self._next[key]
 
 
+@dataclass
+class EngineWait:
+    """When to ask an engine that did not answer again, and whether to say so: the
+    delay doubles from 0.25 s up to ENGINE_RETRY_MAX_S; the reason is logged when it
+    changes, and otherwise once every ENGINE_LOG_EVERY_S."""
+
+    now: Callable[[], float] = time.monotonic
+    delay: float = 0.0
+    _said: tuple[str, float] | None = None  # what was logged last, and when
+
+    def failed(self, why: str) -> tuple[float, bool]:
+        """The delay before the next try, and whether to log ``why``."""
+        self.delay = min(max(self.delay * 2, 0.25), ENGINE_RETRY_MAX_S)
+        t = self.now()
+        say = self._said is None or self._said[0] != why or t - self._said[1] >= ENGINE_LOG_EVERY_S
+        if say:
+            self._said = (why, t)
+        return self.delay, say
+
+    def answered(self) -> None:
+        self.delay, self._said = 0.0, None
+
+
 def sync_once(
     wanted: Mapping[str, str],
     lora_dir: Path,
@@ -464,7 +494,7 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     stop = stop or threading.Event()
     engine = EngineClient(args.url)
     backoff = Backoff()
-    engine_delay = 0.5
+    engine_wait = EngineWait()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -486,13 +516,13 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
                     backoff=backoff,
                     log=_say,
                 )
-                engine_delay = 0.5
+                engine_wait.answered()
                 if args.once:
                     return 1 if report.failed else 0
             except EngineUnavailable as exc:
-                engine_delay = min(engine_delay * 2, MAX_BACKOFF_S)
-                _say(f"engine not ready ({exc}); retry in {engine_delay:g} s")
-                delay = engine_delay
+                delay, say = engine_wait.failed(str(exc))
+                if say:
+                    _say(f"engine not ready ({exc}); asking again every {ENGINE_RETRY_MAX_S:g} s")
             except SyncError as exc:
                 # The operator writes the file; a bad one is fixed by the next write.
                 _say(str(exc))
