@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from kvserve.gateway.discovery import DiscoveryState, KubernetesDiscovery, Snaps
 from tests.cluster.controlplane import Cluster
 from tests.support.gateway import keys_file, serve_gateway
 from tests.support.replicas import REPLICA_MODEL as MODEL
-from tests.support.replicas import start_replicas
+from tests.support.replicas import Replica
 from tests.support.waiting import poll
 
 
@@ -279,11 +278,12 @@ def test_stop_ends_threads_that_are_blocked_in_a_watch(k8s_cluster: Cluster) -> 
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_gateway_adds_discovered_replicas_and_drains_removed_ones(
-    k8s_cluster: Cluster, discovery_ns: str, checkpoint_dir: Any, tmp_path: Path
+    k8s_cluster: Cluster, discovery_ns: str, shared_replicas: list[Replica]
 ) -> None:
-    # One real replica (static, on loopback) keeps the gateway serving; the discovered
-    # ones are kwok pods that cannot be reached, which is fine for membership.
-    (static,) = start_replicas(checkpoint_dir("llama"), 1)
+    # One real replica (static, on loopback; the session's) keeps the gateway serving;
+    # the discovered ones are kwok pods that cannot be reached, which is fine for
+    # membership.
+    static = shared_replicas[0]
     fake_engine(k8s_cluster, discovery_ns, "tiny", MODEL, replicas=2)
     fake_engine(k8s_cluster, discovery_ns, "other", "discovered-only", replicas=1)
     config = GatewayConfig.model_validate(
@@ -352,7 +352,6 @@ def test_gateway_adds_discovered_replicas_and_drains_removed_ones(
         assert states == {"healthy": 1, "unhealthy": 0, "draining": 0}
     finally:
         gw.stop()
-        static.stop()
         k8s_cluster.kubectl(
             "delete", "deployment,service", "tiny", "other", "-n", discovery_ns, check=False
         )
