@@ -177,17 +177,20 @@ class KubernetesDiscovery:
     def stop(self) -> None:
         with self._lock:
             self._stop.set()
-            watches = list(self._watches)
         # A thread blocked reading a watch sees the stop only when an event or the
         # watch's timeout comes: Watch.stop() (kubernetes >= 37) shuts its socket
-        # down, which ends the read at once. The join deadline is for a thread still in
-        # a list call; the threads are daemons, so waiting longer would only delay the
-        # gateway's exit.
-        for w in watches:
-            w.stop()
+        # down, which ends the read at once. Stopped again until the thread ends: a
+        # watch stopped while its request was still being sent has no socket to shut
+        # yet. The deadline is for a thread in a list call; the threads are daemons, so
+        # waiting longer would only delay the gateway's exit.
         deadline = time.monotonic() + 5
         for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            while thread.is_alive() and time.monotonic() < deadline:
+                with self._lock:
+                    watches = list(self._watches)
+                for w in watches:
+                    w.stop()
+                thread.join(timeout=0.1)
 
     def _list_fn(self, kind: str, namespace: str | None) -> Callable[..., Any]:
         from kubernetes import client
