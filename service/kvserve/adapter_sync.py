@@ -82,7 +82,7 @@ MAX_BACKOFF_S = 60.0  # an adapter that keeps failing is tried at most this ofte
 # seconds of it becoming ready (a large model can take minutes to load; a backoff growing
 # with that wait would leave its adapters missing for up to MAX_BACKOFF_S after).
 ENGINE_RETRY_MAX_S = 2.0
-ENGINE_LOG_EVERY_S = 30.0  # an unchanged "engine not ready" is logged this often
+ENGINE_LOG_EVERY_S = 30.0  # a long "engine not ready" is logged this often
 
 Log = Callable[[str], None]
 
@@ -325,25 +325,26 @@ class Backoff:
 
 @dataclass
 class EngineWait:
-    """When to ask an engine that did not answer again, and whether to say so: the
-    delay doubles from 0.25 s up to ENGINE_RETRY_MAX_S; the reason is logged when it
-    changes, and otherwise once every ENGINE_LOG_EVERY_S."""
+    """When to ask an engine that did not answer again, and whether to log it: the delay
+    doubles from 0.25 s up to ENGINE_RETRY_MAX_S; a wait is logged when it starts and then
+    once every ENGINE_LOG_EVERY_S (not on each new reason: a 5xx body carries a new
+    request id every time)."""
 
     now: Callable[[], float] = time.monotonic
     delay: float = 0.0
-    _said: tuple[str, float] | None = None  # what was logged last, and when
+    _logged_at: float | None = None
 
-    def failed(self, why: str) -> tuple[float, bool]:
-        """The delay before the next try, and whether to log ``why``."""
+    def failed(self) -> tuple[float, bool]:
+        """The delay before the next try, and whether to log this failure."""
         self.delay = min(max(self.delay * 2, 0.25), ENGINE_RETRY_MAX_S)
         t = self.now()
-        say = self._said is None or self._said[0] != why or t - self._said[1] >= ENGINE_LOG_EVERY_S
-        if say:
-            self._said = (why, t)
-        return self.delay, say
+        log = self._logged_at is None or t - self._logged_at >= ENGINE_LOG_EVERY_S
+        if log:
+            self._logged_at = t
+        return self.delay, log
 
     def answered(self) -> None:
-        self.delay, self._said = 0.0, None
+        self.delay, self._logged_at = 0.0, None
 
 
 def sync_once(
@@ -520,8 +521,8 @@ def run(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
                 if args.once:
                     return 1 if report.failed else 0
             except EngineUnavailable as exc:
-                delay, say = engine_wait.failed(str(exc))
-                if say:
+                delay, log = engine_wait.failed()
+                if log:
                     _say(f"engine not ready ({exc}); asking again every {ENGINE_RETRY_MAX_S:g} s")
             except SyncError as exc:
                 # The operator writes the file; a bad one is fixed by the next write.
